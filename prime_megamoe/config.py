@@ -1,0 +1,181 @@
+"""Typed configuration, loaded from TOML.
+
+The MoE section lives at ``[model.moe]``. ``dispatch`` accepts the shorthand ``dispatch = "mega_moe"`` or the table
+``[model.moe.dispatch]`` with ``type = "mega_moe"`` and backend options. Unknown keys and bad values are errors that
+name the key, the file and the allowed values.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+Precision = Literal["bf16", "fp8", "mxfp8", "fp8_bwd"]
+DispatchType = Literal["torch", "mega_moe"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+DISPATCH_TYPES: tuple[str, ...] = get_args(DispatchType)
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the key, the file and how to fix it."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DispatchConfig(_Strict):
+    """Backend options for the MoE dispatch (``[model.moe.dispatch]``)."""
+
+    type: DispatchType = "mega_moe"
+    # Static capacity: the most tokens one rank may pass to the layer in one call. Buffers are sized from it.
+    max_tokens_per_rank: int = Field(default=16384, gt=0)
+    # Streaming multiprocessors the fused kernels may use (None: all of them).
+    num_sms: int | None = Field(default=None, gt=0)
+    # Sum each token's k contributions in a fixed order (no float atomics): bitwise reproducible.
+    deterministic: bool = True
+    # Check top_k_index against [0, E) on the host before the kernels run (one host sync). With False the check
+    # runs as a device-side assertion instead, which keeps the layer capturable in a CUDA graph.
+    validate_routing: bool = True
+    # A cross-rank wait that has not completed after this many seconds raises an error naming rank, peer and block.
+    comm_timeout_s: float = Field(default=60.0, gt=0)
+
+
+class MoEConfig(_Strict):
+    """``[model.moe]``: which backend runs the experts, in which precision, over how many ranks."""
+
+    dispatch: DispatchConfig = Field(default_factory=DispatchConfig)
+    precision: Precision = "bf16"
+    # Expert-parallel group size; experts are split evenly over it and it stays inside one node.
+    ep: int = Field(default=1, gt=0)
+    # fp8 only: round scales to powers of two (exact rescaling, slightly coarser).
+    fp8_pow2_scales: bool = False
+
+    @field_validator("dispatch", mode="before")
+    @classmethod
+    def _dispatch_shorthand(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return {"type": value}
+        return value
+
+
+class ModelConfig(_Strict):
+    """``[model]``: a preset name (``tiny``, ``qwen3-30b-a3b``, ``qwen3-235b-a22b``), a transformers config name,
+    or a local directory holding config.json (and weights)."""
+
+    name: str = "tiny"
+    # Overrides applied on top of the preset / loaded config (e.g. num_hidden_layers for a shorter model).
+    overrides: dict[str, int | float | bool | str] = Field(default_factory=dict)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    moe: MoEConfig = Field(default_factory=MoEConfig)
+
+
+class DataConfig(_Strict):
+    """``[data]``: the built-in synthetic task, or a JSONL file with a local tokenizer."""
+
+    source: Literal["synthetic", "jsonl"] = "synthetic"
+    path: str | None = None
+    tokenizer: str | None = None
+    num_examples: int = Field(default=4096, gt=0)
+
+
+class OptimConfig(_Strict):
+    """``[optim]``: AdamW with linear warm-up then cosine decay."""
+
+    lr: float = Field(default=3e-3, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = Field(default=5, ge=0)
+    max_grad_norm: float = Field(default=1.0, gt=0)
+
+
+class TrainConfig(_Strict):
+    """``[train]``: the loop."""
+
+    steps: int = Field(default=60, gt=0)
+    batch_size: int = Field(default=8, gt=0)
+    seq_len: int = Field(default=64, gt=1)
+    activation_checkpointing: bool = False
+    seed: int = 0
+    log_every: int = Field(default=1, gt=0)
+    checkpoint_every: int = Field(default=0, ge=0)
+    resume: bool = False
+
+
+class Config(_Strict):
+    """A whole run: model, data, optimizer, loop and where outputs go."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    output_dir: str = "outputs/run"
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = []
+    for item in err.errors():
+        key = ".".join(str(p) for p in item["loc"] if not str(p).startswith("function-"))
+        kind = item["type"]
+        if kind == "extra_forbidden":
+            lines.append(f"unknown key '{key}' in {source}: remove it or check its spelling")
+        elif kind in ("literal_error", "enum"):
+            allowed = item.get("ctx", {}).get("expected", "")
+            lines.append(f"{key} = {item['input']!r} in {source} is not allowed; allowed values: {allowed}")
+        else:
+            lines.append(f"{key} in {source}: {item['msg']} (got {item.get('input')!r})")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
+    """Validate a nested dict (as read from TOML) into a Config; errors name the key and ``source``."""
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, source)) from None
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
+    """Read a TOML file into a Config. ``overrides`` maps dotted keys (``train.steps``) to values applied on top."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    with path.open("rb") as fh:
+        try:
+            data = tomllib.load(fh)
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path} is not valid TOML: {err}") from None
+    for dotted, value in (overrides or {}).items():
+        set_dotted(data, dotted, value)
+    return config_from_dict(data, str(path))
+
+
+def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``data['a']['b'] = value`` for ``dotted = 'a.b'``, creating tables on the way.
+
+    The dispatch shorthand (``dispatch = "torch"``) is widened to its table form when a nested key is set under it.
+    """
+    *parents, leaf = dotted.split(".")
+    node = data
+    for part in parents:
+        child = node.get(part)
+        if isinstance(child, str) and part == "dispatch":
+            child = {"type": child}
+        if child is None:
+            child = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set '{dotted}': '{part}' is a value, not a table")
+        node[part] = child
+        node = child
+    if leaf == "dispatch" and isinstance(node.get("dispatch"), dict) and isinstance(value, str):
+        node["dispatch"]["type"] = value
+    else:
+        node[leaf] = value

@@ -1,0 +1,99 @@
+"""The `torch` backend: what a trainer uses today, and the speed baseline.
+
+Sort (token, slot) pairs by expert, exchange split sizes and rows with all_to_all (host-synced splits), run the
+experts as grouped GEMMs (``torch._grouped_mm`` on GPU in bf16, an exact per-expert loop elsewhere), send the rows
+back and take the weighted sum. Autograd runs through all of it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.nn.functional import all_to_all_single
+
+from ..config import DispatchConfig
+from .registry import register_backend
+
+
+def _use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
+    # torch._grouped_mm runs bf16 on Hopper and later; other dtypes and the CPU take the exact loop.
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")):
+        return False
+    return torch.cuda.get_device_capability(x.device)[0] >= 9 and x.shape[1] % 8 == 0 and w.shape[1] % 8 == 0
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Rows of ``x`` grouped by expert (``counts[e]`` rows each) times ``weight[e].T`` -> [sum(counts), N]."""
+    if _use_grouped_mm(x, weight):
+        offs = torch.tensor(counts, device=x.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)
+    chunks = torch.split(x, counts)
+    outs = [F.linear(chunk, weight[e]) for e, chunk in enumerate(chunks)]
+    return torch.cat(outs) if outs else x.new_zeros(0, weight.shape[1])
+
+
+def swiglu_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, counts: list[int]):
+    """FC1, SwiGLU, FC2 over rows already grouped by local expert."""
+    gate, up = grouped_linear(x, gate_up_proj, counts).chunk(2, dim=-1)
+    return grouped_linear(F.silu(gate) * up, down_proj, counts)
+
+
+@register_backend("torch")
+def torch_experts(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    *,
+    precision: str,
+    group: dist.ProcessGroup | None,
+    options: DispatchConfig,
+) -> torch.Tensor:
+    if precision != "bf16":
+        raise NotImplementedError(
+            f"the torch backend computes in the inputs' dtype only (precision = 'bf16'); precision = {precision!r} "
+            "needs [model.moe.dispatch] type = 'mega_moe'"
+        )
+    num_tokens, hidden = hidden_states.shape
+    top_k = top_k_index.shape[1]
+    num_local = gate_up_proj.shape[0]
+    world = 1 if group is None else dist.get_world_size(group)
+    num_experts = num_local * world
+
+    flat_expert = top_k_index.reshape(-1).long()
+    order = torch.argsort(flat_expert, stable=True)  # (token, slot) pairs grouped by expert, then by pair index
+    token_of_pair = order // top_k
+    send_rows = hidden_states[token_of_pair]
+    counts_per_expert = torch.bincount(flat_expert, minlength=num_experts)
+
+    if world == 1:
+        out_sorted = swiglu_experts(send_rows, gate_up_proj, down_proj, counts_per_expert.tolist())
+    else:
+        # Exchange how many rows each rank sends to each of the receiver's local experts.
+        recv_counts = torch.empty_like(counts_per_expert)
+        dist.all_to_all_single(recv_counts, counts_per_expert, group=group)
+        send_counts = counts_per_expert.view(world, num_local)
+        recv_counts = recv_counts.view(world, num_local)  # [source rank, local expert]
+        send_splits = send_counts.sum(1).tolist()
+        recv_splits = recv_counts.sum(1).tolist()
+        recv_rows = all_to_all_single(
+            send_rows.new_empty(sum(recv_splits), hidden), send_rows, recv_splits, send_splits, group=group
+        )
+        # Received rows are ordered (source rank, local expert); the GEMMs want (local expert, source rank).
+        source_major = torch.arange(recv_counts.numel(), device=recv_rows.device).view(world, num_local)
+        segment_id = torch.repeat_interleave(source_major.reshape(-1), recv_counts.reshape(-1), output_size=sum(recv_splits))
+        segment_key = (segment_id % num_local) * world + segment_id // num_local
+        expert_major = torch.argsort(segment_key, stable=True)
+        out_expert_major = swiglu_experts(
+            recv_rows[expert_major], gate_up_proj, down_proj, recv_counts.sum(0).tolist()
+        )
+        out_recv = torch.empty_like(out_expert_major).index_copy(0, expert_major, out_expert_major)
+        out_sorted = all_to_all_single(
+            out_recv.new_empty(num_tokens * top_k, hidden), out_recv, send_splits, recv_splits, group=group
+        )
+
+    out_pairs = torch.empty_like(out_sorted).index_copy(0, order, out_sorted).view(num_tokens, top_k, hidden)
+    weighted = out_pairs * top_k_weights.to(out_pairs.dtype).unsqueeze(-1)
+    return weighted.sum(dim=1).to(hidden_states.dtype)

@@ -1,0 +1,58 @@
+"""The functional core: ``fused_experts``."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .config import DISPATCH_TYPES, PRECISIONS, DispatchConfig
+from .dispatch.registry import get_backend
+from .validation import check_expert_ids, check_expert_inputs
+
+
+def fused_experts(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    *,
+    dispatch: str | DispatchConfig = "mega_moe",
+    precision: str = "bf16",
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Routed SwiGLU experts: ``y_t = sum_j w_tj * down(silu(gate(x_t)) * up(x_t))`` over expert ``top_k_index[t, j]``.
+
+    hidden_states [T, H]; top_k_index [T, k] (global expert ids); top_k_weights [T, k];
+    gate_up_proj [E_local, 2*I, H] (gate rows, then up rows); down_proj [E_local, H, I].
+    With ``group`` of size W, E = W * E_local and rank r owns experts [r*E_local, (r+1)*E_local); every rank of the
+    group must call this together. Returns [T, H] in hidden_states' dtype, differentiable in hidden_states,
+    top_k_weights, gate_up_proj and down_proj.
+
+    ``dispatch`` names a backend ("mega_moe": fused Triton kernels; "torch": all_to_all + grouped GEMM baseline) or is
+    a DispatchConfig with backend options. ``precision`` is one of "bf16" (the inputs' own dtype, no quantisation),
+    "fp8", "mxfp8", "fp8_bwd".
+    """
+    options = dispatch if isinstance(dispatch, DispatchConfig) else None
+    if options is None:
+        if dispatch not in DISPATCH_TYPES:
+            raise ValueError(f"dispatch = {dispatch!r} is not a backend; allowed values: {list(DISPATCH_TYPES)}")
+        options = DispatchConfig(type=dispatch)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision = {precision!r} is not supported; allowed values: {list(PRECISIONS)}")
+    shapes = check_expert_inputs(
+        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, group, options.max_tokens_per_rank
+    )
+    capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
+    check_expert_ids(top_k_index, shapes.num_experts, sync=options.validate_routing and not capturing)
+    backend = get_backend(options.type)
+    return backend(
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        gate_up_proj,
+        down_proj,
+        precision=precision,
+        group=group,
+        options=options,
+    )

@@ -1,0 +1,1 @@
+"""Triton kernels only (no autograd, no configs). Host-side launchers live in ``prime_megamoe.ops``."""

@@ -1,0 +1,25 @@
+"""Deterministic combine: each output row is the sum of up to k source rows, taken in slot order (no atomics)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def combine_rows_kernel(
+    src_ptr, pos_ptr, out_ptr, H,
+    stride_src, stride_out,
+    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """out[t] = sum_j src[pos[t, j]] over slots with pos >= 0 (fp32 sum, j ascending); rows with none get zeros."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_mask = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        # The slot's row index, broadcast over the columns (a per-column mask keeps the interpreter happy too).
+        p = tl.zeros((BLOCK_H,), dtype=tl.int64) + tl.load(pos_ptr + t * TOP_K + j).to(tl.int64)
+        row = tl.load(src_ptr + tl.maximum(p, 0) * stride_src + cols, mask=col_mask & (p >= 0), other=0.0)
+        acc += row.to(tl.float32)
+    tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)

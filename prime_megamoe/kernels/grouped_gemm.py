@@ -1,0 +1,234 @@
+"""Grouped GEMMs over variable rows per expert, with the MoE's gathers and epilogues fused in.
+
+Rows are in expert-sorted order: expert e owns rows [expert_offsets[e], expert_offsets[e+1]). A tile list built on
+the device (see ``prime_megamoe.ops.routing_plan``) names, for each BLOCK_M tile of rows, its expert and first row; a
+launch covers the static upper bound of tiles and programs past the device-side tile count return at once, so no
+host ever reads a count.
+
+Kernels only: they know nothing of autograd or configs.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .tuning import autotune_configs
+
+
+@triton.jit
+def _dot(a, b, acc, CAST_F32: tl.constexpr, IEEE: tl.constexpr):
+    # The interpreter computes bf16 dots wrongly: it gets fp32 tiles instead. fp32 inputs use exact fp32 products.
+    if CAST_F32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M: tl.constexpr):
+    expert = tl.load(tile_expert_ptr + pid_m)
+    row_start = tl.load(tile_row_ptr + pid_m)
+    row_end = tl.load(expert_offsets_ptr + expert + 1)
+    rows = row_start + tl.arange(0, BLOCK_M)
+    return expert, rows, rows < row_end
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FC1 + SwiGLU:  h = x[src] @ W1[e]^T,  a = silu(h[:, :I]) * h[:, I:]
+# ----------------------------------------------------------------------------------------------------------------
+@triton.autotune(configs=autotune_configs("fc1"), key=["N", "K", "M_BUCKET"], cache_results=True)
+@triton.jit
+def fc1_swiglu_kernel(
+    x_ptr, row_src_ptr, w_ptr, h_ptr, a_ptr,
+    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
+    N, K, M_BUCKET,
+    stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_am,
+    SAVE_H: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    if pid_m >= tl.load(num_tiles_ptr):
+        return
+    expert, rows, row_mask = _tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M)
+    src = tl.load(row_src_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + src[:, None] * stride_xm + ks[None, :]
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    g_ptrs = w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wk
+    u_ptrs = g_ptrs + N * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + ks) < K
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        wg = tl.load(g_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        wu = tl.load(u_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc_g = _dot(a, wg, acc_g, CAST_F32, IEEE)
+        acc_u = _dot(a, wu, acc_u, CAST_F32, IEEE)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K * stride_wk
+        u_ptrs += BLOCK_K * stride_wk
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)
+    if SAVE_H:
+        h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
+        tl.store(h_ptrs, acc_g.to(h_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(h_ptrs + N, acc_u.to(h_ptr.dtype.element_ty), mask=out_mask)
+    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    tl.store(a_ptr + rows64[:, None] * stride_am + cols[None, :], act.to(a_ptr.dtype.element_ty), mask=out_mask)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Plain grouped GEMM with optional row gather and optional per-row scale:
+#   C[r] = scale[r] * A[src[r]] @ B[e]     (B addressed by strides, so W or W^T both work)
+# Used for FC2 (A = SwiGLU output, scale = top-k weight) and the FC1 dgrad (A = d[gate, up], B = W1).
+# ----------------------------------------------------------------------------------------------------------------
+@triton.autotune(configs=autotune_configs("gemm"), key=["N", "K", "M_BUCKET"], cache_results=True)
+@triton.jit
+def grouped_gemm_kernel(
+    a_ptr, row_src_ptr, b_ptr, c_ptr, row_scale_ptr,
+    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
+    N, K, M_BUCKET,
+    stride_am, stride_be, stride_bk, stride_bn, stride_cm,
+    GATHER_A: tl.constexpr, SCALE_ROWS: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    if pid_m >= tl.load(num_tiles_ptr):
+        return
+    expert, rows, row_mask = _tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M)
+    if GATHER_A:
+        src = tl.load(row_src_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + src[:, None] * stride_am + ks[None, :]
+    b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + ks) < K
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = _dot(a, b, acc, CAST_F32, IEEE)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_bk
+    if SCALE_ROWS:
+        acc = acc * tl.load(row_scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FC2 dgrad + dSwiGLU:  g_a = dy[src] @ W2[e]            (the gradient reaching a = silu(g) * u, before weighting)
+#   dw partial[chunk, r] = sum_n g_a * a                (<dy W2, a>: the top-k weight gradient, no stored FC2 out)
+#   da = w * g_a,  dh[:, :I] = da * u * silu'(g),  dh[:, I:] = da * silu(g),  aw = w * a  (for the FC2 wgrad)
+# ----------------------------------------------------------------------------------------------------------------
+@triton.autotune(configs=autotune_configs("dswiglu"), key=["N", "K", "M_BUCKET"], cache_results=True)
+@triton.jit
+def fc2_dgrad_dswiglu_kernel(
+    dy_ptr, row_src_ptr, w_ptr, h_ptr, row_weight_ptr, dh_ptr, aw_ptr, dw_partial_ptr,
+    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
+    N, K, M_BUCKET,
+    stride_dym, stride_we, stride_wk, stride_wn, stride_hm, stride_dhm, stride_awm, stride_dwp,
+    DW_CHUNK: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    if pid_m >= tl.load(num_tiles_ptr):
+        return
+    expert, rows, row_mask = _tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M)
+    src = tl.load(row_src_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = dy_ptr + src[:, None] * stride_dym + ks[None, :]
+    b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + ks) < K
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = _dot(a, b, acc, CAST_F32, IEEE)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_wk
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)
+    h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
+    g = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(h_ptrs + N, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(row_weight_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    act = silu * u
+    # Partial sums per DW_CHUNK columns: the same chunks whatever BLOCK_N autotuning chose.
+    NUM_CHUNKS: tl.constexpr = BLOCK_N // DW_CHUNK
+    part = tl.sum(tl.reshape(acc * act, (BLOCK_M, NUM_CHUNKS, DW_CHUNK)), axis=2)
+    chunk = pid_n * NUM_CHUNKS + tl.arange(0, NUM_CHUNKS)
+    tl.store(dw_partial_ptr + chunk[None, :] * stride_dwp + rows[:, None], part, mask=row_mask[:, None])
+    da = acc * w
+    dg = da * u * (sig + silu * (1.0 - sig))
+    du = da * silu
+    dh_ptrs = dh_ptr + rows64[:, None] * stride_dhm + cols[None, :]
+    tl.store(dh_ptrs, dg.to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(dh_ptrs + N, du.to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(aw_ptr + rows64[:, None] * stride_awm + cols[None, :], (act * w).to(aw_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Weight gradient:  C[e] = A[rows of e]^T @ B[rows of e],  the reduction over each expert's rows (either operand may
+# be gathered). dW1[e] = dh^T @ x[src];  dW2[e] = dy[src]^T @ aw. Experts with no rows get zeros.
+# ----------------------------------------------------------------------------------------------------------------
+@triton.autotune(configs=autotune_configs("wgrad"), key=["M", "N", "M_BUCKET"], cache_results=True)
+@triton.jit
+def grouped_wgrad_kernel(
+    a_ptr, a_src_ptr, b_ptr, b_src_ptr, c_ptr, expert_offsets_ptr,
+    M, N, M_BUCKET,
+    stride_am, stride_bm, stride_ce, stride_cm, stride_cn,
+    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # Tiles of one expert are consecutive programs, grouped so that neighbouring programs share A and B panels.
+    pid = tl.program_id(0)
+    expert = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group_size = GROUP_M * num_n
+    first_m = (pid // group_size) * GROUP_M
+    rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size) % rows_in_group
+    pid_n = (pid % group_size) // rows_in_group
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    start = tl.load(expert_offsets_ptr + expert)
+    end = tl.load(expert_offsets_ptr + expert + 1)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(start, end, BLOCK_K):
+        r = k0 + ks
+        r_mask = r < end
+        if GATHER_A:
+            ra = tl.load(a_src_ptr + r, mask=r_mask, other=0).to(tl.int64)
+        else:
+            ra = r.to(tl.int64)
+        if GATHER_B:
+            rb = tl.load(b_src_ptr + r, mask=r_mask, other=0).to(tl.int64)
+        else:
+            rb = r.to(tl.int64)
+        a = tl.load(a_ptr + ra[:, None] * stride_am + offs_m[None, :], mask=r_mask[:, None] & m_mask[None, :], other=0.0)
+        b = tl.load(b_ptr + rb[:, None] * stride_bm + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = _dot(tl.trans(a), b, acc, CAST_F32, IEEE)
+    c_ptrs = c_ptr + expert.to(tl.int64) * stride_ce + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])

@@ -1,0 +1,70 @@
+"""Tile sizes and autotuning candidates.
+
+Row tiles of the expert-sorted GEMMs have a fixed height (``tile_m()``) because the device-side tile list is built
+for it; autotuning picks the other block sizes, warps and pipeline depth per shape, and Triton caches the choice on
+disk. Under the interpreter (CPU tests) one small configuration is used.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+
+# Every config's BLOCK_N for the dSwiGLU kernel is a multiple of this, so its per-chunk weight-gradient partial sums
+# do not depend on which config autotuning picked.
+DW_CHUNK_GPU = 64
+DW_CHUNK_INTERPRET = 16
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def tile_m() -> int:
+    return 16 if interpreting() else 128
+
+
+def dw_chunk() -> int:
+    return DW_CHUNK_INTERPRET if interpreting() else DW_CHUNK_GPU
+
+
+def _cfg(bm, bn, bk, warps, stages, **extra):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, **extra}, num_warps=warps, num_stages=stages)
+
+
+def autotune_configs(kind: str) -> list[triton.Config]:
+    """Candidates for one kernel family; evaluated when the module is imported (TRITON_INTERPRET is read then)."""
+    if interpreting():
+        extra = {"GROUP_M": 2} if kind == "wgrad" else {}
+        return [_cfg(16, 16, 16, 1, 1, **extra)]
+    m = tile_m()
+    if kind == "fc1":  # two accumulators (gate and up) per tile
+        return [
+            _cfg(m, 64, 64, 4, 4),
+            _cfg(m, 64, 64, 8, 4),
+            _cfg(m, 128, 64, 8, 3),
+            _cfg(m, 64, 128, 8, 3),
+        ]
+    if kind == "gemm":
+        return [
+            _cfg(m, 128, 64, 8, 4),
+            _cfg(m, 128, 64, 4, 4),
+            _cfg(m, 256, 64, 8, 3),
+            _cfg(m, 64, 64, 4, 5),
+        ]
+    if kind == "dswiglu":
+        return [
+            _cfg(m, 64, 64, 4, 4),
+            _cfg(m, 64, 64, 8, 4),
+            _cfg(m, 128, 64, 8, 3),
+            _cfg(m, 128, 64, 4, 4),
+        ]
+    if kind == "wgrad":
+        return [
+            _cfg(128, 128, 64, 8, 3, GROUP_M=8),
+            _cfg(128, 128, 32, 4, 4, GROUP_M=8),
+            _cfg(128, 256, 64, 8, 3, GROUP_M=8),
+            _cfg(64, 128, 64, 4, 4, GROUP_M=8),
+        ]
+    raise ValueError(f"unknown kernel family {kind!r}")

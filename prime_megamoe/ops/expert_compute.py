@@ -1,0 +1,65 @@
+"""Autograd for the routed experts of one rank, wired from the fused kernels (bf16 / fp32, unquantised).
+
+Forward:  FC1 (gather rows, SwiGLU epilogue) -> FC2 (top-k weight epilogue) -> combine (k rows per source row, fixed
+order). Backward: FC2 dgrad with the dSwiGLU and top-k weight gradient in its epilogue -> FC1 dgrad -> combine into
+dx; weight gradients as grouped GEMMs reducing over each expert's rows.
+
+What the forward saves: the source rows (the caller holds them anyway), the routing plan, and the FC1 output
+h = x W1^T ([P, 2I], P = rows * k). Saving h instead of recomputing FC1 costs P * 2I * 2 bytes in bf16: at the
+Qwen3-30B-A3B shape and T = 16384, 131072 * 1536 * 2 = 403 MB per layer (Qwen3-235B-A22B: 805 MB), and saves an FC1
+GEMM (a third of the forward FLOPs) in the backward. Trainers that checkpoint activations re-run the forward of one
+layer just before its backward, so only one layer's h is alive at a time. The SwiGLU output a is not saved: the
+backward recomputes it from h in the dgrad epilogue.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import launch
+from .routing_plan import RoutingPlan, build_routing_plan
+
+
+class RoutedExperts(torch.autograd.Function):
+    """rows [R, H], top_k_index [R, k] (global ids), top_k_weights [R, k], w1 [E_l, 2I, H], w2 [E_l, H, I]
+    -> out [R, H]: for each row, the weighted sum over the slots whose expert lives here (zeros if none)."""
+
+    @staticmethod
+    def forward(ctx, rows, top_k_index, top_k_weights, w1, w2, expert_base: int, tile_m: int):
+        rows = rows.contiguous()
+        plan = build_routing_plan(
+            top_k_index, top_k_weights, expert_base=expert_base, num_local_experts=w1.shape[0], tile_m=tile_m
+        )
+        need_grad = any(ctx.needs_input_grad[i] for i in (0, 2, 3, 4))
+        h, act = launch.fc1_swiglu(rows, w1, plan, save_h=need_grad)
+        out_sorted = launch.grouped_gemm(act, w2, plan, transpose_b=True, row_scale=plan.row_weight)
+        out = launch.combine_rows(out_sorted, plan.pair_pos, rows.dtype)
+        if need_grad:
+            ctx.save_for_backward(rows, w1, w2, h)
+            ctx.plan = plan
+        ctx.weights_dtype = top_k_weights.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        rows, w1, w2, h = ctx.saved_tensors
+        plan: RoutingPlan = ctx.plan
+        grad_out = grad_out.contiguous().to(rows.dtype)
+        dh, aw, dw_row = launch.fc2_dgrad_dswiglu(grad_out, w2, h, plan)
+
+        grad_rows = grad_weights = grad_w1 = grad_w2 = None
+        if ctx.needs_input_grad[0]:
+            dx_sorted = launch.grouped_gemm(dh, w1, plan, transpose_b=False)
+            grad_rows = launch.combine_rows(dx_sorted, plan.pair_pos, rows.dtype)
+        if ctx.needs_input_grad[2]:
+            pos = plan.pair_pos.long()
+            grad_weights = torch.where(pos >= 0, dw_row[pos.clamp(min=0)], 0.0).to(ctx.weights_dtype)
+        if ctx.needs_input_grad[3]:
+            grad_w1 = launch.grouped_wgrad(dh, rows, plan, torch.empty_like(w1), gather_a=False, gather_b=True)
+        if ctx.needs_input_grad[4]:
+            grad_w2 = launch.grouped_wgrad(grad_out, aw, plan, torch.empty_like(w2), gather_a=True, gather_b=False)
+        return grad_rows, None, grad_weights, grad_w1, grad_w2, None, None
+
+
+def routed_experts(rows, top_k_index, top_k_weights, w1, w2, *, expert_base: int, tile_m: int) -> torch.Tensor:
+    return RoutedExperts.apply(rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m)

@@ -1,0 +1,125 @@
+"""Host-side launchers for the grouped-GEMM and combine kernels: grids, strides, dtype flags."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..kernels import tuning
+from ..kernels.combine import combine_rows_kernel
+from ..kernels.grouped_gemm import (
+    fc1_swiglu_kernel,
+    fc2_dgrad_dswiglu_kernel,
+    grouped_gemm_kernel,
+    grouped_wgrad_kernel,
+)
+from .routing_plan import RoutingPlan
+
+
+def _flags(t: torch.Tensor) -> dict:
+    return {"CAST_F32": tuning.interpreting(), "IEEE": t.dtype == torch.float32}
+
+
+def _tile_grid(plan: RoutingPlan, n: int):
+    return lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), plan.max_tiles)
+
+
+def _tile_args(plan: RoutingPlan):
+    return plan.tile_expert, plan.tile_row, plan.num_tiles, plan.expert_offsets
+
+
+def fc1_swiglu(x: torch.Tensor, w1: torch.Tensor, plan: RoutingPlan, save_h: bool):
+    """x [R, H] (source rows), w1 [E, 2I, H] -> (h [P, 2I] or None, a [P, I]) in expert-sorted row order."""
+    num_pairs, inter, hidden = plan.num_pairs, w1.shape[1] // 2, w1.shape[2]
+    a = x.new_empty(num_pairs, inter)
+    h = x.new_empty(num_pairs, 2 * inter) if save_h else a  # a stands in for the unused pointer
+    fc1_swiglu_kernel[_tile_grid(plan, inter)](
+        x, plan.row_src, w1, h, a, *_tile_args(plan),
+        inter, hidden, num_pairs,
+        x.stride(0), w1.stride(0), w1.stride(1), w1.stride(2), h.stride(0), a.stride(0),
+        SAVE_H=save_h, **_flags(x),
+    )
+    return (h if save_h else None), a
+
+
+def grouped_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    plan: RoutingPlan,
+    *,
+    transpose_b: bool,
+    gather: bool = False,
+    row_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """C[r] = scale[r] * A[src[r] if gather else r] @ op(B[e]); op(B) = B[e]^T if transpose_b else B[e]."""
+    if transpose_b:  # B[e] is [N, K]
+        n, k = b.shape[1], b.shape[2]
+        stride_bk, stride_bn = b.stride(2), b.stride(1)
+    else:  # B[e] is [K, N]
+        k, n = b.shape[1], b.shape[2]
+        stride_bk, stride_bn = b.stride(1), b.stride(2)
+    c = a.new_empty(plan.num_pairs, n)
+    grouped_gemm_kernel[_tile_grid(plan, n)](
+        a, plan.row_src, b, c, row_scale if row_scale is not None else plan.row_weight, *_tile_args(plan),
+        n, k, plan.num_pairs,
+        a.stride(0), b.stride(0), stride_bk, stride_bn, c.stride(0),
+        GATHER_A=gather, SCALE_ROWS=row_scale is not None, **_flags(a),
+    )
+    return c
+
+
+def fc2_dgrad_dswiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, plan: RoutingPlan):
+    """From dy [R, H] (source rows): (dh [P, 2I], aw [P, I] = w * a, dw_row [P] = <dy W2, a>) in sorted order."""
+    hidden, inter = w2.shape[1], w2.shape[2]
+    num_pairs = plan.num_pairs
+    chunk = tuning.dw_chunk()
+    # Enough chunk rows for the widest BLOCK_N a config may use; unwritten chunks stay zero.
+    num_chunks = triton.cdiv(inter, chunk) + 256 // chunk
+    dh = dy.new_empty(num_pairs, 2 * inter)
+    aw = dy.new_empty(num_pairs, inter)
+    dw_partial = torch.zeros(num_chunks, num_pairs, dtype=torch.float32, device=dy.device)
+    fc2_dgrad_dswiglu_kernel[_tile_grid(plan, inter)](
+        dy, plan.row_src, w2, h, plan.row_weight, dh, aw, dw_partial, *_tile_args(plan),
+        inter, hidden, num_pairs,
+        dy.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), h.stride(0), dh.stride(0), aw.stride(0),
+        dw_partial.stride(0),
+        DW_CHUNK=chunk, **_flags(dy),
+    )
+    return dh, aw, dw_partial.sum(0)
+
+
+def grouped_wgrad(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    plan: RoutingPlan,
+    out: torch.Tensor,
+    *,
+    gather_a: bool,
+    gather_b: bool,
+) -> torch.Tensor:
+    """out[e] = A[rows of e]^T @ B[rows of e] with A [*, M], B [*, N], out [E, M, N]; gathered operands are
+    indexed by the source row of each sorted row."""
+    m, n = a.shape[1], b.shape[1]
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), plan.num_local_experts)
+    grouped_wgrad_kernel[grid](
+        a, plan.row_src, b, plan.row_src, out, plan.expert_offsets,
+        m, n, plan.num_pairs,
+        a.stride(0), b.stride(0), out.stride(0), out.stride(1), out.stride(2),
+        GATHER_A=gather_a, GATHER_B=gather_b, **_flags(a),
+    )
+    return out
+
+
+def combine_rows(src: torch.Tensor, pair_pos: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """out [R, H]: out[r] = sum_j src[pair_pos[r, j]] (fixed slot order, fp32 sum), zeros where no slot is local."""
+    rows, top_k = pair_pos.shape
+    hidden = src.shape[1]
+    out = torch.empty(rows, hidden, dtype=out_dtype, device=src.device)
+    if rows == 0:
+        return out
+    block_h = min(triton.next_power_of_2(hidden), 64 if tuning.interpreting() else 1024)
+    combine_rows_kernel[(rows, triton.cdiv(hidden, block_h))](
+        src, pair_pos, out, hidden, src.stride(0), out.stride(0),
+        TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
+    )
+    return out
