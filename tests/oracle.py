@@ -1,0 +1,73 @@
+"""References for the expert layer: a plain loop, and transformers' Qwen3MoeExperts (the oracle), in float64."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def loop_reference(x, top_k_index, top_k_weights, gate_up_proj, down_proj):
+    """y_t = sum_j w_tj * W2_e (silu(g) * u), [g; u] = W1_e x_t, one (token, slot) at a time."""
+    inter = down_proj.shape[-1]
+    rows = []
+    for t in range(x.shape[0]):
+        acc = torch.zeros_like(x[t])
+        for j in range(top_k_index.shape[1]):
+            e = int(top_k_index[t, j])
+            h = gate_up_proj[e] @ x[t]
+            acc = acc + top_k_weights[t, j] * (down_proj[e] @ (F.silu(h[:inter]) * h[inter:]))
+        rows.append(acc)
+    return torch.stack(rows) if rows else x.new_zeros(x.shape)
+
+
+def qwen3_experts_reference(x, top_k_index, top_k_weights, gate_up_proj, down_proj):
+    """transformers' Qwen3MoeExperts eager forward with the given (global, all-expert) weights."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    num_experts, two_i, hidden = gate_up_proj.shape
+    cfg = Qwen3MoeConfig(
+        hidden_size=hidden, moe_intermediate_size=two_i // 2, num_experts=num_experts, num_experts_per_tok=top_k_index.shape[1]
+    )
+    cfg._experts_implementation = "eager"
+    experts = Qwen3MoeExperts(cfg).to(gate_up_proj.dtype)
+    del experts.gate_up_proj, experts.down_proj
+    experts.gate_up_proj = gate_up_proj  # plain tensors keep the caller's autograd graph
+    experts.down_proj = down_proj
+    return experts(x, top_k_index, top_k_weights)
+
+
+def oracle_with_grads(x, top_k_index, top_k_weights, gate_up_proj, down_proj, grad_out):
+    """(out, dx, dweights, dW1, dW2) from the transformers oracle in float64."""
+    leaves = [t.detach().double().requires_grad_() for t in (x, top_k_weights, gate_up_proj, down_proj)]
+    xd, wd, w1d, w2d = leaves
+    out = qwen3_experts_reference(xd, top_k_index.long(), wd, w1d, w2d)
+    grads = torch.autograd.grad(out, leaves, grad_out.double())
+    return (out.detach(), *grads)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a = a.detach().double()
+    b = b.detach().double()
+    denom = b.norm()
+    if denom == 0:
+        return float((a - b).norm())
+    return float((a - b).norm() / denom)
+
+
+def ragged_routing(num_tokens: int, num_experts: int, top_k: int, *, seed: int, empty_expert: int | None = 0,
+                   hot_expert: int | None = 1, hot_fraction: float = 0.7, forbid: range | None = None):
+    """Router-like (top_k_index, top_k_weights): distinct experts per token, weights that sum to one, with one
+    expert never chosen, one chosen by most tokens, and optionally a range of experts (a rank's) never chosen."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    if hot_expert is not None:
+        hot = torch.rand(num_tokens, generator=gen) < hot_fraction
+        logits[hot, hot_expert] += 100.0
+    if empty_expert is not None:
+        logits[:, empty_expert] = -1e9
+    if forbid is not None:
+        logits[:, forbid.start:forbid.stop] = -1e9
+    probs = torch.softmax(logits, dim=-1)
+    weights, index = probs.topk(top_k, dim=-1)
+    return index, weights / weights.sum(-1, keepdim=True)
