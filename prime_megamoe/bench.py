@@ -1,0 +1,266 @@
+"""Layer benchmark: forward, backward and 2F+1B of the MoE expert layer per backend, in one run.
+
+    python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 16384 --backends torch mega_moe
+    torchrun --nproc-per-node 2 -m prime_megamoe.bench ...        # expert parallelism over the launched ranks
+
+Forward is timed without autograd; backward = (forward + backward) - forward with autograd on; 2F+1B is a no-grad
+forward followed by a forward and backward (activation checkpointing), timed as one region. Each figure is the median
+of CUDA-event timings after warm-up; with several ranks, the slowest rank's median. TFLOP/s counts the expert GEMMs
+only: forward T*k*6*H*I per rank, backward twice that. Results go to JSON with the GPU, versions and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from .config import DispatchConfig
+from .functional import fused_experts
+from .routing import softmax_top_k
+
+SHAPES = {
+    # name: (hidden, moe_intermediate, experts, top_k)
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "qwen3-235b-a22b": (4096, 1536, 128, 8),
+    "tiny": (256, 128, 16, 4),
+    "micro": (48, 40, 6, 3),  # CPU smoke tests
+}
+
+
+@dataclass
+class Result:
+    shape: str
+    tokens_per_rank: int
+    ep: int
+    backend: str
+    precision: str
+    forward_ms: float
+    backward_ms: float
+    f2b1_ms: float
+    forward_tflops: float
+    backward_tflops: float
+    f2b1_tflops: float
+    peak_mem_gib: float
+    max_rel_err_vs_torch: float | None = None
+
+
+def _events_median(fn, iters: int, warmup: int, group) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        if group is not None:
+            dist.barrier(group)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    med = statistics.median(times)
+    if group is not None:
+        t = torch.tensor([med], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        med = float(t.item())
+    return med
+
+
+def make_inputs(shape: str, tokens: int, rank: int, world: int, seed: int, dtype=torch.bfloat16, device="cuda"):
+    hidden, inter, experts, top_k = SHAPES[shape]
+    if experts % world:
+        raise ValueError(f"{experts} experts do not split over {world} ranks")
+    gen = torch.Generator(device=device).manual_seed(seed + 1000 * rank)
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=gen)
+    logits = torch.randn(tokens, experts, device=device, dtype=torch.float32, generator=gen)
+    weights, index = softmax_top_k(logits, top_k, norm_topk_prob=True)
+    wgen = torch.Generator(device=device).manual_seed(seed + 7 + rank)
+    local = experts // world
+    w1 = torch.randn(local, 2 * inter, hidden, device=device, dtype=dtype, generator=wgen) * hidden**-0.5
+    w2 = torch.randn(local, hidden, inter, device=device, dtype=dtype, generator=wgen) * inter**-0.5
+    return x, index, weights.to(dtype), w1, w2
+
+
+def bench_one(shape, tokens, backend, precision, group, iters, warmup, reference=None, max_tokens=None):
+    rank = 0 if group is None else dist.get_rank(group)
+    world = 1 if group is None else dist.get_world_size(group)
+    hidden, inter, _, top_k = SHAPES[shape]
+    x, index, weights, w1, w2 = make_inputs(shape, tokens, rank, world, seed=0)
+    options = DispatchConfig(type=backend, max_tokens_per_rank=max_tokens or tokens)
+    dy = torch.randn_like(x)
+    xg, wg, w1g, w2g = (t.detach().clone().requires_grad_() for t in (x, weights, w1, w2))
+
+    def fwd():
+        with torch.no_grad():
+            return fused_experts(x, index, weights, w1, w2, dispatch=options, precision=precision, group=group)
+
+    def fwd_grad():
+        return fused_experts(xg, index, wg, w1g, w2g, dispatch=options, precision=precision, group=group)
+
+    def fwd_bwd():
+        out = fwd_grad()
+        out.backward(dy)
+
+    def f2b1():
+        fwd()
+        fwd_bwd()
+
+    out = fwd()
+    err = None
+    if reference is not None:
+        err = float((out.float() - reference.float()).norm() / reference.float().norm())
+        if group is not None:
+            t = torch.tensor([err], device="cuda")
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            err = float(t.item())
+    torch.cuda.reset_peak_memory_stats()
+    base_mem = torch.cuda.memory_allocated()
+    t_f = _events_median(fwd, iters, warmup, group)
+    t_fg = _events_median(fwd_grad, iters, warmup, group)
+    t_fb = _events_median(fwd_bwd, iters, warmup, group)
+    t_2f1b = _events_median(f2b1, iters, warmup, group)
+    peak = (torch.cuda.max_memory_allocated() - base_mem) / 2**30
+    flops = tokens * top_k * 6 * hidden * inter
+    t_b = max(t_fb - t_fg, 1e-6)
+    res = Result(
+        shape, tokens, world, backend, precision,
+        round(t_f, 4), round(t_b, 4), round(t_2f1b, 4),
+        round(flops / t_f / 1e9, 1), round(2 * flops / t_b / 1e9, 1), round(4 * flops / t_2f1b / 1e9, 1),
+        round(peak, 3), None if err is None else round(err, 6),
+    )
+    return res, out
+
+
+def profile_one(shape, tokens, backend, precision, group, path):
+    """Per-kernel CUDA times of one forward+backward (torch.profiler), written as a text table to ``path``."""
+    rank = 0 if group is None else dist.get_rank(group)
+    world = 1 if group is None else dist.get_world_size(group)
+    x, index, weights, w1, w2 = make_inputs(shape, tokens, rank, world, seed=0)
+    xg, wg, w1g, w2g = (t.detach().clone().requires_grad_() for t in (x, weights, w1, w2))
+    options = DispatchConfig(type=backend, max_tokens_per_rank=tokens)
+    dy = torch.randn_like(x)
+    for _ in range(2):
+        fused_experts(xg, index, wg, w1g, w2g, dispatch=options, precision=precision, group=group).backward(dy)
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fused_experts(xg, index, wg, w1g, w2g, dispatch=options, precision=precision, group=group).backward(dy)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    if rank == 0:
+        with open(path, "w") as fh:
+            fh.write(f"# {shape} T={tokens} ep={world} {backend} {precision}: 3 x (forward + backward)\n{table}\n")
+    return table
+
+
+def environment() -> dict:
+    import triton
+
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "gpus_visible": torch.cuda.device_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "host": socket.gethostname(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def format_table(results: list[Result]) -> str:
+    head = (
+        f"{'shape':16} {'T':>6} {'ep':>2} {'backend':9} {'prec':7} {'fwd ms':>8} {'bwd ms':>8} {'2F+1B':>8} "
+        f"{'fwd TF':>7} {'bwd TF':>7} {'x fwd':>6} {'x bwd':>6} {'x 2F1B':>6} {'mem GiB':>7} {'err':>9}"
+    )
+    lines = [head]
+    base = {(r.shape, r.tokens_per_rank, r.ep): r for r in results if r.backend == "torch"}
+    for r in results:
+        b = base.get((r.shape, r.tokens_per_rank, r.ep))
+        ratio = lambda a, c: f"{a / c:6.2f}" if b else "   n/a"  # noqa: E731
+        lines.append(
+            f"{r.shape:16} {r.tokens_per_rank:6d} {r.ep:2d} {r.backend:9} {r.precision:7} {r.forward_ms:8.3f} "
+            f"{r.backward_ms:8.3f} {r.f2b1_ms:8.3f} {r.forward_tflops:7.1f} {r.backward_tflops:7.1f} "
+            f"{ratio(b.forward_ms, r.forward_ms) if b else '   n/a'} {ratio(b.backward_ms, r.backward_ms) if b else '   n/a'} "
+            f"{ratio(b.f2b1_ms, r.f2b1_ms) if b else '   n/a'} {r.peak_mem_gib:7.2f} "
+            f"{'' if r.max_rel_err_vs_torch is None else f'{r.max_rel_err_vs_torch:9.2e}'}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", nargs="+", default=["qwen3-30b-a3b"], choices=sorted(SHAPES))
+    p.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384], help="tokens per rank")
+    p.add_argument("--backends", nargs="+", default=["torch", "mega_moe"])
+    p.add_argument("--precisions", nargs="+", default=["bf16"], help="precisions for mega_moe (torch runs bf16)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--out", default=None, help="JSON file for the results")
+    p.add_argument("--profile-dir", default=None, help="write per-kernel profiler tables here")
+    args = p.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        raise SystemExit("the benchmark needs a CUDA GPU")
+    group = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        group = dist.group.WORLD
+    rank = 0 if group is None else dist.get_rank()
+
+    results: list[Result] = []
+    for shape in args.shape:
+        for tokens in args.tokens:
+            reference = None
+            for backend in args.backends:
+                precisions = ["bf16"] if backend == "torch" else args.precisions
+                for precision in precisions:
+                    try:
+                        res, out = bench_one(
+                            shape, tokens, backend, precision, group, args.iters, args.warmup,
+                            reference=reference if backend != "torch" else None,
+                        )
+                    except torch.cuda.OutOfMemoryError as err:
+                        if rank == 0:
+                            print(f"{shape} T={tokens} {backend} {precision}: out of memory ({err})", flush=True)
+                        torch.cuda.empty_cache()
+                        continue
+                    if backend == "torch":
+                        reference = out
+                    results.append(res)
+                    if rank == 0:
+                        print(json.dumps(asdict(res)), flush=True)
+                    if args.profile_dir:
+                        os.makedirs(args.profile_dir, exist_ok=True)
+                        path = os.path.join(args.profile_dir, f"profile_{shape}_T{tokens}_ep{res.ep}_{backend}_{precision}.txt")
+                        profile_one(shape, tokens, backend, precision, group, path)
+                    del out
+                    torch.cuda.empty_cache()
+    if rank == 0:
+        payload = {"command": " ".join(["python -m prime_megamoe.bench", *sys.argv[1:]]), "env": environment(),
+                   "results": [asdict(r) for r in results]}
+        if args.out:
+            os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+            with open(args.out, "w") as fh:
+                json.dump(payload, fh, indent=2)
+        print(format_table(results), flush=True)
+    if group is not None:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

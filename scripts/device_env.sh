@@ -1,0 +1,14 @@
+# Source on a GPU machine: multicast off, the repo and any carried wheels (.whl/) on the path, Triton's cache
+# restored from a carried archive (.cache/triton.tgz) so kernels and autotuning results are reused.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export TRITON_CACHE_DIR=/tmp/triton_cache
+mkdir -p $TRITON_CACHE_DIR
+if [ -f .cache/triton.tgz ]; then tar -xzf .cache/triton.tgz -C $TRITON_CACHE_DIR; fi
+save_triton_cache() { tar -czf "$OUT/triton.tgz" -C $TRITON_CACHE_DIR . ; }
