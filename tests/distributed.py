@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
@@ -24,7 +25,11 @@ def _worker(rank, world, port, fn, args, queue):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         result = fn(rank, world, *args)
-        queue.put((rank, "ok", result))
+        # Serialise to bytes here: a tensor put on the queue as-is is shared through a file descriptor that the
+        # parent can only open while this process is alive, and the worker exits right after.
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException:  # noqa: BLE001 - the parent re-raises with the traceback
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -49,6 +54,8 @@ def run_on_ranks(fn, world: int, *args, timeout: float = 600.0) -> list:
             rank, status, payload = queue.get(timeout=timeout)
             if status == "error":
                 errors.append(f"rank {rank}:\n{payload}")
+            else:
+                payload = torch.load(io.BytesIO(payload), weights_only=False)
             results[rank] = payload
     finally:
         for p in procs:
