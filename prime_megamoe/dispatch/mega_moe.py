@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from ..config import DispatchConfig
 from ..kernels.tuning import tile_m
+from ..ops.ep_exchange import combine_rows_across, dispatch_rows
 from ..ops.expert_compute import routed_experts
 from .registry import register_backend
 
@@ -26,10 +27,21 @@ def mega_moe_experts(
     if precision != "bf16":
         raise NotImplementedError(f"mega_moe precision = {precision!r} is not implemented yet; use 'bf16'")
     world = 1 if group is None else dist.get_world_size(group)
-    if world > 1:
-        raise NotImplementedError("mega_moe with expert parallelism (ep > 1) is not implemented yet")
-    if hidden_states.shape[0] == 0:
-        return hidden_states.new_zeros(hidden_states.shape)
-    return routed_experts(
-        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, expert_base=0, tile_m=tile_m()
+    if world == 1:
+        if hidden_states.shape[0] == 0:
+            return hidden_states.new_zeros(hidden_states.shape)
+        return routed_experts(
+            hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, expert_base=0, tile_m=tile_m()
+        )
+    # Expert parallelism: every rank sees all ranks' tokens (padded to capacity), computes its experts' share of
+    # each, and sends each share back to the token's rank, which sums the shares in rank order.
+    rank = dist.get_rank(group)
+    capacity = options.max_tokens_per_rank
+    rows = dispatch_rows(hidden_states, capacity, group)
+    index = dispatch_rows(top_k_index, capacity, group, fill=-1)
+    weights = dispatch_rows(top_k_weights, capacity, group)
+    num_local = gate_up_proj.shape[0]
+    partials = routed_experts(
+        rows, index, weights, gate_up_proj, down_proj, expert_base=rank * num_local, tile_m=tile_m()
     )
+    return combine_rows_across(partials, hidden_states.shape[0], group)

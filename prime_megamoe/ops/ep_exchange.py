@@ -1,0 +1,72 @@
+"""Autograd for moving tokens to the experts' ranks and results back (expert parallelism).
+
+Layout: every rank sends a block of ``capacity`` rows (tokens padded to ``max_tokens_per_rank``); after the dispatch
+each rank sees ``W * capacity`` source rows, rank s's tokens at rows [s*C, (s+1)*C). The expert compute produces,
+for every source row, the sum over the slots whose expert lives on this rank; the combine returns each block to its
+source rank, which sums the W partial rows in rank order (fixed order: deterministic).
+
+dispatch and combine are each other's adjoint: the backward of dispatch is a combine, and the backward of combine
+is a dispatch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm.collectives import all_gather_blocks, exchange_blocks
+
+
+def _pad_rows(t: torch.Tensor, capacity: int, fill=0) -> torch.Tensor:
+    if t.shape[0] == capacity:
+        return t.contiguous()
+    out = t.new_full((capacity, *t.shape[1:]), fill)
+    out[: t.shape[0]] = t
+    return out
+
+
+def _sum_partials(blocks: torch.Tensor, world: int, num_tokens: int, dtype) -> torch.Tensor:
+    parts = blocks.view(world, -1, *blocks.shape[1:])[:, :num_tokens]
+    acc = parts[0].float()
+    for s in range(1, world):  # rank order, fp32
+        acc = acc + parts[s].float()
+    return acc.to(dtype)
+
+
+class DispatchRows(torch.autograd.Function):
+    """x [T, C...] on each rank -> [W*capacity, C...] on every rank (padding rows filled with ``fill``)."""
+
+    @staticmethod
+    def forward(ctx, x, capacity: int, group, fill):
+        ctx.group, ctx.num_tokens, ctx.dtype = group, x.shape[0], x.dtype
+        return all_gather_blocks(_pad_rows(x, capacity, fill), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        world = torch.distributed.get_world_size(ctx.group)
+        back = exchange_blocks(grad.contiguous(), ctx.group)
+        return _sum_partials(back, world, ctx.num_tokens, ctx.dtype), None, None, None
+
+
+class CombineRows(torch.autograd.Function):
+    """Partial rows [W*capacity, H] (block s: this rank's results for rank s's tokens) -> [T, H] on each rank."""
+
+    @staticmethod
+    def forward(ctx, partials, num_tokens: int, group):
+        ctx.group, ctx.capacity = group, partials.shape[0] // torch.distributed.get_world_size(group)
+        world = torch.distributed.get_world_size(group)
+        back = exchange_blocks(partials, group)
+        return _sum_partials(back, world, num_tokens, partials.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_blocks(_pad_rows(grad.contiguous(), ctx.capacity), ctx.group), None, None
+
+
+def dispatch_rows(x: torch.Tensor, capacity: int, group, fill=0) -> torch.Tensor:
+    if x.requires_grad or x.is_floating_point():
+        return DispatchRows.apply(x, capacity, group, fill)
+    return all_gather_blocks(_pad_rows(x, capacity, fill), group)
+
+
+def combine_rows_across(partials: torch.Tensor, num_tokens: int, group) -> torch.Tensor:
+    return CombineRows.apply(partials, num_tokens, group)
