@@ -36,3 +36,26 @@ def exchange_blocks(blocks: torch.Tensor, group) -> torch.Tensor:
     out = torch.empty_like(blocks)
     dist.all_to_all_single(_wire(out), _wire(blocks.contiguous()), group=group)
     return out
+
+
+class _AllToAllVariable(torch.autograd.Function):
+    """all_to_all with host-known split sizes (the baseline's exchange); the backward sends gradients back."""
+
+    @staticmethod
+    def forward(ctx, inp, out_splits: list[int], in_splits: list[int], group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = inp.new_empty((sum(out_splits), *inp.shape[1:]))
+        dist.all_to_all_single(_wire(out), _wire(inp.contiguous()), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(_wire(back), _wire(grad.contiguous()), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def all_to_all_variable(inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """Differentiable all_to_all of rows with split sizes given on the host."""
+    return _AllToAllVariable.apply(inp, out_splits, in_splits, group)

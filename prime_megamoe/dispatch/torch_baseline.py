@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.nn.functional import all_to_all_single
 
+from ..comm.collectives import all_to_all_variable
 from ..config import DispatchConfig
 from .registry import register_backend
 
@@ -78,9 +78,7 @@ def torch_experts(
         recv_counts = recv_counts.view(world, num_local)  # [source rank, local expert]
         send_splits = send_counts.sum(1).tolist()
         recv_splits = recv_counts.sum(1).tolist()
-        recv_rows = all_to_all_single(
-            send_rows.new_empty(sum(recv_splits), hidden), send_rows, recv_splits, send_splits, group=group
-        )
+        recv_rows = all_to_all_variable(send_rows, recv_splits, send_splits, group)
         # Received rows are ordered (source rank, local expert); the GEMMs want (local expert, source rank).
         source_major = torch.arange(recv_counts.numel(), device=recv_rows.device).view(world, num_local)
         segment_id = torch.repeat_interleave(source_major.reshape(-1), recv_counts.reshape(-1), output_size=sum(recv_splits))
@@ -90,9 +88,7 @@ def torch_experts(
             recv_rows[expert_major], gate_up_proj, down_proj, recv_counts.sum(0).tolist()
         )
         out_recv = torch.empty_like(out_expert_major).index_copy(0, expert_major, out_expert_major)
-        out_sorted = all_to_all_single(
-            out_recv.new_empty(num_tokens * top_k, hidden), out_recv, send_splits, recv_splits, group=group
-        )
+        out_sorted = all_to_all_variable(out_recv, send_splits, recv_splits, group)
 
     out_pairs = torch.empty_like(out_sorted).index_copy(0, order, out_sorted).view(num_tokens, top_k, hidden)
     weighted = out_pairs * top_k_weights.to(out_pairs.dtype).unsqueeze(-1)
