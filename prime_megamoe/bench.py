@@ -51,6 +51,7 @@ class Result:
     backward_tflops: float
     f2b1_tflops: float
     peak_mem_gib: float
+    host_fwd_ms: float
     max_rel_err_vs_torch: float | None = None
 
 
@@ -108,6 +109,8 @@ def bench_one(shape, tokens, backend, precision, group, iters, warmup, reference
         return fused_experts(xg, index, wg, w1g, w2g, dispatch=options, precision=precision, group=group)
 
     def fwd_bwd():
+        for t in (xg, wg, w1g, w2g):  # as after optimizer.zero_grad(): gradients are written, not accumulated
+            t.grad = None
         out = fwd_grad()
         out.backward(dy)
 
@@ -116,6 +119,11 @@ def bench_one(shape, tokens, backend, precision, group, iters, warmup, reference
         fwd_bwd()
 
     out = fwd()
+    fwd()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fwd()
+    host_ms = (time.perf_counter() - t0) * 1e3  # host time to issue one forward (includes any host sync)
     err = None
     if reference is not None:
         err = float((out.float() - reference.float()).norm() / reference.float().norm())
@@ -136,7 +144,7 @@ def bench_one(shape, tokens, backend, precision, group, iters, warmup, reference
         shape, tokens, world, backend, precision,
         round(t_f, 4), round(t_b, 4), round(t_2f1b, 4),
         round(flops / t_f / 1e9, 1), round(2 * flops / t_b / 1e9, 1), round(4 * flops / t_2f1b / 1e9, 1),
-        round(peak, 3), None if err is None else round(err, 6),
+        round(peak, 3), round(host_ms, 3), None if err is None else round(err, 6),
     )
     return res, out
 
@@ -149,19 +157,28 @@ def profile_one(shape, tokens, backend, precision, group, path):
     xg, wg, w1g, w2g = (t.detach().clone().requires_grad_() for t in (x, weights, w1, w2))
     options = DispatchConfig(type=backend, max_tokens_per_rank=tokens)
     dy = torch.randn_like(x)
-    for _ in range(2):
+    def step():
+        for t in (xg, wg, w1g, w2g):
+            t.grad = None
+        with torch.no_grad():
+            fused_experts(x, index, weights, w1, w2, dispatch=options, precision=precision, group=group)
         fused_experts(xg, index, wg, w1g, w2g, dispatch=options, precision=precision, group=group).backward(dy)
+
+    for _ in range(2):
+        step()
     torch.cuda.synchronize()
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
-            fused_experts(xg, index, wg, w1g, w2g, dispatch=options, precision=precision, group=group).backward(dy)
+            step()
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
     if rank == 0:
         with open(path, "w") as fh:
-            fh.write(f"# {shape} T={tokens} ep={world} {backend} {precision}: 3 x (forward + backward)\n{table}\n")
+            fh.write(f"# {shape} T={tokens} ep={world} {backend} {precision}: 3 x (no-grad forward, forward + "
+                     f"backward)\n{table}\n")
+        prof.export_chrome_trace(path.replace(".txt", ".trace.json"))
     return table
 
 
@@ -183,7 +200,7 @@ def environment() -> dict:
 def format_table(results: list[Result]) -> str:
     head = (
         f"{'shape':16} {'T':>6} {'ep':>2} {'backend':9} {'prec':7} {'fwd ms':>8} {'bwd ms':>8} {'2F+1B':>8} "
-        f"{'fwd TF':>7} {'bwd TF':>7} {'x fwd':>6} {'x bwd':>6} {'x 2F1B':>6} {'mem GiB':>7} {'err':>9}"
+        f"{'fwd TF':>7} {'bwd TF':>7} {'x fwd':>6} {'x bwd':>6} {'x 2F1B':>6} {'mem GiB':>7} {'host ms':>7} {'err':>9}"
     )
     lines = [head]
     base = {(r.shape, r.tokens_per_rank, r.ep): r for r in results if r.backend == "torch"}
@@ -194,7 +211,7 @@ def format_table(results: list[Result]) -> str:
             f"{r.shape:16} {r.tokens_per_rank:6d} {r.ep:2d} {r.backend:9} {r.precision:7} {r.forward_ms:8.3f} "
             f"{r.backward_ms:8.3f} {r.f2b1_ms:8.3f} {r.forward_tflops:7.1f} {r.backward_tflops:7.1f} "
             f"{ratio(b.forward_ms, r.forward_ms) if b else '   n/a'} {ratio(b.backward_ms, r.backward_ms) if b else '   n/a'} "
-            f"{ratio(b.f2b1_ms, r.f2b1_ms) if b else '   n/a'} {r.peak_mem_gib:7.2f} "
+            f"{ratio(b.f2b1_ms, r.f2b1_ms) if b else '   n/a'} {r.peak_mem_gib:7.2f} {r.host_fwd_ms:7.3f} "
             f"{'' if r.max_rel_err_vs_torch is None else f'{r.max_rel_err_vs_torch:9.2e}'}"
         )
     return "\n".join(lines)
@@ -209,7 +226,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", default=None, help="JSON file for the results")
-    p.add_argument("--profile-dir", default=None, help="write per-kernel profiler tables here")
+    p.add_argument("--profile-dir", default=None, help="write per-kernel profiler tables and traces here")
+    p.add_argument("--profile-backends", nargs="+", default=["mega_moe"])
+    p.add_argument("--profile-tokens", nargs="+", type=int, default=[16384])
     args = p.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -244,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
                     results.append(res)
                     if rank == 0:
                         print(json.dumps(asdict(res)), flush=True)
-                    if args.profile_dir:
+                    if args.profile_dir and backend in args.profile_backends and tokens in args.profile_tokens:
                         os.makedirs(args.profile_dir, exist_ok=True)
                         path = os.path.join(args.profile_dir, f"profile_{shape}_T{tokens}_ep{res.ep}_{backend}_{precision}.txt")
                         profile_one(shape, tokens, backend, precision, group, path)

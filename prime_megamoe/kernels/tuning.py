@@ -41,30 +41,32 @@ def autotune_configs(kind: str) -> list[triton.Config]:
     m = tile_m()
     if kind == "fc1":  # two accumulators (gate and up) per tile
         return [
-            _cfg(m, 64, 64, 4, 4),
-            _cfg(m, 64, 64, 8, 4),
             _cfg(m, 128, 64, 8, 3),
-            _cfg(m, 64, 128, 8, 3),
+            _cfg(m, 128, 64, 8, 4),
+            _cfg(m, 128, 32, 8, 5),
+            _cfg(m, 64, 64, 8, 4),
         ]
     if kind == "gemm":
         return [
             _cfg(m, 128, 64, 8, 4),
-            _cfg(m, 128, 64, 4, 4),
             _cfg(m, 256, 64, 8, 3),
+            _cfg(m, 256, 64, 8, 4),
+            _cfg(m, 128, 128, 8, 3),
             _cfg(m, 64, 64, 4, 5),
         ]
     if kind == "dswiglu":
         return [
-            _cfg(m, 64, 64, 4, 4),
             _cfg(m, 64, 64, 8, 4),
-            _cfg(m, 128, 64, 8, 3),
-            _cfg(m, 128, 64, 4, 4),
+            _cfg(m, 64, 64, 8, 5),
+            _cfg(m, 64, 128, 8, 3),
+            _cfg(m, 128, 64, 8, 4),
         ]
     if kind == "wgrad":
         return [
             _cfg(128, 128, 64, 8, 3, GROUP_M=8),
+            _cfg(128, 128, 64, 8, 4, GROUP_M=8),
             _cfg(128, 128, 32, 4, 4, GROUP_M=8),
-            _cfg(128, 256, 64, 8, 3, GROUP_M=8),
+            _cfg(256, 128, 64, 8, 3, GROUP_M=8),
             _cfg(64, 128, 64, 4, 4, GROUP_M=8),
         ]
     raise ValueError(f"unknown kernel family {kind!r}")
