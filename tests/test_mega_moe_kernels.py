@@ -1,0 +1,351 @@
+"""The fused Triton path (`dispatch="mega_moe"`, one rank) against the transformers float64 oracle, its determinism,
+and unit tests of its pieces: the device-side routing plan and the deterministic row combine.
+
+Without a GPU the kernels run in the Triton interpreter (tests/conftest.py), which takes seconds per call, so the
+oracle cases are few and small but cover the awkward parts: H and I that are not multiples of the tile sizes,
+experts with no rows, an expert spanning several row tiles, k = 1 and k = 4, T = 1, fp32 and bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prime_megamoe import DispatchConfig, fused_experts
+from prime_megamoe.kernels.tuning import interpreting
+from prime_megamoe.ops.launch import combine_rows
+from prime_megamoe.ops.routing_plan import build_routing_plan
+
+from .oracle import oracle_with_grads, ragged_routing, rel_err
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+NAMES = ("out", "d_hidden_states", "d_top_k_weights", "d_gate_up_proj", "d_down_proj")
+
+
+def make_problem(num_tokens, hidden, inter, experts, top_k, dtype, *, seed, routing="uniform", hot_fraction=0.7,
+                 device="cpu"):
+    """Random inputs in ``dtype``: tokens, router-like routing, weights at a unit-variance scale, upstream grad."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w1 = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5
+    grad_out = torch.randn(num_tokens, hidden, generator=gen)
+    route_seed = seed * 7919 + 1
+    if routing == "uniform":
+        index, weights = ragged_routing(num_tokens, experts, top_k, seed=route_seed, empty_expert=None, hot_expert=None)
+    elif routing == "ragged":  # expert 0 never chosen, expert 1 chosen by most tokens
+        index, weights = ragged_routing(num_tokens, experts, top_k, seed=route_seed, hot_fraction=hot_fraction)
+    else:
+        raise ValueError(routing)
+    x, weights, w1, w2, grad_out = (t.to(device=device, dtype=dtype) for t in (x, weights, w1, w2, grad_out))
+    return x, index.to(device), weights, w1, w2, grad_out
+
+
+def run_mega_moe(x, index, weights, w1, w2, grad_out, dispatch="mega_moe"):
+    leaves = [t.detach().clone().requires_grad_() for t in (x, weights, w1, w2)]
+    out = fused_experts(leaves[0], index, leaves[1], leaves[2], leaves[3], dispatch=dispatch, group=None)
+    out.backward(grad_out)
+    return (out.detach(), *(t.grad for t in leaves))
+
+
+def assert_matches_oracle(got, x, index, weights, w1, w2, grad_out, tol):
+    ref = oracle_with_grads(x, index, weights, w1, w2, grad_out)
+    inputs = (x, x, weights, w1, w2)
+    for name, a, b, like in zip(NAMES, got, ref, inputs):
+        assert a is not None, f"{name}: no gradient"
+        assert a.shape == like.shape and a.dtype == like.dtype, f"{name}: {a.shape}/{a.dtype}"
+        assert torch.isfinite(a).all(), f"{name}: non-finite values"
+        err = rel_err(a, b)
+        assert err <= tol, f"{name}: relative error {err:.3e} > {tol:.0e}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fused layer vs the float64 oracle (interpreter: each case is one forward and one backward)
+
+# (id, T, H, I, E, k, routing)
+ORACLE_CASES = [
+    ("uniform_T24_H32_I16_E4_k2", 24, 32, 16, 4, 2, "uniform"),
+    ("ragged_T33_H40_I24_E6_k4", 33, 40, 24, 6, 4, "ragged"),  # H, I not multiples of 16; expert 0 empty
+    ("ragged_T40_H48_I40_E8_k2", 40, 48, 40, 8, 2, "ragged"),  # hot expert spans several 16-row tiles
+    ("k1_T20_H40_I24_E4", 20, 40, 24, 4, 1, "ragged"),
+    ("T1_H32_I16_E8_k4", 1, 32, 16, 8, 4, "uniform"),
+    ("T3_H24_I8_E8_k2_sparse", 3, 24, 8, 8, 2, "uniform"),  # most experts have no rows
+]
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("case", ORACLE_CASES, ids=lambda c: c[0])
+def test_mega_moe_matches_oracle(case, dtype_name):
+    name, t, h, i, e, k, routing = case
+    dtype = DTYPES[dtype_name]
+    seed = 31 * ORACLE_CASES.index(case) + len(dtype_name)
+    x, index, weights, w1, w2, g = make_problem(t, h, i, e, k, dtype, seed=seed, routing=routing)
+    got = run_mega_moe(x, index, weights, w1, w2, g)
+    assert_matches_oracle(got, x, index, weights, w1, w2, g, TOL[dtype])
+    if routing == "ragged":
+        # The expert nobody chose has exactly zero weight gradients.
+        assert torch.count_nonzero(got[3][0]) == 0 and torch.count_nonzero(got[4][0]) == 0
+
+
+def test_mega_moe_matches_oracle_int32_index_and_config():
+    # int32 ids, a DispatchConfig instead of a name, an extremely hot expert (4 tiles of rows), fp32.
+    x, index, weights, w1, w2, g = make_problem(48, 24, 16, 4, 2, torch.float32, seed=77, routing="ragged",
+                                                hot_fraction=0.95)
+    counts = torch.bincount(index.reshape(-1), minlength=4)
+    assert counts[1] > 3 * 16 - 8  # the hot expert really spans several row tiles
+    got = run_mega_moe(x, index.to(torch.int32), weights, w1, w2, g, dispatch=DispatchConfig(type="mega_moe"))
+    assert_matches_oracle(got, x, index, weights, w1, w2, g, TOL[torch.float32])
+
+
+def test_mega_moe_duplicate_expert_in_one_token():
+    # Two slots of one token naming the same expert must both count (the oracle and the loop agree on this).
+    x, index, weights, w1, w2, g = make_problem(9, 32, 16, 4, 2, torch.float32, seed=5)
+    index[::2, 1] = index[::2, 0]
+    got = run_mega_moe(x, index, weights, w1, w2, g)
+    assert_matches_oracle(got, x, index, weights, w1, w2, g, TOL[torch.float32])
+
+
+def test_mega_moe_partial_grads_and_no_grad_forward():
+    # Only gate_up_proj needs a gradient (the other autograd branches are skipped); a no-grad forward gives the
+    # same output bit for bit as the forward that saves activations.
+    x, index, weights, w1, w2, g = make_problem(18, 40, 24, 4, 2, torch.float32, seed=8, routing="ragged")
+    w1p = w1.clone().requires_grad_()
+    out = fused_experts(x, index, weights, w1p, w2, dispatch="mega_moe")
+    (gw1,) = torch.autograd.grad(out, [w1p], g)
+    with torch.no_grad():
+        out_nograd = fused_experts(x, index, weights, w1, w2, dispatch="mega_moe")
+    assert torch.equal(out.detach(), out_nograd)
+    ref = oracle_with_grads(x, index, weights, w1, w2, g)
+    assert rel_err(out, ref[0]) <= 1e-5
+    assert rel_err(gw1, ref[3]) <= 1e-5
+
+
+def test_mega_moe_agrees_with_torch_backend_in_bf16():
+    x, index, weights, w1, w2, g = make_problem(20, 40, 24, 6, 3, torch.bfloat16, seed=12, routing="ragged")
+    fused = run_mega_moe(x, index, weights, w1, w2, g)
+    baseline = run_mega_moe(x, index, weights, w1, w2, g, dispatch="torch")
+    for name, a, b in zip(NAMES, fused, baseline):
+        assert rel_err(a, b) <= 2e-2, name
+
+
+def test_mega_moe_no_tokens_forward():
+    x, index, weights, w1, w2, _ = make_problem(0, 32, 16, 4, 2, torch.float32, seed=1)
+    out = fused_experts(x, index, weights, w1, w2, dispatch="mega_moe")
+    assert out.shape == (0, 32) and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_mega_moe_is_bitwise_deterministic(dtype_name):
+    dtype = DTYPES[dtype_name]
+    x, index, weights, w1, w2, g = make_problem(26, 40, 24, 6, 4, dtype, seed=99, routing="ragged")
+    first = run_mega_moe(x, index, weights, w1, w2, g)
+    second = run_mega_moe(x, index, weights, w1, w2, g)
+    for name, a, b in zip(NAMES, first, second):
+        assert torch.equal(a, b), f"{name} differs between two identical calls"
+    assert rel_err(first[0], oracle_with_grads(x, index, weights, w1, w2, g)[0]) <= TOL[dtype]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Routing plan (plain torch ops; fast)
+
+
+def _random_ids(num_rows, top_k, num_experts, seed, pad_rows=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_rows)])
+    if pad_rows:
+        ids[-pad_rows:] = -1  # padding rows, as a receive buffer holds past its last valid row
+    weights = torch.rand(num_rows, top_k, generator=gen)
+    return ids, weights
+
+
+def check_plan(ids, weights, base, num_local, tile_m):
+    plan = build_routing_plan(ids, weights, expert_base=base, num_local_experts=num_local, tile_m=tile_m)
+    rows, k = ids.shape
+    local = ids.long() - base
+    is_local = (local >= 0) & (local < num_local)
+    counts = torch.bincount(local[is_local], minlength=num_local)
+    total = int(counts.sum())
+
+    assert plan.num_rows == rows and plan.top_k == k and plan.num_pairs == rows * k
+    for t in (plan.expert_offsets, plan.row_src, plan.pair_pos, plan.tile_expert, plan.tile_row, plan.num_tiles):
+        assert t.dtype == torch.int32
+    assert plan.row_weight.dtype == torch.float32
+
+    # Offsets: exclusive prefix sum of the per-expert counts.
+    expected_offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+    assert torch.equal(plan.expert_offsets.long(), expected_offsets)
+
+    # pair_pos: a permutation of [0, total) on local pairs, -1 on the others.
+    pos = plan.pair_pos.long()
+    assert pos.shape == (rows, k)
+    assert torch.equal(pos < 0, ~is_local)
+    assert (pos[~is_local] == -1).all()
+    assert torch.equal(pos[is_local].sort().values, torch.arange(total))
+
+    # Each local pair's sorted row lies in its expert's range and points back at its source row and weight;
+    # inside one expert the rows keep the pairs' order.
+    src_row = torch.arange(rows).unsqueeze(1).expand(rows, k)
+    p = pos[is_local]
+    assert torch.equal(plan.row_src.long()[p], src_row[is_local])
+    assert torch.equal(plan.row_weight[p], weights[is_local].float())
+    e = local[is_local]
+    assert ((plan.expert_offsets.long()[e] <= p) & (p < plan.expert_offsets.long()[e + 1])).all()
+    for expert in range(num_local):  # boolean indexing keeps (row, slot) order, so p must increase within e
+        assert (p[e == expert].diff() > 0).all(), f"rows of expert {expert} are not in pair order"
+
+    # Tile list: ceil(count / tile_m) tiles per expert, in expert order, covering every sorted row exactly once.
+    num_tiles = int(plan.num_tiles[0])
+    assert num_tiles == int(((counts + tile_m - 1) // tile_m).sum())
+    assert plan.max_tiles >= num_tiles
+    covered = torch.zeros(total, dtype=torch.long)
+    tile_exp = plan.tile_expert.long()[:num_tiles]
+    assert (tile_exp.diff() >= 0).all()
+    for i in range(num_tiles):
+        exp, start = int(plan.tile_expert[i]), int(plan.tile_row[i])
+        lo, hi = int(plan.expert_offsets[exp]), int(plan.expert_offsets[exp + 1])
+        assert lo <= start < hi, f"tile {i} starts at {start}, outside expert {exp}'s rows [{lo}, {hi})"
+        assert (start - lo) % tile_m == 0
+        covered[start:min(start + tile_m, hi)] += 1
+    assert (covered == 1).all(), "some sorted row is in no tile or in two"
+    # Unused tile slots still name a valid expert (kernels may read them before checking num_tiles).
+    assert ((plan.tile_expert >= 0) & (plan.tile_expert < num_local)).all()
+    return plan
+
+
+@pytest.mark.parametrize("tile_m", [1, 4, 16])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_routing_plan_single_rank(seed, tile_m):
+    ids, weights = _random_ids(37, 3, 8, seed)
+    ids[ids == 5] = 6 if seed else 4  # expert 5 gets no rows; a row may now name one expert twice, which is allowed
+    check_plan(ids, weights, base=0, num_local=8, tile_m=tile_m)
+
+
+@pytest.mark.parametrize("base, num_local", [(0, 2), (2, 3), (6, 2)])
+def test_routing_plan_expert_slice(base, num_local):
+    # One rank's slice of the experts, with padding rows (-1) at the end: only local pairs are planned.
+    ids, weights = _random_ids(29, 4, 8, seed=base + 10, pad_rows=5)
+    plan = check_plan(ids, weights, base=base, num_local=num_local, tile_m=4)
+    assert (plan.pair_pos[-5:] == -1).all()
+
+
+def test_routing_plan_ragged():
+    idx, w = ragged_routing(40, 8, 2, seed=4, hot_fraction=0.9)
+    plan = check_plan(idx, w, base=0, num_local=8, tile_m=16)
+    counts = plan.expert_offsets.diff()
+    assert counts[0] == 0 and counts[1] > 16  # the empty expert has no tile, the hot one more than one
+    assert not (plan.tile_expert[: int(plan.num_tiles[0])] == 0).any()
+
+
+def test_routing_plan_nothing_local():
+    ids, weights = _random_ids(10, 2, 4, seed=3)
+    plan = check_plan(ids, weights, base=4, num_local=4, tile_m=16)
+    assert int(plan.num_tiles[0]) == 0
+    assert (plan.pair_pos == -1).all()
+    assert (plan.expert_offsets == 0).all()
+
+
+def test_routing_plan_single_row():
+    ids = torch.tensor([[3, 0, 2]])
+    weights = torch.tensor([[0.5, 0.3, 0.2]])
+    plan = check_plan(ids, weights, base=0, num_local=4, tile_m=16)
+    assert plan.pair_pos.tolist() == [[2, 0, 1]]
+    assert plan.expert_offsets.tolist() == [0, 1, 1, 2, 3]
+    assert plan.row_weight[:3].tolist() == pytest.approx([0.3, 0.2, 0.5])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# combine_rows (one small kernel; interpreter)
+
+
+def to_kernel_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 -> ``dtype`` the way a Triton store converts: round to nearest even on a GPU; the interpreter
+    truncates fp32 -> bf16 (it keeps bf16 as raw 16-bit integers and drops the low half)."""
+    if dtype == torch.bfloat16 and interpreting():
+        return (x.float().view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype)
+    return x.to(dtype)
+
+
+def combine_reference(src, pair_pos, out_dtype):
+    out = torch.zeros(pair_pos.shape[0], src.shape[1], dtype=torch.float32)
+    for j in range(pair_pos.shape[1]):  # slot order, fp32 sum: the order the kernel promises
+        p = pair_pos[:, j].long()
+        valid = p >= 0
+        out[valid] += src[p[valid]].float()
+    return to_kernel_dtype(out, out_dtype)
+
+
+@pytest.mark.parametrize(
+    "rows, top_k, hidden, src_dtype, out_dtype",
+    [
+        (9, 2, 40, torch.float32, torch.float32),
+        (7, 3, 100, torch.bfloat16, torch.bfloat16),  # more than one column block
+        (5, 1, 24, torch.float32, torch.bfloat16),
+        (6, 4, 16, torch.bfloat16, torch.float32),
+    ],
+)
+def test_combine_rows_matches_reference(rows, top_k, hidden, src_dtype, out_dtype):
+    gen = torch.Generator().manual_seed(rows * 100 + top_k)
+    num_src = rows * top_k + 3
+    src = torch.randn(num_src, hidden, generator=gen).to(src_dtype)
+    pair_pos = torch.randperm(num_src, generator=gen)[: rows * top_k].view(rows, top_k)
+    drop = torch.rand(rows, top_k, generator=gen) < 0.3
+    pair_pos = torch.where(drop, -1, pair_pos)
+    pair_pos[1] = -1  # a row with no local slot
+    pair_pos = pair_pos.to(torch.int32)
+    out = combine_rows(src, pair_pos, out_dtype)
+    assert out.dtype == out_dtype and out.shape == (rows, hidden)
+    ref = combine_reference(src, pair_pos, out_dtype)
+    assert torch.equal(out, ref), f"max difference {(out.float() - ref.float()).abs().max():.3e}"
+    # Whatever the rounding, the result is within one unit in the last place of the exact fp32 sum.
+    exact = combine_reference(src, pair_pos, torch.float32)
+    torch.testing.assert_close(out.float(), exact, rtol=2 * torch.finfo(out_dtype).eps, atol=0)
+    assert (out[1] == 0).all()
+
+
+def test_combine_rows_strided_source_and_no_rows():
+    # A source that is a column slice of a wider buffer (row stride != hidden).
+    gen = torch.Generator().manual_seed(2)
+    wide = torch.randn(12, 50, generator=gen)
+    src = wide[:, :30]
+    pair_pos = torch.tensor([[0, 5], [-1, 11], [-1, -1], [3, 2]], dtype=torch.int32)
+    out = combine_rows(src, pair_pos, torch.float32)
+    assert torch.equal(out, combine_reference(src.contiguous(), pair_pos, torch.float32))
+    empty = combine_rows(src, pair_pos[:0], torch.float32)
+    assert empty.shape == (0, 30)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# On a GPU: the Qwen3-30B-A3B layer shape (skipped without CUDA)
+
+
+@pytest.mark.gpu
+class TestQwen3ShapeOnGPU:
+    T, H, I, E, K = 4096, 2048, 768, 128, 8
+
+    def _problem(self, seed):
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(self.T, self.H, generator=gen)
+        logits = torch.randn(self.T, self.E, generator=gen)
+        w1 = torch.randn(self.E, 2 * self.I, self.H, generator=gen) * self.H**-0.5
+        w2 = torch.randn(self.E, self.H, self.I, generator=gen) * self.I**-0.5
+        g = torch.randn(self.T, self.H, generator=gen)
+        weights, index = torch.softmax(logits, -1).topk(self.K, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        dev = torch.device("cuda")
+        x, weights, w1, w2, g = (t.to(dev, torch.bfloat16) for t in (x, weights, w1, w2, g))
+        return x, index.to(dev), weights, w1, w2, g
+
+    def test_matches_float64_oracle_bf16(self):
+        x, index, weights, w1, w2, g = self._problem(0)
+        got = run_mega_moe(x, index, weights, w1, w2, g)
+        torch.cuda.synchronize()
+        # transformers' experts in float64 on the GPU (the oracle loops over experts, so memory stays small).
+        assert_matches_oracle(got, x, index, weights, w1, w2, g, TOL[torch.bfloat16])
+
+    def test_bitwise_deterministic(self):
+        x, index, weights, w1, w2, g = self._problem(1)
+        first = run_mega_moe(x, index, weights, w1, w2, g)
+        second = run_mega_moe(x, index, weights, w1, w2, g)
+        for name, a, b in zip(NAMES, first, second):
+            assert torch.equal(a, b), f"{name} differs between two identical calls"
