@@ -1,0 +1,407 @@
+"""Grouped GEMMs with float8 e4m3 operands and block scales: the quantised twins of ``grouped_gemm.py``.
+
+Rows are in expert-sorted order and tiles come from the device-side tile list of the routing plan, as in the bf16
+kernels; the row tile here is always ``QTILE_M`` = 128 rows (one token-dim scale block per tile, see wgrad).
+
+Two scale formats, picked by the constexpr ``MX``:
+
+- ``MX = False`` (fp8, DeepSeek-V3 recipe): fp32 scales. The A operand (activations) carries one scale per row and
+  128 columns of K (``GROUP_K`` = 128); the B operand (weights) one per 128 x 128 block (``B_GROUP_N`` = 128). Each
+  BLOCK_K (<= 128, dividing 128) step is one fp8 ``tl.dot`` into a fresh fp32 tile that is then scaled and added to
+  the accumulator, so partial sums are promoted to full fp32 every 128 products (wgmma's fp8 accumulator is
+  narrower than fp32).
+- ``MX = True`` (OCP MXFP8): e8m0 scales for 1 x 32 blocks along K on both operands (``GROUP_K`` = 32,
+  ``B_GROUP_N`` = 1), consumed by ``tl.dot_scaled``. Blackwell runs that natively; on Hopper Triton decomposes it
+  (upcasts the operands to bf16 with the scale applied, then a bf16 MMA): mxfp8 on Hopper is an emulation with
+  MX numerics and bf16 speed.
+
+Every B operand is a weight stored K-major: ``B[e][k, n] = bq[e, n, k]`` with scales ``bs[e, n // B_GROUP_N, kg]``.
+The forward uses the weight as it is stored (``W1 [E, 2I, H]``, ``W2 [E, H, I]``), the dgrads use a transposed copy
+(``W1^T [E, H, 2I]``, ``W2^T [E, I, H]``), made once per optimizer step by the weight cache.
+
+A reduction dim made of two halves (``2I`` = gate and up) is treated as ``SEGS`` = 2 segments of length K, each
+blocked from its own start, so I need not be a multiple of the block size. Any K is allowed: loads past K are
+masked to zero and the last block's scale covers only the real elements.
+
+Kernels only: they know nothing of autograd or configs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+from .quantize import e8m0_from_scale, quant_groups_cols, quant_groups_rows
+
+QTILE_M = 128  # row tile of every quantised grouped GEMM = the token-dim block of the wgrad scales
+DW_CHUNK_Q = 64  # chunk of the top-k weight gradient partial sums (every dSwiGLU BLOCK_N is a multiple)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _cfg(bn, bk, warps, stages, bm=QTILE_M, **extra):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, **extra}, num_warps=warps, num_stages=stages)
+
+
+def quant_configs(kind: str) -> list[triton.Config]:
+    """Autotuning candidates. BLOCK_K divides 128 (one fp32 scale per step) and is a multiple of 32 (MX groups);
+    dSwiGLU's BLOCK_N is a multiple of 128 (it emits 1x128-scaled fp8) and of DW_CHUNK_Q.
+    Untuned on hardware so far: these are starting points for an H100/H200 sweep."""
+    if _interpreting():
+        extra = {"GROUP_M": 1} if kind == "wgrad" else {}
+        return [_cfg(128, 128, 1, 1, **extra)]
+    if kind == "fc1":  # two accumulators (gate and up)
+        return [_cfg(128, 128, 8, 3), _cfg(128, 128, 8, 4), _cfg(64, 128, 4, 4)]
+    if kind == "gemm":
+        return [_cfg(128, 128, 8, 3), _cfg(256, 128, 8, 3), _cfg(128, 128, 4, 4), _cfg(128, 64, 8, 4)]
+    if kind == "dswiglu":
+        return [_cfg(128, 128, 8, 3), _cfg(128, 128, 8, 4), _cfg(128, 64, 8, 4)]
+    if kind == "wgrad":  # BLOCK_K is the row tile (QTILE_M); BLOCK_M / BLOCK_N tile the weight
+        return [
+            _cfg(128, QTILE_M, 8, 3, bm=128, GROUP_M=8),
+            _cfg(256, QTILE_M, 8, 3, bm=128, GROUP_M=8),
+            _cfg(128, QTILE_M, 4, 4, bm=64, GROUP_M=8),
+        ]
+    raise ValueError(f"unknown kernel family {kind!r}")
+
+
+@triton.jit
+def _tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M: tl.constexpr):
+    expert = tl.load(tile_expert_ptr + pid_m)
+    row_start = tl.load(tile_row_ptr + pid_m)
+    row_end = tl.load(expert_offsets_ptr + expert + 1)
+    rows = row_start + tl.arange(0, BLOCK_M)
+    return expert, rows, rows < row_end
+
+
+@triton.jit
+def _a_scales(s_ptr, rows64, row_mask, stride_sm, kg0, kg_end, MX: tl.constexpr, BLOCK_K: tl.constexpr,
+              GROUP_K: tl.constexpr):
+    """Scales of an A tile (rows x BLOCK_K at group kg0): fp8 [BLOCK_M] fp32, MX [BLOCK_M, BLOCK_K // 32] e8m0."""
+    if MX:
+        kg = kg0 + tl.arange(0, BLOCK_K // GROUP_K)
+        return tl.load(s_ptr + rows64[:, None] * stride_sm + kg[None, :],
+                       mask=row_mask[:, None] & (kg < kg_end)[None, :], other=127)
+    else:
+        return tl.load(s_ptr + rows64 * stride_sm + kg0, mask=row_mask, other=0.0)
+
+
+@triton.jit
+def _b_scales(s_ptr, cols, col_mask, stride_sn, kg0, kg_end, MX: tl.constexpr, BLOCK_K: tl.constexpr,
+              GROUP_K: tl.constexpr, B_GROUP_N: tl.constexpr):
+    """Scales of a B tile (BLOCK_K x cols at group kg0): fp8 [BLOCK_N] fp32, MX [BLOCK_N, BLOCK_K // 32] e8m0."""
+    n_idx = (cols // B_GROUP_N).to(tl.int64)
+    if MX:
+        kg = kg0 + tl.arange(0, BLOCK_K // GROUP_K)
+        return tl.load(s_ptr + n_idx[:, None] * stride_sn + kg[None, :],
+                       mask=col_mask[:, None] & (kg < kg_end)[None, :], other=127)
+    else:
+        return tl.load(s_ptr + n_idx * stride_sn + kg0, mask=col_mask, other=0.0)
+
+
+@triton.jit
+def _scaled_mma(acc, a, sa, b, sb, MX: tl.constexpr):
+    if MX:
+        return tl.dot_scaled(a, sa, "e4m3", b, sb, "e4m3", acc)
+    else:
+        return acc + tl.dot(a, b) * (sa[:, None] * sb[None, :])
+
+
+@triton.jit
+def _store_rows_q(q_ptr, s_ptr, x, rows64, row_mask, cols, col_mask, col_off, sgrp_off, n_groups,
+                  stride_qm, stride_sm, pid_n, MX: tl.constexpr, POW2: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr):
+    """Quantise x [BLOCK_M, BLOCK_N] in 1 x GROUP_K blocks and store values at columns col_off + cols, scales at
+    groups sgrp_off + pid_n * (BLOCK_N // GROUP_K) + j."""
+    q, s = quant_groups_rows(x, BLOCK_M, BLOCK_N, GROUP_K, POW2 or MX)
+    tl.store(q_ptr + rows64[:, None] * stride_qm + (col_off + cols)[None, :], q,
+             mask=row_mask[:, None] & col_mask[None, :])
+    grp = pid_n * (BLOCK_N // GROUP_K) + tl.arange(0, BLOCK_N // GROUP_K)
+    s_ptrs = s_ptr + rows64[:, None] * stride_sm + (sgrp_off + grp)[None, :]
+    s_mask = row_mask[:, None] & (grp < n_groups)[None, :]
+    if MX:
+        tl.store(s_ptrs, e8m0_from_scale(s), mask=s_mask)
+    else:
+        tl.store(s_ptrs, s, mask=s_mask)
+
+
+@triton.jit
+def _store_cols_q(q_ptr, s_ptr, x, rows64, row_mask, cols, col_mask, col_off, pid_m,
+                  stride_qm, stride_sr, MX: tl.constexpr, POW2: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_R: tl.constexpr):
+    """Quantise x [BLOCK_M, BLOCK_N] (one row tile) in GROUP_R x 1 blocks along the rows: values at columns
+    col_off + cols, scales at row-block pid_m * (BLOCK_M // GROUP_R) + j, column col_off + cols."""
+    q, s = quant_groups_cols(x, BLOCK_M, BLOCK_N, GROUP_R, POW2 or MX)
+    tl.store(q_ptr + rows64[:, None] * stride_qm + (col_off + cols)[None, :], q,
+             mask=row_mask[:, None] & col_mask[None, :])
+    blk = (pid_m * (BLOCK_M // GROUP_R) + tl.arange(0, BLOCK_M // GROUP_R)).to(tl.int64)
+    s_ptrs = s_ptr + blk[:, None] * stride_sr + (col_off + cols)[None, :]
+    if MX:
+        tl.store(s_ptrs, e8m0_from_scale(s), mask=col_mask[None, :])
+    else:
+        tl.store(s_ptrs, s, mask=col_mask[None, :])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FC1 + SwiGLU:  h = x[src] @ W1[e]^T (fp8 x fp8, fp32 accumulate),  a = silu(h[:, :I]) * h[:, I:]
+#   h is stored in the output dtype when the backward needs it; a is stored in fp8 with 1 x GROUP_K scales along I
+#   (the K of FC2), so FC2 reads it without another pass.
+# ----------------------------------------------------------------------------------------------------------------
+@triton.autotune(configs=quant_configs("fc1"), key=["N", "K", "M_BUCKET", "MX"], cache_results=True)
+@triton.jit
+def fp8_fc1_swiglu_kernel(
+    xq_ptr, xs_ptr, row_src_ptr, wq_ptr, ws_ptr, h_ptr, aq_ptr, as_ptr,
+    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
+    N, K, NKG, NG_OUT, UP_SCALE_OFF, M_BUCKET,
+    stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_hm, stride_am, stride_asm,
+    SAVE_H: tl.constexpr, MX: tl.constexpr, POW2: tl.constexpr, GROUP_K: tl.constexpr, B_GROUP_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    if pid_m >= tl.load(num_tiles_ptr):
+        return
+    expert, rows, row_mask = _tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M)
+    src = tl.load(row_src_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    e64 = expert.to(tl.int64)
+    a_ptrs = xq_ptr + src[:, None] * stride_xm + ks[None, :]
+    g_ptrs = wq_ptr + e64 * stride_we + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None]
+    u_ptrs = g_ptrs + N * stride_wn
+    ws_e = ws_ptr + e64 * stride_wse
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + ks) < K
+        kg0 = k0 // GROUP_K
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        wg = tl.load(g_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        wu = tl.load(u_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        sa = _a_scales(xs_ptr, src, row_mask, stride_xsm, kg0, NKG, MX, BLOCK_K, GROUP_K)
+        sg = _b_scales(ws_e, cols, col_mask, stride_wsn, kg0, NKG, MX, BLOCK_K, GROUP_K, B_GROUP_N)
+        su = _b_scales(ws_e + UP_SCALE_OFF * stride_wsn, cols, col_mask, stride_wsn, kg0, NKG, MX, BLOCK_K, GROUP_K,
+                       B_GROUP_N)
+        acc_g = _scaled_mma(acc_g, a, sa, wg, sg, MX)
+        acc_u = _scaled_mma(acc_u, a, sa, wu, su, MX)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    rows64 = rows.to(tl.int64)
+    if SAVE_H:
+        out_mask = row_mask[:, None] & col_mask[None, :]
+        h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
+        tl.store(h_ptrs, acc_g.to(h_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(h_ptrs + N, acc_u.to(h_ptr.dtype.element_ty), mask=out_mask)
+    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    _store_rows_q(aq_ptr, as_ptr, act, rows64, row_mask, cols, col_mask, 0, 0, NG_OUT, stride_am, stride_asm, pid_n,
+                  MX, POW2, BLOCK_M, BLOCK_N, GROUP_K)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Grouped GEMM with fp8 operands:  C[r] = scale[r] * A[src[r] if GATHER_A else r] @ B[e]
+#   A [*, SEGS*K] fp8 with row scales [*, SEGS*NKG]; B[e][k, n] = bq[e, n, k] with block scales.
+#   FC2 forward: A = SwiGLU output (fp8 from the FC1 epilogue), B = W2, scale = top-k weight.
+#   FC1 dgrad:   A = d[gate, up] (fp8 from the dSwiGLU epilogue, SEGS = 2), B = W1^T copy.
+# ----------------------------------------------------------------------------------------------------------------
+@triton.autotune(configs=quant_configs("gemm"), key=["N", "K", "SEGS", "M_BUCKET", "MX"], cache_results=True)
+@triton.jit
+def fp8_grouped_gemm_kernel(
+    aq_ptr, as_ptr, row_src_ptr, bq_ptr, bs_ptr, c_ptr, row_scale_ptr,
+    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
+    N, K, NKG, M_BUCKET,
+    stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
+    SEGS: tl.constexpr, GATHER_A: tl.constexpr, SCALE_ROWS: tl.constexpr, MX: tl.constexpr,
+    GROUP_K: tl.constexpr, B_GROUP_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    if pid_m >= tl.load(num_tiles_ptr):
+        return
+    expert, rows, row_mask = _tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M)
+    if GATHER_A:
+        src = tl.load(row_src_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    e64 = expert.to(tl.int64)
+    bs_e = bs_ptr + e64 * stride_bse
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for seg in tl.static_range(SEGS):
+        a_ptrs = aq_ptr + src[:, None] * stride_am + seg * K + ks[None, :]
+        b_ptrs = bq_ptr + e64 * stride_be + cols.to(tl.int64)[None, :] * stride_bn + seg * K + ks[:, None]
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = (k0 + ks) < K
+            kg0 = seg * NKG + k0 // GROUP_K
+            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            sa = _a_scales(as_ptr, src, row_mask, stride_asm, kg0, (seg + 1) * NKG, MX, BLOCK_K, GROUP_K)
+            sb = _b_scales(bs_e, cols, col_mask, stride_bsn, kg0, (seg + 1) * NKG, MX, BLOCK_K, GROUP_K, B_GROUP_N)
+            acc = _scaled_mma(acc, a, sa, b, sb, MX)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+    if SCALE_ROWS:
+        acc = acc * tl.load(row_scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FC2 dgrad + dSwiGLU:  g_a = dy[src] @ W2[e]  (dy fp8 with 1 x GROUP_K scales along H, W2^T copy)
+#   dw partial[chunk, r] = sum_n g_a * a;  da = w * g_a;  dh = [da * u * silu'(g), da * silu(g)];  aw = w * a
+#   Emits, all in fp8:  dh with row scales (1 x GROUP_K along I, per half: the A of the FC1 dgrad);
+#                       dh and aw with column scales (GROUP_R x 1 along the rows of this tile: the wgrad operands).
+# ----------------------------------------------------------------------------------------------------------------
+@triton.autotune(configs=quant_configs("dswiglu"), key=["N", "K", "M_BUCKET", "MX"], cache_results=True)
+@triton.jit
+def fp8_fc2_dgrad_dswiglu_kernel(
+    dyq_ptr, dys_ptr, row_src_ptr, bq_ptr, bs_ptr, h_ptr, row_weight_ptr,
+    dhq_ptr, dhs_ptr, dhcq_ptr, dhcs_ptr, awq_ptr, aws_ptr, dw_partial_ptr,
+    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
+    N, K, NKG, NG_OUT, M_BUCKET,
+    stride_dym, stride_dysm, stride_be, stride_bn, stride_bse, stride_bsn, stride_hm,
+    stride_dhm, stride_dhsm, stride_dhcm, stride_dhcsr, stride_awm, stride_awsr, stride_dwp,
+    DW_CHUNK: tl.constexpr, MX: tl.constexpr, POW2: tl.constexpr, GROUP_K: tl.constexpr, B_GROUP_N: tl.constexpr,
+    GROUP_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    if pid_m >= tl.load(num_tiles_ptr):
+        return
+    expert, rows, row_mask = _tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M)
+    src = tl.load(row_src_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    e64 = expert.to(tl.int64)
+    bs_e = bs_ptr + e64 * stride_bse
+    a_ptrs = dyq_ptr + src[:, None] * stride_dym + ks[None, :]
+    b_ptrs = bq_ptr + e64 * stride_be + cols.to(tl.int64)[None, :] * stride_bn + ks[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + ks) < K
+        kg0 = k0 // GROUP_K
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        sa = _a_scales(dys_ptr, src, row_mask, stride_dysm, kg0, NKG, MX, BLOCK_K, GROUP_K)
+        sb = _b_scales(bs_e, cols, col_mask, stride_bsn, kg0, NKG, MX, BLOCK_K, GROUP_K, B_GROUP_N)
+        acc = _scaled_mma(acc, a, sa, b, sb, MX)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)
+    h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
+    g = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(h_ptrs + N, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(row_weight_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    act = silu * u
+    # Partial sums per DW_CHUNK columns: the same chunks whatever BLOCK_N autotuning chose.
+    NUM_CHUNKS: tl.constexpr = BLOCK_N // DW_CHUNK
+    part = tl.sum(tl.reshape(acc * act, (BLOCK_M, NUM_CHUNKS, DW_CHUNK)), axis=2)
+    chunk = pid_n * NUM_CHUNKS + tl.arange(0, NUM_CHUNKS)
+    tl.store(dw_partial_ptr + chunk[None, :] * stride_dwp + rows[:, None], part, mask=row_mask[:, None])
+    da = acc * w
+    dg = da * u * (sig + silu * (1.0 - sig))
+    du = da * silu
+    # Row-scaled dh (gate half in groups [0, NG_OUT), up half in [NG_OUT, 2 * NG_OUT)) for the FC1 dgrad.
+    _store_rows_q(dhq_ptr, dhs_ptr, dg, rows64, row_mask, cols, col_mask, 0, 0, NG_OUT, stride_dhm, stride_dhsm,
+                  pid_n, MX, POW2, BLOCK_M, BLOCK_N, GROUP_K)
+    _store_rows_q(dhq_ptr, dhs_ptr, du, rows64, row_mask, cols, col_mask, N, NG_OUT, NG_OUT, stride_dhm, stride_dhsm,
+                  pid_n, MX, POW2, BLOCK_M, BLOCK_N, GROUP_K)
+    # Column-scaled dh and w * a for the weight gradients (their reduction runs over these rows).
+    _store_cols_q(dhcq_ptr, dhcs_ptr, dg, rows64, row_mask, cols, col_mask, 0, pid_m, stride_dhcm, stride_dhcsr,
+                  MX, POW2, BLOCK_M, BLOCK_N, GROUP_R)
+    _store_cols_q(dhcq_ptr, dhcs_ptr, du, rows64, row_mask, cols, col_mask, N, pid_m, stride_dhcm, stride_dhcsr,
+                  MX, POW2, BLOCK_M, BLOCK_N, GROUP_R)
+    _store_cols_q(awq_ptr, aws_ptr, act * w, rows64, row_mask, cols, col_mask, 0, pid_m, stride_awm, stride_awsr,
+                  MX, POW2, BLOCK_M, BLOCK_N, GROUP_R)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Weight gradient:  C[e] = A[rows of e]^T @ B[rows of e] in fp8, the reduction over each expert's row tiles.
+#   Operands need scales along the rows (the reduction dim): GROUP_R x 1 blocks inside each 128-row tile.
+#   A_FP8 / B_FP8: the operand arrives quantised that way (dh, w * a from the dSwiGLU epilogue; scales indexed by
+#   tile id). Otherwise it arrives in high precision (x, dy: source rows, gathered) and is quantised here, per tile
+#   and column, exactly as a separate pass would, without writing a gathered fp8 copy.
+#   dW1[e] = dh^T @ x[src];  dW2[e] = dy[src]^T @ (w * a). Experts with no rows get zeros.
+# ----------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _wgrad_operand(ptr, s_ptr, src_ptr, t, r, r_mask, offs, o_mask, stride_m, stride_sr,
+                   IS_FP8: tl.constexpr, GATHER: tl.constexpr, MX: tl.constexpr, POW2: tl.constexpr,
+                   GROUP_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr):
+    """One [BLOCK_K rows, BLOCK] operand tile in fp8 and its scales: fp8 [BLOCK] fp32, MX [BLOCK, BLOCK_K // 32]."""
+    G: tl.constexpr = BLOCK_K // GROUP_R
+    if GATHER:
+        rr = tl.load(src_ptr + r, mask=r_mask, other=0).to(tl.int64)
+    else:
+        rr = r.to(tl.int64)
+    ptrs = ptr + rr[:, None] * stride_m + offs[None, :]
+    mask = r_mask[:, None] & o_mask[None, :]
+    if IS_FP8:
+        q = tl.load(ptrs, mask=mask, other=0.0)
+        blk = (t * G + tl.arange(0, G)).to(tl.int64)
+        s_ptrs = s_ptr + blk[:, None] * stride_sr + offs[None, :]
+        if MX:
+            s = tl.trans(tl.load(s_ptrs, mask=o_mask[None, :], other=127))
+        else:
+            s = tl.reshape(tl.load(s_ptrs, mask=o_mask[None, :], other=0.0), (BLOCK,))
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        q, s = quant_groups_cols(x, BLOCK_K, BLOCK, GROUP_R, POW2 or MX)
+        if MX:
+            s = tl.trans(e8m0_from_scale(s))
+        else:
+            s = tl.reshape(s, (BLOCK,))
+    return q, s
+
+
+@triton.autotune(configs=quant_configs("wgrad"), key=["M", "N", "M_BUCKET", "MX"], cache_results=True)
+@triton.jit
+def fp8_grouped_wgrad_kernel(
+    a_ptr, as_ptr, a_src_ptr, b_ptr, bs_ptr, b_src_ptr, c_ptr,
+    expert_offsets_ptr, expert_tiles_ptr, tile_row_ptr,
+    M, N, M_BUCKET,
+    stride_am, stride_asr, stride_bm, stride_bsr, stride_ce, stride_cm, stride_cn,
+    A_FP8: tl.constexpr, B_FP8: tl.constexpr, GATHER_A: tl.constexpr, GATHER_B: tl.constexpr,
+    MX: tl.constexpr, POW2: tl.constexpr, GROUP_R: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # Tiles of one expert are consecutive programs, grouped so that neighbouring programs share A and B panels.
+    pid = tl.program_id(0)
+    expert = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group_size = GROUP_M * num_n
+    first_m = (pid // group_size) * GROUP_M
+    rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size) % rows_in_group
+    pid_n = (pid % group_size) // rows_in_group
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    end = tl.load(expert_offsets_ptr + expert + 1)
+    t_begin = tl.load(expert_tiles_ptr + expert)
+    t_end = tl.load(expert_tiles_ptr + expert + 1)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in range(t_begin, t_end):
+        r = tl.load(tile_row_ptr + t) + ks
+        r_mask = r < end
+        a, sa = _wgrad_operand(a_ptr, as_ptr, a_src_ptr, t, r, r_mask, offs_m, m_mask, stride_am, stride_asr,
+                               A_FP8, GATHER_A, MX, POW2, GROUP_R, BLOCK_K, BLOCK_M)
+        b, sb = _wgrad_operand(b_ptr, bs_ptr, b_src_ptr, t, r, r_mask, offs_n, n_mask, stride_bm, stride_bsr,
+                               B_FP8, GATHER_B, MX, POW2, GROUP_R, BLOCK_K, BLOCK_N)
+        acc = _scaled_mma(acc, tl.trans(a), sa, b, sb, MX)
+    c_ptrs = c_ptr + expert.to(tl.int64) * stride_ce + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])

@@ -1,0 +1,351 @@
+"""Host-side launchers for the quantisation kernels and the fp8 / MXFP8 grouped GEMMs: layouts, grids, strides.
+
+Formats (``QFormat``): ``fp8`` = e4m3 with fp32 scales, activations 1x128, weights 128x128 (optionally power-of-two
+scales); ``mx`` = e4m3 with e8m0 scales (uint8), 1x32 blocks along the reduction dim of every GEMM operand.
+
+A quantised GEMM operand is a ``QTensor`` (values in ``torch.float8_e4m3fn`` and scales). Layout conventions:
+
+- rows (activations, reduction along the last dim): ``data [R, K]``, ``scale [R, n_groups]`` (two-segment rows such
+  as ``[gate | up]`` keep one group range per segment: ``[R, 2 * cdiv(I, G)]``);
+- weights, stored K-major for the GEMM that uses them: ``data [E, N, K]``, ``scale [E, n_blocks(N), n_groups(K)]``
+  with 128-row blocks for fp8 and one row per block for mx; a dim made of gate and up halves is blocked per half;
+- column-scaled activations (the wgrad operands, reduction along the rows): ``data [P, N]``,
+  ``scale [max_tiles * (128 // G_rows), N]``: one scale per column for every G_rows-row block of every row tile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ..kernels import tuning
+from ..kernels.fp8_gemm import (
+    DW_CHUNK_Q,
+    QTILE_M,
+    fp8_fc1_swiglu_kernel,
+    fp8_fc2_dgrad_dswiglu_kernel,
+    fp8_grouped_gemm_kernel,
+    fp8_grouped_wgrad_kernel,
+)
+from ..kernels.quantize import dequantize_blocks_kernel, quantize_blocks_kernel
+from .routing_plan import RoutingPlan
+
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class QFormat:
+    """How operands are quantised: block along the reduction dim, weight block along the other dim, scale type."""
+
+    name: str  # "fp8" or "mx"
+    group: int  # elements per scale along a reduction dim (128 or 32)
+    weight_rows: int  # weight block height across the reduction dim (128 for fp8, 1 for mx)
+    pow2: bool  # power-of-two scales (always true for mx)
+
+    @property
+    def mx(self) -> bool:
+        return self.name == "mx"
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.mx else torch.float32
+
+
+def fp8_format(pow2: bool = False) -> QFormat:
+    return QFormat("fp8", 128, 128, pow2)
+
+
+MX_FORMAT = QFormat("mx", 32, 1, True)
+
+
+@dataclass
+class QTensor:
+    data: torch.Tensor  # float8_e4m3fn
+    scale: torch.Tensor  # fp32 (fp8 format) or uint8 e8m0 (mx format)
+
+
+def _4d(t: torch.Tensor) -> torch.Tensor:
+    while t.dim() < 4:
+        t = t.unsqueeze(0)
+    return t
+
+
+def quantize_view(src: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tuple[int, int], *, pow2: bool,
+                  e8m0: bool) -> None:
+    """Quantise the (up to 4-D, any strides) view ``src`` [.., M, K] in blocks of block = (QM, QK) on its last two
+    dims into the views ``q`` (same shape) and ``s`` [.., cdiv(M, QM), cdiv(K, QK)]."""
+    src, q, s = _4d(src), _4d(q), _4d(s)
+    b1, b2, m, k = src.shape
+    qm, qk = block
+    if src.numel() == 0:
+        return
+    bm = qm if qm > 1 else 16
+    grid = (b1 * b2, triton.cdiv(m, bm), triton.cdiv(k, qk))
+    quantize_blocks_kernel[grid](
+        src, q, s, b2, m, k, *src.stride(), *q.stride(), *s.stride(),
+        QM=qm, QK=qk, BM=bm, POW2=pow2, E8M0=e8m0, num_warps=4,
+    )
+
+
+def dequantize_view(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, block: tuple[int, int], *,
+                    e8m0: bool) -> None:
+    """Inverse of ``quantize_view``: out = q * (scale of its block)."""
+    q, s, out = _4d(q), _4d(s), _4d(out)
+    b1, b2, m, k = q.shape
+    qm, qk = block
+    if q.numel() == 0:
+        return
+    bm = min(qm, 64) if qm > 1 else 16
+    grid = (b1 * b2, triton.cdiv(m, bm), triton.cdiv(k, qk))
+    dequantize_blocks_kernel[grid](
+        q, s, out, b2, m, k, *q.stride(), *s.stride(), *out.stride(),
+        QM=qm, QK=qk, BM=bm, E8M0=e8m0, num_warps=4,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public quantise / dequantise helpers
+# ----------------------------------------------------------------------------------------------------------------
+def quantize_rows(x: torch.Tensor, fmt: QFormat, *, segments: int = 1) -> QTensor:
+    """x [R, K] -> fp8 [R, K] with one scale per row and ``fmt.group`` columns (per segment when the last dim is
+    ``segments`` equal parts): scale [R, segments * cdiv(K / segments, group)]."""
+    rows, k = x.shape
+    seg = k // segments
+    ng = triton.cdiv(seg, fmt.group)
+    q = torch.empty(rows, k, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(rows, segments * ng, dtype=fmt.scale_dtype, device=x.device)
+    quantize_view(
+        x.unflatten(1, (segments, seg)).transpose(0, 1), q.view(rows, segments, seg).transpose(0, 1),
+        s.view(rows, segments, ng).transpose(0, 1), (1, fmt.group), pow2=fmt.pow2, e8m0=fmt.mx,
+    )
+    return QTensor(q, s)
+
+
+def dequantize_rows(qt: QTensor, fmt: QFormat, dtype=torch.float32, *, segments: int = 1) -> torch.Tensor:
+    rows, k = qt.data.shape
+    seg = k // segments
+    ng = qt.scale.shape[1] // segments
+    out = torch.empty(rows, k, dtype=dtype, device=qt.data.device)
+    dequantize_view(
+        qt.data.view(rows, segments, seg).transpose(0, 1), qt.scale.view(rows, segments, ng).transpose(0, 1),
+        out.view(rows, segments, seg).transpose(0, 1), (1, fmt.group), e8m0=fmt.mx,
+    )
+    return out
+
+
+def _weight_views(w: torch.Tensor, fmt: QFormat, *, n_halves: int, k_halves: int, transpose: bool):
+    """Views for quantising weight ``w`` [E, A, B] into the K-major operand [E, N, K] where (N, K) = (A, B), or
+    (B, A) with ``transpose``; the N dim is split into ``n_halves`` and the K dim into ``k_halves`` blocked parts."""
+    e = w.shape[0]
+    src = w.transpose(1, 2) if transpose else w  # [E, N, K] (a strided view when transposed)
+    n, k = src.shape[1], src.shape[2]
+    halves = max(n_halves, k_halves)
+    n_part, k_part = n // n_halves, k // k_halves
+    rows_blk = fmt.weight_rows
+    nb, kg = triton.cdiv(n_part, rows_blk), triton.cdiv(k_part, fmt.group)
+    q = torch.empty(e, n, k, dtype=FP8_DTYPE, device=w.device)
+    s = torch.empty(e, n_halves * nb, k_halves * kg, dtype=fmt.scale_dtype, device=w.device)
+    if n_halves == 2:  # [E, 2, n_part, K]
+        views = (src.unflatten(1, (2, n_part)), q.view(e, 2, n_part, k), s.view(e, 2, nb, kg))
+    elif k_halves == 2:  # [E, 2, N, k_part]
+        views = (
+            src.unflatten(2, (2, k_part)).transpose(1, 2),
+            q.view(e, n, 2, k_part).transpose(1, 2),
+            s.view(e, nb, 2, kg).transpose(1, 2),
+        )
+    else:
+        views = (src.unsqueeze(1), q.unsqueeze(1), s.unsqueeze(1))
+    assert halves in (1, 2)
+    return q, s, views
+
+
+def quantize_weight(w: torch.Tensor, fmt: QFormat, *, n_halves: int = 1, k_halves: int = 1,
+                    transpose: bool = False) -> QTensor:
+    """Weight [E, A, B] -> K-major fp8 operand [E, N, K] ((N, K) = (A, B), or (B, A) with ``transpose``) with scales
+    [E, n_halves * cdiv(N / n_halves, weight_rows), k_halves * cdiv(K / k_halves, group)]."""
+    q, s, (src, qv, sv) = _weight_views(w, fmt, n_halves=n_halves, k_halves=k_halves, transpose=transpose)
+    quantize_view(src, qv, sv, (fmt.weight_rows, fmt.group), pow2=fmt.pow2, e8m0=fmt.mx)
+    return QTensor(q, s)
+
+
+def dequantize_weight(qt: QTensor, fmt: QFormat, dtype=torch.float32, *, n_halves: int = 1,
+                      k_halves: int = 1) -> torch.Tensor:
+    """Inverse of ``quantize_weight`` in the K-major layout [E, N, K]."""
+    e, n, k = qt.data.shape
+    n_part, k_part = n // n_halves, k // k_halves
+    nb, kg = triton.cdiv(n_part, fmt.weight_rows), triton.cdiv(k_part, fmt.group)
+    out = torch.empty(e, n, k, dtype=dtype, device=qt.data.device)
+    if n_halves == 2:
+        views = (qt.data.view(e, 2, n_part, k), qt.scale.view(e, 2, nb, kg), out.view(e, 2, n_part, k))
+    elif k_halves == 2:
+        views = (
+            qt.data.view(e, n, 2, k_part).transpose(1, 2),
+            qt.scale.view(e, nb, 2, kg).transpose(1, 2),
+            out.view(e, n, 2, k_part).transpose(1, 2),
+        )
+    else:
+        views = (qt.data.unsqueeze(1), qt.scale.unsqueeze(1), out.unsqueeze(1))
+    dequantize_view(*views, (fmt.weight_rows, fmt.group), e8m0=fmt.mx)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The expert weights as GEMM operands
+# ----------------------------------------------------------------------------------------------------------------
+def quantize_w1_fwd(w1: torch.Tensor, fmt: QFormat) -> QTensor:
+    """W1 [E, 2I, H] as FC1's B (K = H): [E, 2I, H], gate and up blocked separately."""
+    return quantize_weight(w1, fmt, n_halves=2)
+
+
+def quantize_w1_bwd(w1: torch.Tensor, fmt: QFormat) -> QTensor:
+    """W1 as the FC1 dgrad's B (K = 2I in two halves): W1^T [E, H, 2I]."""
+    return quantize_weight(w1, fmt, k_halves=2, transpose=True)
+
+
+def quantize_w2_fwd(w2: torch.Tensor, fmt: QFormat) -> QTensor:
+    """W2 [E, H, I] as FC2's B (K = I): [E, H, I]."""
+    return quantize_weight(w2, fmt)
+
+
+def quantize_w2_bwd(w2: torch.Tensor, fmt: QFormat) -> QTensor:
+    """W2 as the FC2 dgrad's B (K = H): W2^T [E, I, H]."""
+    return quantize_weight(w2, fmt, transpose=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Grouped GEMMs
+# ----------------------------------------------------------------------------------------------------------------
+def _check_plan(plan: RoutingPlan) -> None:
+    if plan.tile_m != QTILE_M:
+        raise ValueError(f"quantised grouped GEMMs need a routing plan with tile_m = {QTILE_M}, got {plan.tile_m}")
+
+
+def _tile_grid(plan: RoutingPlan, n: int):
+    return lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), plan.max_tiles)
+
+
+def _tile_args(plan: RoutingPlan):
+    return plan.tile_expert, plan.tile_row, plan.num_tiles, plan.expert_offsets
+
+
+def _fmt_args(fmt: QFormat) -> dict:
+    return {"MX": fmt.mx, "GROUP_K": fmt.group, "B_GROUP_N": fmt.weight_rows}
+
+
+def fp8_fc1_swiglu(xq: QTensor, w1q: QTensor, plan: RoutingPlan, fmt: QFormat, *, inter: int,
+                   h_dtype: torch.dtype | None):
+    """xq [R, H] (source rows, row-scaled), w1q = quantize_w1_fwd(W1) -> (h [P, 2I] in h_dtype or None,
+    a = silu(g) * u as a row-scaled QTensor [P, I]) in expert-sorted row order."""
+    _check_plan(plan)
+    num_pairs, hidden = plan.num_pairs, xq.data.shape[1]
+    ng_out = triton.cdiv(inter, fmt.group)
+    aq = torch.empty(num_pairs, inter, dtype=FP8_DTYPE, device=xq.data.device)
+    a_s = torch.empty(num_pairs, ng_out, dtype=fmt.scale_dtype, device=xq.data.device)
+    save_h = h_dtype is not None
+    h = torch.empty(num_pairs, 2 * inter, dtype=h_dtype, device=xq.data.device) if save_h else a_s
+    up_scale_off = triton.cdiv(inter, fmt.weight_rows)
+    fp8_fc1_swiglu_kernel[_tile_grid(plan, inter)](
+        xq.data, xq.scale, plan.row_src, w1q.data, w1q.scale, h, aq, a_s, *_tile_args(plan),
+        inter, hidden, triton.cdiv(hidden, fmt.group), ng_out, up_scale_off, num_pairs,
+        xq.data.stride(0), xq.scale.stride(0), w1q.data.stride(0), w1q.data.stride(1),
+        w1q.scale.stride(0), w1q.scale.stride(1), h.stride(0), aq.stride(0), a_s.stride(0),
+        SAVE_H=save_h, POW2=fmt.pow2, **_fmt_args(fmt),
+    )
+    return (h if save_h else None), QTensor(aq, a_s)
+
+
+def fp8_grouped_gemm(aq: QTensor, bq: QTensor, plan: RoutingPlan, fmt: QFormat, *, out_dtype: torch.dtype,
+                     segments: int = 1, gather: bool = False, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """C[r] = scale[r] * A[src[r] if gather else r] @ B[e]^T with B the K-major operand [E, N, segments * K]."""
+    _check_plan(plan)
+    n, k_total = bq.data.shape[1], bq.data.shape[2]
+    k = k_total // segments
+    c = torch.empty(plan.num_pairs, n, dtype=out_dtype, device=aq.data.device)
+    fp8_grouped_gemm_kernel[_tile_grid(plan, n)](
+        aq.data, aq.scale, plan.row_src, bq.data, bq.scale, c,
+        row_scale if row_scale is not None else plan.row_weight, *_tile_args(plan),
+        n, k, triton.cdiv(k, fmt.group), plan.num_pairs,
+        aq.data.stride(0), aq.scale.stride(0), bq.data.stride(0), bq.data.stride(1),
+        bq.scale.stride(0), bq.scale.stride(1), c.stride(0),
+        SEGS=segments, GATHER_A=gather, SCALE_ROWS=row_scale is not None, **_fmt_args(fmt),
+    )
+    return c
+
+
+@dataclass
+class DSwiGLUOut:
+    dh_rows: QTensor  # [P, 2I], row scales [P, 2 * cdiv(I, G)]: A of the FC1 dgrad
+    dh_cols: QTensor  # [P, 2I], column scales [tiles * 128 / G_rows, 2I]: A of the W1 wgrad
+    aw_cols: QTensor  # [P, I] = w * a, column scales: B of the W2 wgrad
+    dw_row: torch.Tensor  # [P] fp32: <dy W2, a> per sorted row (the top-k weight gradient)
+
+
+def fp8_fc2_dgrad_dswiglu(dyq: QTensor, w2q_bwd: QTensor, h: torch.Tensor, plan: RoutingPlan,
+                          fmt: QFormat) -> DSwiGLUOut:
+    """From dyq [R, H] (row-scaled source rows) and w2q_bwd = quantize_w2_bwd(W2) [E, I, H]."""
+    _check_plan(plan)
+    inter, hidden = w2q_bwd.data.shape[1], w2q_bwd.data.shape[2]
+    num_pairs, device = plan.num_pairs, h.device
+    ng = triton.cdiv(inter, fmt.group)
+    col_blocks = plan.max_tiles * (QTILE_M // fmt.group)
+    num_chunks = triton.cdiv(inter, DW_CHUNK_Q) + 256 // DW_CHUNK_Q
+    f8 = {"dtype": FP8_DTYPE, "device": device}
+    sc = {"dtype": fmt.scale_dtype, "device": device}
+    dh_rows = QTensor(torch.empty(num_pairs, 2 * inter, **f8), torch.empty(num_pairs, 2 * ng, **sc))
+    dh_cols = QTensor(torch.empty(num_pairs, 2 * inter, **f8), torch.empty(col_blocks, 2 * inter, **sc))
+    aw_cols = QTensor(torch.empty(num_pairs, inter, **f8), torch.empty(col_blocks, inter, **sc))
+    dw_partial = torch.zeros(num_chunks, num_pairs, dtype=torch.float32, device=device)
+    fp8_fc2_dgrad_dswiglu_kernel[_tile_grid(plan, inter)](
+        dyq.data, dyq.scale, plan.row_src, w2q_bwd.data, w2q_bwd.scale, h, plan.row_weight,
+        dh_rows.data, dh_rows.scale, dh_cols.data, dh_cols.scale, aw_cols.data, aw_cols.scale, dw_partial,
+        *_tile_args(plan),
+        inter, hidden, triton.cdiv(hidden, fmt.group), ng, num_pairs,
+        dyq.data.stride(0), dyq.scale.stride(0), w2q_bwd.data.stride(0), w2q_bwd.data.stride(1),
+        w2q_bwd.scale.stride(0), w2q_bwd.scale.stride(1), h.stride(0),
+        dh_rows.data.stride(0), dh_rows.scale.stride(0), dh_cols.data.stride(0), dh_cols.scale.stride(0),
+        aw_cols.data.stride(0), aw_cols.scale.stride(0), dw_partial.stride(0),
+        DW_CHUNK=DW_CHUNK_Q, POW2=fmt.pow2, GROUP_R=fmt.group, **_fmt_args(fmt),
+    )
+    return DSwiGLUOut(dh_rows, dh_cols, aw_cols, dw_partial.sum(0))
+
+
+def expert_tile_offsets(plan: RoutingPlan) -> torch.Tensor:
+    """[E + 1] int32: expert e owns row tiles [out[e], out[e+1]) of the plan (on the device, no sync)."""
+    counts = (plan.expert_offsets[1:] - plan.expert_offsets[:-1]).to(torch.int64)
+    tiles = (counts + plan.tile_m - 1) // plan.tile_m
+    out = torch.zeros(plan.num_local_experts + 1, dtype=torch.int64, device=counts.device)
+    torch.cumsum(tiles, 0, out=out[1:])
+    return out.to(torch.int32)
+
+
+def fp8_grouped_wgrad(a, b, plan: RoutingPlan, fmt: QFormat, out: torch.Tensor, *, expert_tiles: torch.Tensor,
+                      gather_a: bool = False, gather_b: bool = False) -> torch.Tensor:
+    """out[e] = A[rows of e]^T @ B[rows of e] in fp8, out [E, M, N]. Each operand is either a column-scaled QTensor
+    (from the dSwiGLU epilogue) or a high-precision tensor (quantised per row tile inside the kernel; ``gather_*``
+    indexes it by the source row of each sorted row)."""
+    _check_plan(plan)
+    a_q, b_q = isinstance(a, QTensor), isinstance(b, QTensor)
+    a_data, a_scale = (a.data, a.scale) if a_q else (a, a)
+    b_data, b_scale = (b.data, b.scale) if b_q else (b, b)
+    m, n = a_data.shape[1], b_data.shape[1]
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), plan.num_local_experts)
+    fp8_grouped_wgrad_kernel[grid](
+        a_data, a_scale, plan.row_src, b_data, b_scale, plan.row_src, out,
+        plan.expert_offsets, expert_tiles, plan.tile_row,
+        m, n, plan.num_pairs,
+        a_data.stride(0), a_scale.stride(0), b_data.stride(0), b_scale.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        A_FP8=a_q, B_FP8=b_q, GATHER_A=gather_a, GATHER_B=gather_b,
+        MX=fmt.mx, POW2=fmt.pow2, GROUP_R=fmt.group,
+    )
+    return out
+
+
+__all__ = [
+    "FP8_DTYPE", "MX_FORMAT", "QFormat", "QTensor", "DSwiGLUOut", "fp8_format", "tuning",
+    "quantize_rows", "dequantize_rows", "quantize_weight", "dequantize_weight",
+    "quantize_w1_fwd", "quantize_w1_bwd", "quantize_w2_fwd", "quantize_w2_bwd",
+    "fp8_fc1_swiglu", "fp8_grouped_gemm", "fp8_fc2_dgrad_dswiglu", "fp8_grouped_wgrad", "expert_tile_offsets",
+]

@@ -1,0 +1,275 @@
+"""Routed experts with quantised GEMMs: precisions "fp8", "fp8_bwd" and "mxfp8".
+
+Design note
+===========
+
+Same math, inputs, outputs and gradients as ``expert_compute.routed_experts`` (see ARCHITECTURE.md); only the GEMM
+operands are low precision. Accumulation is fp32 everywhere; master weights, the layer output and every gradient stay
+in the caller's dtypes. Notation: x [T, H] source rows, P = T * k sorted (row, slot) pairs, W1 [E, 2I, H],
+W2 [E, H, I], h = x W1^T = [g | u], a = silu(g) * u, y = sum_j w * a W2^T.
+
+Formats. ``fp8``: e4m3 with fp32 scales (amax / 448, optionally rounded up to a power of two): activations per 1x128
+block along the GEMM's reduction dim, weights per 128x128 block. ``mxfp8``: e4m3 with e8m0 scales per 1x32 block
+along the reduction dim of every operand (OCP MX), through ``tl.dot_scaled``: native on Blackwell; on Hopper Triton
+emulates it (operands upcast to bf16 with their scales, bf16 MMAs), so mxfp8 on an H100/H200 has MX numerics but no
+fp8 speed-up. Both need an NVIDIA GPU with fp8 support (compute capability >= 8.9); anything else is a clear error.
+
+What each GEMM quantises, and the scale layout its operands need (the scales always run along the reduction dim):
+
+==================  ====================  ===========================================  ======================================
+GEMM                reduction             A operand (activations)                      B operand (weights, cached)
+==================  ====================  ===========================================  ======================================
+FC1 (+SwiGLU)       H                     x [T, H] row-scaled (1x128 / 1x32), gathered  W1 [E, 2I, H]: 128x128 / 1x32 along H
+FC2 (+weight)       I                     a [P, I] row-scaled, emitted by FC1's         W2 [E, H, I]: 128x128 / 1x32 along I
+                                          epilogue (fp8 + scales, no extra pass)
+FC2 dgrad (+dSwiGLU) H                    dy [T, H] row-scaled, gathered                W2^T [E, I, H]: copy, K-major
+FC1 dgrad           2I (gate, up halves)  dh [P, 2I] row-scaled per half, emitted by    W1^T [E, H, 2I]: copy, K-major
+                                          the dSwiGLU epilogue
+W1 wgrad            each expert's rows    dh [P, 2I] column-scaled (128x1 / 32x1 along  x [T, H] gathered, quantised
+                                          the rows of each 128-row tile), emitted by    per tile and column inside the
+                                          the dSwiGLU epilogue                          wgrad kernel (no [P, H] copy)
+W2 wgrad            each expert's rows    dy [T, H] gathered, quantised in-kernel       w * a [P, I] column-scaled, emitted
+                                          per tile and column                           by the dSwiGLU epilogue
+==================  ====================  ===========================================  ======================================
+
+The wgrads reduce over tokens, so their operands carry scales along the token dim: one per column for every block
+of 128 (fp8) or 32 (mx) rows of a 128-row tile. Tiles start at each expert's first row (the routing plan's tile
+list), so a scale block never mixes two experts. That is why the quantised path always plans with 128-row tiles,
+whatever ``tile_m`` the caller uses for the bf16 kernels.
+
+Weights are quantised once per optimizer step, not per call: both orientations (the forward's and the dgrad's
+transposed, K-major copy) are cached, keyed on the parameter's identity and its ``_version`` counter (in-place
+optimizer updates bump it; so do ``copy_`` and friends). ``invalidate_weight_cache()`` drops everything: call it
+after updates the counter cannot see (writes through ``.data``, FSDP re-gathers into the same storage) or simply after
+every optimizer step. The cache holds 2 bytes per expert parameter (plus scales: 1/4096 of that for fp8 blocks,
+1/32 for mx): as much as a bf16 copy of the weights.
+
+What the forward saves: the source rows (the caller holds them anyway), W1 and W2 (references), the routing plan and
+h in the input dtype (bf16 in training) for the dSwiGLU epilogue, as the bf16 path does. At T = 16384, H = 2048,
+I = 768, k = 8 (P = 131072): h = P * 2I * 2 B = 402.7 MB per layer, the plan ~1.6 MB; nothing else. Cheaper choices,
+not taken: h in fp8 with 1x128 scales (208 MB, but the SwiGLU derivative then sees e4m3 noise in g and u), or only
+the 34 MB fp8 copy of x and an FC1 recompute in the backward (+1/3 of the forward's FLOPs). Trainers checkpoint
+activations, which keeps one layer's h alive at a time. Transients at that shape: forward x fp8 34 MB, a fp8 101 MB
+(+3 MB scales), the FC2 output before the combine 537 MB (as in bf16); backward dy fp8 34 MB, dh twice (row- and
+column-scaled) 2 x 201 MB, w * a 101 MB, scales ~17 MB, the FC1 dgrad output before the combine 537 MB.
+
+``fp8_bwd`` runs the bf16 forward kernels (``ops.launch``) and the same fp8 backward as ``fp8``.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..kernels import tuning
+from ..kernels.fp8_gemm import QTILE_M
+from . import fp8_launch as fl
+from . import launch
+from .routing_plan import RoutingPlan, build_routing_plan
+
+QUANTIZED_PRECISIONS = ("fp8", "fp8_bwd", "mxfp8")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Device support
+# ----------------------------------------------------------------------------------------------------------------
+def check_precision_supported(precision: str, device: torch.device) -> None:
+    """Raise a clear error where ``precision`` cannot run on ``device``."""
+    if precision not in QUANTIZED_PRECISIONS:
+        raise ValueError(f"precision = {precision!r} is not a quantised precision; allowed: {list(QUANTIZED_PRECISIONS)}")
+    if device.type == "cuda":
+        if torch.version.hip is not None:
+            raise RuntimeError(f"precision = {precision!r} is implemented for NVIDIA GPUs only; use precision = 'bf16'")
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            what = "MXFP8 (native on sm_100+, emulated on sm_89/sm_90)" if precision == "mxfp8" else "fp8 e4m3 GEMMs"
+            raise RuntimeError(
+                f"precision = {precision!r} needs {what}, which needs compute capability >= 8.9 (Ada, Hopper, "
+                f"Blackwell); this GPU is sm_{major}{minor}, which has neither a native nor an emulated path. "
+                f"Use precision = 'bf16'."
+            )
+    elif not tuning.interpreting():
+        raise RuntimeError(
+            f"precision = {precision!r} runs Triton kernels on an NVIDIA GPU, but the tensors are on {device}; "
+            f"on a CPU set TRITON_INTERPRET=1 (tests only) or use precision = 'bf16' with the torch backend"
+        )
+
+
+def _format(precision: str, pow2_scales: bool) -> fl.QFormat:
+    return fl.MX_FORMAT if precision == "mxfp8" else fl.fp8_format(pow2_scales)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Weight cache: quantised once per optimizer step
+# ----------------------------------------------------------------------------------------------------------------
+class _Entry:
+    __slots__ = ("ref", "state", "operands")
+
+    def __init__(self, ref, state):
+        self.ref = ref
+        self.state = state
+        self.operands: dict = {}
+
+
+_WEIGHT_CACHE: dict[int, _Entry] = {}
+_CACHE_STATS = {"hits": 0, "misses": 0}
+
+_QUANTIZERS = {
+    "w1_fwd": fl.quantize_w1_fwd,
+    "w1_bwd": fl.quantize_w1_bwd,
+    "w2_fwd": fl.quantize_w2_fwd,
+    "w2_bwd": fl.quantize_w2_bwd,
+}
+
+
+def _state(w: torch.Tensor):
+    # _version catches in-place updates; the rest catches a parameter whose storage was swapped.
+    return (w._version, w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, w.device)
+
+
+def _evict(wid: int):
+    def callback(ref):
+        entry = _WEIGHT_CACHE.get(wid)
+        if entry is not None and entry.ref is ref:
+            del _WEIGHT_CACHE[wid]
+
+    return callback
+
+
+def cached_weight_operand(w: torch.Tensor, kind: str, fmt: fl.QFormat) -> fl.QTensor:
+    """The quantised GEMM operand ``kind`` ("w1_fwd", "w1_bwd", "w2_fwd", "w2_bwd") of weight ``w`` in ``fmt``,
+    computed once and reused until ``w`` changes (its ``_version`` or storage) or the cache is invalidated."""
+    quantize = _QUANTIZERS[kind]
+    try:
+        state = _state(w)
+    except RuntimeError:  # inference-mode tensors have no version counter: nothing to key on
+        _CACHE_STATS["misses"] += 1
+        return quantize(w.detach(), fmt)
+    wid = id(w)
+    entry = _WEIGHT_CACHE.get(wid)
+    if entry is None or entry.ref() is not w:
+        entry = _Entry(weakref.ref(w, _evict(wid)), state)
+        _WEIGHT_CACHE[wid] = entry
+    elif entry.state != state:
+        entry.state = state
+        entry.operands.clear()
+    key = (kind, fmt)
+    op = entry.operands.get(key)
+    if op is None:
+        _CACHE_STATS["misses"] += 1
+        with torch.no_grad():
+            op = quantize(w.detach(), fmt)
+        entry.operands[key] = op
+    else:
+        _CACHE_STATS["hits"] += 1
+    return op
+
+
+def invalidate_weight_cache() -> None:
+    """Drop every cached quantised weight (they are rebuilt on next use). Call after optimizer steps that update
+    weights in ways ``Tensor._version`` does not see, or simply after every step."""
+    _WEIGHT_CACHE.clear()
+
+
+def weight_cache_info() -> dict:
+    """Counters for tests and debugging: cached weights, cached operands, hits and misses since start."""
+    return {
+        "weights": len(_WEIGHT_CACHE),
+        "operands": sum(len(e.operands) for e in _WEIGHT_CACHE.values()),
+        **_CACHE_STATS,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Autograd
+# ----------------------------------------------------------------------------------------------------------------
+def _plan(top_k_index, top_k_weights, num_local_experts: int, expert_base: int, tile_m: int) -> RoutingPlan:
+    return build_routing_plan(
+        top_k_index, top_k_weights, expert_base=expert_base, num_local_experts=num_local_experts, tile_m=tile_m
+    )
+
+
+class QuantizedRoutedExperts(torch.autograd.Function):
+    """Like ``expert_compute.RoutedExperts`` with fp8 / MXFP8 GEMMs; ``precision`` in QUANTIZED_PRECISIONS."""
+
+    @staticmethod
+    def forward(ctx, rows, top_k_index, top_k_weights, w1, w2, expert_base: int, tile_m: int, precision: str,
+                pow2_scales: bool):
+        check_precision_supported(precision, rows.device)
+        rows = rows.contiguous()
+        num_local, inter = w1.shape[0], w1.shape[1] // 2
+        need_grad = any(ctx.needs_input_grad[i] for i in (0, 2, 3, 4))
+        fmt = _format(precision, pow2_scales)
+        if precision == "fp8_bwd":
+            # bf16 forward: the bf16 kernels' own tile height, then (if it differs) the 128-row plan for the backward.
+            # Both plans sort the rows identically, so h lines up with either.
+            fwd_plan = _plan(top_k_index, top_k_weights, num_local, expert_base, tile_m)
+            h, act = launch.fc1_swiglu(rows, w1, fwd_plan, save_h=need_grad)
+            out_sorted = launch.grouped_gemm(act, w2, fwd_plan, transpose_b=True, row_scale=fwd_plan.row_weight)
+            out = launch.combine_rows(out_sorted, fwd_plan.pair_pos, rows.dtype)
+            plan = fwd_plan
+            if need_grad and tile_m != QTILE_M:
+                plan = _plan(top_k_index, top_k_weights, num_local, expert_base, QTILE_M)
+        else:
+            plan = _plan(top_k_index, top_k_weights, num_local, expert_base, QTILE_M)
+            xq = fl.quantize_rows(rows, fmt)
+            w1q = cached_weight_operand(w1, "w1_fwd", fmt)
+            w2q = cached_weight_operand(w2, "w2_fwd", fmt)
+            h, aq = fl.fp8_fc1_swiglu(xq, w1q, plan, fmt, inter=inter, h_dtype=rows.dtype if need_grad else None)
+            out_sorted = fl.fp8_grouped_gemm(aq, w2q, plan, fmt, out_dtype=rows.dtype, row_scale=plan.row_weight)
+            out = launch.combine_rows(out_sorted, plan.pair_pos, rows.dtype)
+        if need_grad:
+            ctx.save_for_backward(rows, w1, w2, h)
+            ctx.plan = plan
+            ctx.fmt = fmt
+        ctx.weights_dtype = top_k_weights.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        rows, w1, w2, h = ctx.saved_tensors
+        plan: RoutingPlan = ctx.plan
+        fmt: fl.QFormat = ctx.fmt
+        grad_out = grad_out.contiguous().to(rows.dtype)
+        dyq = fl.quantize_rows(grad_out, fmt)
+        w2q = cached_weight_operand(w2, "w2_bwd", fmt)
+        d = fl.fp8_fc2_dgrad_dswiglu(dyq, w2q, h, plan, fmt)
+
+        grad_rows = grad_weights = grad_w1 = grad_w2 = None
+        if ctx.needs_input_grad[0]:
+            w1q = cached_weight_operand(w1, "w1_bwd", fmt)
+            dx_sorted = fl.fp8_grouped_gemm(d.dh_rows, w1q, plan, fmt, out_dtype=rows.dtype, segments=2)
+            grad_rows = launch.combine_rows(dx_sorted, plan.pair_pos, rows.dtype)
+        if ctx.needs_input_grad[2]:
+            pos = plan.pair_pos.long()
+            grad_weights = torch.where(pos >= 0, d.dw_row[pos.clamp(min=0)], 0.0).to(ctx.weights_dtype)
+        if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
+            tiles = fl.expert_tile_offsets(plan)
+            if ctx.needs_input_grad[3]:
+                grad_w1 = fl.fp8_grouped_wgrad(d.dh_cols, rows, plan, fmt, torch.empty_like(w1), expert_tiles=tiles,
+                                               gather_b=True)
+            if ctx.needs_input_grad[4]:
+                grad_w2 = fl.fp8_grouped_wgrad(grad_out, d.aw_cols, plan, fmt, torch.empty_like(w2),
+                                               expert_tiles=tiles, gather_a=True)
+        return grad_rows, None, grad_weights, grad_w1, grad_w2, None, None, None, None
+
+
+def routed_experts_quantized(rows, top_k_index, top_k_weights, w1, w2, *, expert_base: int, tile_m: int,
+                             precision: str, pow2_scales: bool = False) -> torch.Tensor:
+    """``expert_compute.routed_experts`` with quantised GEMMs (same inputs, output and gradients).
+
+    rows [R, H], top_k_index [R, k] (global ids; ids outside [expert_base, expert_base + E_local) are skipped),
+    top_k_weights [R, k], w1 [E_local, 2I, H], w2 [E_local, H, I] -> [R, H] in rows' dtype, differentiable in rows,
+    top_k_weights, w1 and w2 (gradients in their own dtypes).
+
+    precision: "fp8" (e4m3, 1x128 activation / 128x128 weight blocks, fp32 scales; ``pow2_scales`` rounds them up to
+    powers of two), "fp8_bwd" (the bf16 forward, fp8 backward GEMMs), "mxfp8" (OCP MX, 1x32 blocks, e8m0 scales;
+    native on Blackwell, emulated by Triton on Hopper: MX numerics at bf16 speed; ``pow2_scales`` is implied).
+    tile_m is the row tile of the bf16 kernels (the fp8_bwd forward); the quantised GEMMs always use 128-row tiles.
+    """
+    if precision not in QUANTIZED_PRECISIONS:
+        raise ValueError(f"precision = {precision!r} is not a quantised precision; allowed: {list(QUANTIZED_PRECISIONS)}")
+    return QuantizedRoutedExperts.apply(
+        rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, precision, bool(pow2_scales)
+    )
