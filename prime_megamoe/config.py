@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -42,9 +42,10 @@ class DispatchConfig(_Strict):
     num_sms: int | None = Field(default=None, gt=0)
     # Sum each token's k contributions in a fixed order (no float atomics): bitwise reproducible.
     deterministic: bool = True
-    # Check top_k_index against [0, E) on the host before the kernels run (one host sync). With False the check
-    # runs as a device-side assertion instead, which keeps the layer capturable in a CUDA graph.
-    validate_routing: bool = True
+    # How top_k_index is checked against [0, E) on a GPU. False (default): a device-side assertion, no host sync, so
+    # the layer stays asynchronous and capturable in a CUDA graph. True: a host-side check with a readable message
+    # (one device sync per call), for debugging. CPU tensors are always checked on the host.
+    validate_routing: bool = False
     # A cross-rank wait that has not completed after this many seconds raises an error naming rank, peer and block.
     comm_timeout_s: float = Field(default=60.0, gt=0)
 
@@ -68,46 +69,81 @@ class MoEConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    """``[model]``: a preset name (``tiny``, ``qwen3-30b-a3b``, ``qwen3-235b-a22b``), a transformers config name,
-    or a local directory holding config.json (and weights)."""
+    """``[model]``: which causal LM to train (Qwen3-MoE architecture)."""
 
-    name: str = "tiny"
-    # Overrides applied on top of the preset / loaded config (e.g. num_hidden_layers for a shorter model).
-    overrides: dict[str, int | float | bool | str] = Field(default_factory=dict)
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    name: str = Field(
+        default="tiny",
+        description="preset (tiny, qwen3-30b-a3b, qwen3-235b-a22b), a local directory with config.json (and "
+        "*.safetensors weights, which are then loaded), or a transformers config name",
+    )
+    overrides: dict[str, int | float | bool | str] = Field(
+        default_factory=dict,
+        description="transformers config fields set on top of the preset / loaded config "
+        "(e.g. num_hidden_layers = 4)",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32",
+        description="compute dtype; with FSDP the master weights stay float32 and this is the parameter dtype "
+        "of the mixed-precision policy, without FSDP the weights are stored in it",
+    )
+    attn_implementation: Literal["sdpa", "eager"] = Field(default="sdpa", description="attention kernel")
     moe: MoEConfig = Field(default_factory=MoEConfig)
 
 
 class DataConfig(_Strict):
     """``[data]``: the built-in synthetic task, or a JSONL file with a local tokenizer."""
 
-    source: Literal["synthetic", "jsonl"] = "synthetic"
-    path: str | None = None
-    tokenizer: str | None = None
-    num_examples: int = Field(default=4096, gt=0)
+    source: Literal["synthetic", "jsonl"] = Field(default="synthetic", description="where examples come from")
+    task: Literal["add", "reverse", "sort"] = Field(
+        default="add", description="synthetic task: add two numbers, reverse a word, or sort letters"
+    )
+    path: str | None = Field(default=None, description="JSONL file: one {text} or {prompt, completion} per line")
+    tokenizer: str | None = Field(
+        default=None,
+        description="local tokenizer directory, or 'byte' (default: the model directory's tokenizer if it has "
+        "one, else bytes)",
+    )
+    num_examples: int = Field(
+        default=100_000, gt=0, description="synthetic: distinct packed sequences before the stream repeats"
+    )
+
+    @model_validator(mode="after")
+    def _path_for_jsonl(self) -> "DataConfig":
+        if self.source == "jsonl" and not self.path:
+            raise ValueError("data.path is required when data.source = 'jsonl'")
+        return self
 
 
 class OptimConfig(_Strict):
     """``[optim]``: AdamW with linear warm-up then cosine decay."""
 
-    lr: float = Field(default=3e-3, gt=0)
-    weight_decay: float = Field(default=0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    warmup_steps: int = Field(default=5, ge=0)
-    max_grad_norm: float = Field(default=1.0, gt=0)
+    lr: float = Field(default=3e-3, gt=0, description="peak learning rate")
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="final lr as a fraction of lr")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field(default=(0.9, 0.95), description="AdamW betas")
+    eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon")
+    warmup_steps: int = Field(default=5, ge=0, description="linear warm-up steps")
+    max_grad_norm: float = Field(default=1.0, gt=0, description="clip the global gradient norm to this")
 
 
 class TrainConfig(_Strict):
     """``[train]``: the loop."""
 
-    steps: int = Field(default=60, gt=0)
-    batch_size: int = Field(default=8, gt=0)
-    seq_len: int = Field(default=64, gt=1)
-    activation_checkpointing: bool = False
-    seed: int = 0
-    log_every: int = Field(default=1, gt=0)
-    checkpoint_every: int = Field(default=0, ge=0)
-    resume: bool = False
+    steps: int = Field(default=60, gt=0, description="optimizer steps")
+    batch_size: int = Field(default=8, gt=0, description="sequences per step over all ranks (divisible by them)")
+    seq_len: int = Field(default=64, gt=1, description="tokens per sequence (examples are packed)")
+    activation_checkpointing: bool = Field(default=False, description="recompute each decoder layer in backward")
+    seed: int = Field(default=0, description="seeds model init and the data order")
+    log_every: int = Field(default=1, gt=0, description="print a line / update the bar every N steps")
+    checkpoint_every: int = Field(default=0, ge=0, description="save a checkpoint every N steps (0: only at the end)")
+    save_final: bool = Field(default=True, description="save a checkpoint after the last step")
+    resume: bool = Field(default=False, description="continue from the latest checkpoint in output_dir")
+    resume_from: str | None = Field(default=None, description="continue from this checkpoint directory")
+    data_parallel: Literal["auto", "fsdp", "allreduce"] = Field(
+        default="auto",
+        description="auto: FSDP2 (fully_shard) on GPU, gradient all-reduce on CPU",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: cuda when available")
 
 
 class Config(_Strict):
@@ -117,7 +153,7 @@ class Config(_Strict):
     data: DataConfig = Field(default_factory=DataConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
-    output_dir: str = "outputs/run"
+    output_dir: str = Field(default="outputs/run", description="metrics.jsonl and checkpoints go here")
 
 
 def _format_errors(err: ValidationError, source: str) -> str:

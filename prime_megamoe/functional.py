@@ -43,8 +43,9 @@ def fused_experts(
     shapes = check_expert_inputs(
         hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, group, options.max_tokens_per_rank
     )
+    on_host = not hidden_states.is_cuda
     capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
-    check_expert_ids(top_k_index, shapes.num_experts, sync=options.validate_routing and not capturing)
+    check_expert_ids(top_k_index, shapes.num_experts, sync=on_host or (options.validate_routing and not capturing))
     backend = get_backend(options.type)
     return backend(
         hidden_states,

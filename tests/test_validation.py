@@ -67,13 +67,19 @@ def test_expert_id_int32_accepted_and_checked():
         call(x, index.to(torch.int32), weights, w1, w2)
 
 
-def test_expert_id_device_assertion_without_host_check():
-    # validate_routing = False turns the host check into a device-side assertion; on CPU it fires at once.
+def test_expert_id_checked_on_host_for_cpu_tensors_even_without_validate_routing():
+    # validate_routing = False only changes the GPU check (device-side assertion); CPU inputs are checked on the host.
     x, index, weights, w1, w2 = make_inputs(seed=3)
     index[-1, 0] = E + 1
     options = DispatchConfig(type="torch", validate_routing=False)
-    with pytest.raises(RuntimeError, match=r"outside \[0, 4\)"):
+    with pytest.raises(ValueError, match=r"outside \[0, 4\)"):
         call(x, index, weights, w1, w2, dispatch=options)
+
+
+def test_expert_id_device_assertion():
+    ids = torch.tensor([[0, 5]])
+    with pytest.raises(RuntimeError, match=r"outside \[0, 4\)"):
+        check_expert_ids(ids, 4, sync=False)
 
 
 def test_check_expert_ids_direct():

@@ -1,8 +1,8 @@
 """Fixed-size token exchange over torch.distributed (gloo on CPU, NCCL on GPU).
 
 Every rank contributes a block of exactly ``capacity`` rows (its tokens, padded), so split sizes are static: no
-counts travel to the host and the calls are stream-ordered on GPU. Collectives move bytes only (no reductions), so
-2-byte floats travel as int16, which every backend supports.
+counts travel to the host and the calls are stream-ordered on GPU. Collectives here move bytes only (no reductions),
+so tensors travel as raw bytes (uint8), which every backend supports.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
+    return t.view(torch.uint8)
 
 
 def _all_gather_into(out: torch.Tensor, inp: torch.Tensor, group) -> None:

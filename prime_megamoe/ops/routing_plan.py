@@ -1,7 +1,7 @@
 """Routing metadata on the device: which rows each local expert takes, in which order, in which tiles.
 
-Everything here is a handful of small device ops (sort, scatter-add, cumsum, searchsorted) with static output sizes,
-so it never reads a count back to the host and the layer can be captured in a CUDA graph.
+Two small kernels around one device sort, with static output sizes: no count is ever read back to the host, the host
+spends little time issuing it, and the layer can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+
+from ..kernels.routing import routing_keys_kernel, routing_plan_kernel
 
 
 @dataclass
@@ -52,38 +55,39 @@ def build_routing_plan(
     num_rows, top_k = top_k_index.shape
     device = top_k_index.device
     num_pairs = num_rows * top_k
-    local = top_k_index.reshape(-1).to(torch.int64) - expert_base
-    is_local = (local >= 0) & (local < num_local_experts)
-    key = torch.where(is_local, local, torch.full_like(local, num_local_experts))
-
-    order = torch.argsort(key, stable=True)
-    counts = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    expert_offsets = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=device)
-    torch.cumsum(counts[:num_local_experts], 0, out=expert_offsets[1:])
-
-    pair_pos = torch.empty(num_pairs, dtype=torch.int64, device=device)
-    pair_pos.scatter_(0, order, torch.arange(num_pairs, device=device))
-    pair_pos = torch.where(is_local, pair_pos, torch.full_like(pair_pos, -1))
-
-    tiles_per_expert = (counts[:num_local_experts] + tile_m - 1) // tile_m
-    tile_end = torch.cumsum(tiles_per_expert, 0)
     max_tiles = (num_pairs + tile_m - 1) // tile_m + num_local_experts
-    tile_ids = torch.arange(max_tiles, device=device)
-    tile_expert = torch.searchsorted(tile_end, tile_ids, right=True).clamp_(max=num_local_experts - 1)
-    tile_first = (tile_end - tiles_per_expert)[tile_expert]
-    tile_row = expert_offsets[tile_expert] + (tile_ids - tile_first) * tile_m
+    index = top_k_index.reshape(-1)
+    weights = top_k_weights.reshape(-1)
 
-    return RoutingPlan(
+    keys = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    counts = torch.zeros(num_local_experts, dtype=torch.int32, device=device)
+    block = 1024
+    grid = (max(triton.cdiv(num_pairs, block), 1),)
+    routing_keys_kernel[grid](
+        index, keys, counts, num_pairs, expert_base,
+        NUM_LOCAL=num_local_experts, NUM_BINS=triton.next_power_of_2(num_local_experts + 1), BLOCK=block,
+    )
+    # Stable: within an expert, rows keep the pair order (row-major over (row, slot)), so results are reproducible.
+    order = torch.sort(keys, stable=True).indices
+
+    plan = RoutingPlan(
         num_rows=num_rows,
         top_k=top_k,
         num_local_experts=num_local_experts,
         tile_m=tile_m,
-        expert_offsets=expert_offsets.to(torch.int32),
-        row_src=(order // top_k).to(torch.int32),
-        row_weight=top_k_weights.reshape(-1)[order].to(torch.float32),
-        pair_pos=pair_pos.view(num_rows, top_k).to(torch.int32),
-        tile_expert=tile_expert.to(torch.int32),
-        tile_row=tile_row.to(torch.int32),
-        num_tiles=tile_end[-1:].to(torch.int32),
+        expert_offsets=torch.empty(num_local_experts + 1, dtype=torch.int32, device=device),
+        row_src=torch.empty(num_pairs, dtype=torch.int32, device=device),
+        row_weight=torch.empty(num_pairs, dtype=torch.float32, device=device),
+        pair_pos=torch.empty(num_rows, top_k, dtype=torch.int32, device=device),
+        tile_expert=torch.empty(max_tiles, dtype=torch.int32, device=device),
+        tile_row=torch.empty(max_tiles, dtype=torch.int32, device=device),
+        num_tiles=torch.empty(1, dtype=torch.int32, device=device),
     )
+    routing_plan_kernel[grid](
+        order, weights, counts,
+        plan.row_src, plan.row_weight, plan.pair_pos, plan.expert_offsets, plan.tile_expert, plan.tile_row,
+        plan.num_tiles, num_pairs, max_tiles,
+        TOP_K=top_k, NUM_LOCAL=num_local_experts, EXPERT_BLOCK=triton.next_power_of_2(num_local_experts),
+        TILE_M=tile_m, BLOCK=block, TILE_BLOCK=32,
+    )
+    return plan
