@@ -107,29 +107,33 @@ def quantize_blocks_kernel(
     sx0, sx1, sx2, sx3,
     sq0, sq1, sq2, sq3,
     ss0, ss1, ss2, ss3,
-    QM: tl.constexpr, QK: tl.constexpr, BM: tl.constexpr, POW2: tl.constexpr, E8M0: tl.constexpr,
+    QM: tl.constexpr, QK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, POW2: tl.constexpr,
+    E8M0: tl.constexpr,
 ):
+    """One program quantises a BM x BK tile: (BM / QM) x (BK / QK) blocks."""
     pid_b = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     b1 = (pid_b // B2).to(tl.int64)
     b2 = (pid_b % B2).to(tl.int64)
     rows = pid_m * BM + tl.arange(0, BM)
-    cols = pid_k * QK + tl.arange(0, QK)
+    cols = pid_k * BK + tl.arange(0, BK)
     mask = (rows < M)[:, None] & (cols < K)[None, :]
     rows64 = rows.to(tl.int64)
     cols64 = cols.to(tl.int64)
     x = tl.load(x_ptr + b1 * sx0 + b2 * sx1 + rows64[:, None] * sx2 + cols64[None, :] * sx3, mask=mask, other=0.0)
     x = x.to(tl.float32)
-    G: tl.constexpr = BM // QM
-    x3 = tl.reshape(x, (G, QM, QK))
-    amax = tl.max(tl.max(tl.abs(x3), axis=2), axis=1)  # [G]
+    GM: tl.constexpr = BM // QM
+    GK: tl.constexpr = BK // QK
+    x4 = tl.reshape(x, (GM, QM, GK, QK))
+    amax = tl.max(tl.max(tl.abs(x4), axis=3), axis=1)  # [GM, GK]
     s = scale_from_amax(amax, POW2 or E8M0)
-    q = tl.reshape(_to_e4m3(x3, (1.0 / s)[:, None, None]), (BM, QK))
+    q = tl.reshape(_to_e4m3(x4, (1.0 / s)[:, None, :, None]), (BM, BK))
     tl.store(q_ptr + b1 * sq0 + b2 * sq1 + rows64[:, None] * sq2 + cols64[None, :] * sq3, q, mask=mask)
-    blk = pid_m * G + tl.arange(0, G)
-    s_ptrs = s_ptr + b1 * ss0 + b2 * ss1 + blk.to(tl.int64) * ss2 + pid_k * ss3
-    s_mask = blk < tl.cdiv(M, QM)
+    blk_m = pid_m * GM + tl.arange(0, GM)
+    blk_k = pid_k * GK + tl.arange(0, GK)
+    s_ptrs = s_ptr + b1 * ss0 + b2 * ss1 + blk_m.to(tl.int64)[:, None] * ss2 + blk_k.to(tl.int64)[None, :] * ss3
+    s_mask = (blk_m < tl.cdiv(M, QM))[:, None] & (blk_k < tl.cdiv(K, QK))[None, :]
     if E8M0:
         tl.store(s_ptrs, e8m0_from_scale(s), mask=s_mask)
     else:
@@ -143,7 +147,7 @@ def dequantize_blocks_kernel(
     sq0, sq1, sq2, sq3,
     ss0, ss1, ss2, ss3,
     sy0, sy1, sy2, sy3,
-    QM: tl.constexpr, QK: tl.constexpr, BM: tl.constexpr, E8M0: tl.constexpr,
+    QM: tl.constexpr, QK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, E8M0: tl.constexpr,
 ):
     """y = q * scale of its block (the inverse of ``quantize_blocks_kernel``, same view and strides)."""
     pid_b = tl.program_id(0)
@@ -152,15 +156,16 @@ def dequantize_blocks_kernel(
     b1 = (pid_b // B2).to(tl.int64)
     b2 = (pid_b % B2).to(tl.int64)
     rows = pid_m * BM + tl.arange(0, BM)
-    cols = pid_k * QK + tl.arange(0, QK)
+    cols = pid_k * BK + tl.arange(0, BK)
     mask = (rows < M)[:, None] & (cols < K)[None, :]
     rows64 = rows.to(tl.int64)
     cols64 = cols.to(tl.int64)
     q = tl.load(q_ptr + b1 * sq0 + b2 * sq1 + rows64[:, None] * sq2 + cols64[None, :] * sq3, mask=mask, other=0.0)
-    blk = (rows // QM).to(tl.int64)
-    s = tl.load(s_ptr + b1 * ss0 + b2 * ss1 + blk * ss2 + pid_k * ss3, mask=rows < M, other=0)
+    blk_m = (rows // QM).to(tl.int64)
+    blk_k = (cols // QK).to(tl.int64)
+    s = tl.load(s_ptr + b1 * ss0 + b2 * ss1 + blk_m[:, None] * ss2 + blk_k[None, :] * ss3, mask=mask, other=0)
     if E8M0:
         s = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    y = q.to(tl.float32) * s[:, None]
+    y = q.to(tl.float32) * s
     tl.store(y_ptr + b1 * sy0 + b2 * sy1 + rows64[:, None] * sy2 + cols64[None, :] * sy3,
              y.to(y_ptr.dtype.element_ty), mask=mask)

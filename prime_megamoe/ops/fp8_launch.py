@@ -72,6 +72,11 @@ def _4d(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _quant_tile(qm: int, qk: int) -> tuple[int, int]:
+    """Tile of one quantiser program: whole blocks, about 8K elements."""
+    return max(qm, 64), max(qk, 128)
+
+
 def quantize_view(src: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tuple[int, int], *, pow2: bool,
                   e8m0: bool) -> None:
     """Quantise the (up to 4-D, any strides) view ``src`` [.., M, K] in blocks of block = (QM, QK) on its last two
@@ -81,11 +86,11 @@ def quantize_view(src: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tu
     qm, qk = block
     if src.numel() == 0:
         return
-    bm = qm if qm > 1 else 16
-    grid = (b1 * b2, triton.cdiv(m, bm), triton.cdiv(k, qk))
+    bm, bk = _quant_tile(qm, qk)
+    grid = (b1 * b2, triton.cdiv(m, bm), triton.cdiv(k, bk))
     quantize_blocks_kernel[grid](
         src, q, s, b2, m, k, *src.stride(), *q.stride(), *s.stride(),
-        QM=qm, QK=qk, BM=bm, POW2=pow2, E8M0=e8m0, num_warps=4,
+        QM=qm, QK=qk, BM=bm, BK=bk, POW2=pow2, E8M0=e8m0, num_warps=4,
     )
 
 
@@ -97,11 +102,11 @@ def dequantize_view(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, block: 
     qm, qk = block
     if q.numel() == 0:
         return
-    bm = min(qm, 64) if qm > 1 else 16
-    grid = (b1 * b2, triton.cdiv(m, bm), triton.cdiv(k, qk))
+    bm, bk = _quant_tile(qm, qk)
+    grid = (b1 * b2, triton.cdiv(m, bm), triton.cdiv(k, bk))
     dequantize_blocks_kernel[grid](
         q, s, out, b2, m, k, *q.stride(), *s.stride(), *out.stride(),
-        QM=qm, QK=qk, BM=bm, E8M0=e8m0, num_warps=4,
+        QM=qm, QK=qk, BM=bm, BK=bk, E8M0=e8m0, num_warps=4,
     )
 
 
