@@ -12,3 +12,7 @@ export TRITON_CACHE_DIR=/tmp/triton_cache
 mkdir -p $TRITON_CACHE_DIR
 if [ -f .cache/triton.tgz ]; then tar -xzf .cache/triton.tgz -C $TRITON_CACHE_DIR; fi
 save_triton_cache() { tar -czf "$OUT/triton.tgz" -C $TRITON_CACHE_DIR . ; }
+# Archives over 15 MB are split (the device tool returns files up to 16 MB).
+save_triton_cache() { tar -cJf - -C $TRITON_CACHE_DIR . | split -b 15m - "$OUT/triton.txz." ; }
+restore_triton_cache() { if ls .cache/triton.txz.* >/dev/null 2>&1; then cat .cache/triton.txz.* | tar -xJf - -C $TRITON_CACHE_DIR; fi; }
+restore_triton_cache

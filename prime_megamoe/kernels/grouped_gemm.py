@@ -90,20 +90,13 @@ def fc1_swiglu_kernel(
 #   C[r] = scale[r] * A[src[r]] @ B[e]     (B addressed by strides, so W or W^T both work)
 # Used for FC2 (A = SwiGLU output, scale = top-k weight) and the FC1 dgrad (A = d[gate, up], B = W1).
 # ----------------------------------------------------------------------------------------------------------------
-@triton.autotune(configs=autotune_configs("gemm"), key=["N", "K", "M_BUCKET"], cache_results=True)
 @triton.jit
-def grouped_gemm_kernel(
-    a_ptr, row_src_ptr, b_ptr, c_ptr, row_scale_ptr,
-    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
-    N, K, M_BUCKET,
-    stride_am, stride_be, stride_bk, stride_bn, stride_cm,
+def _gemm_tile(
+    a_ptr, row_src_ptr, b_ptr, c_ptr, row_scale_ptr, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
+    pid_m, pid_n, N, K, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
     GATHER_A: tl.constexpr, SCALE_ROWS: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    if pid_m >= tl.load(num_tiles_ptr):
-        return
     expert, rows, row_mask = _tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M)
     if GATHER_A:
         src = tl.load(row_src_ptr + rows, mask=row_mask, other=0).to(tl.int64)
@@ -128,11 +121,71 @@ def grouped_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
+@triton.autotune(configs=autotune_configs("gemm"), key=["N", "K", "M_BUCKET"], cache_results=True)
+@triton.jit
+def grouped_gemm_kernel(
+    a_ptr, row_src_ptr, b_ptr, c_ptr, row_scale_ptr,
+    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
+    N, K, M_BUCKET, NUM_SMS,
+    stride_am, stride_be, stride_bk, stride_bn, stride_cm,
+    GATHER_A: tl.constexpr, SCALE_ROWS: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    if PERSISTENT:
+        # NUM_SMS programs walk the (row tile, column block) work list; the flattened loop lets one tile's epilogue
+        # overlap the next tile's first loads.
+        num_n = tl.cdiv(N, BLOCK_N)
+        total = tl.load(num_tiles_ptr) * num_n
+        for work in tl.range(tl.program_id(0), total, NUM_SMS, flatten=True):
+            _gemm_tile(a_ptr, row_src_ptr, b_ptr, c_ptr, row_scale_ptr, tile_expert_ptr, tile_row_ptr,
+                       expert_offsets_ptr, work // num_n, work % num_n, N, K,
+                       stride_am, stride_be, stride_bk, stride_bn, stride_cm,
+                       GATHER_A, SCALE_ROWS, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        pid_m = tl.program_id(1)
+        if pid_m < tl.load(num_tiles_ptr):
+            _gemm_tile(a_ptr, row_src_ptr, b_ptr, c_ptr, row_scale_ptr, tile_expert_ptr, tile_row_ptr,
+                       expert_offsets_ptr, pid_m, tl.program_id(0), N, K,
+                       stride_am, stride_be, stride_bk, stride_bn, stride_cm,
+                       GATHER_A, SCALE_ROWS, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # FC2 dgrad + dSwiGLU:  g_a = dy[src] @ W2[e]            (the gradient reaching a = silu(g) * u, before weighting)
-#   dw partial[chunk, r] = sum_n g_a * a                (<dy W2, a>: the top-k weight gradient, no stored FC2 out)
+#   dw partial[chunk, r] = sum_n g_a * a                 (<dy W2, a>: the top-k weight gradient, no stored FC2 out)
 #   da = w * g_a,  dh[:, :I] = da * u * silu'(g),  dh[:, I:] = da * silu(g),  aw = w * a  (for the FC2 wgrad)
+# Each program covers 2 * BLOCK_N columns with two accumulators: twice the reuse of every dy tile it loads, while the
+# epilogue handles one BLOCK_N half at a time to bound register use.
 # ----------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _dswiglu_epilogue(
+    acc, rows, row_mask, cols, N, h_ptr, dh_ptr, aw_ptr, dw_partial_ptr, w,
+    stride_hm, stride_dhm, stride_awm, stride_dwp,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DW_CHUNK: tl.constexpr,
+):
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)
+    h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
+    g = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(h_ptrs + N, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    act = silu * u
+    # Partial sums per DW_CHUNK columns: the same chunks whatever BLOCK_N autotuning chose.
+    NUM_CHUNKS: tl.constexpr = BLOCK_N // DW_CHUNK
+    part = tl.sum(tl.reshape(acc * act, (BLOCK_M, NUM_CHUNKS, DW_CHUNK)), axis=2)
+    chunk = tl.min(cols, axis=0) // DW_CHUNK + tl.arange(0, NUM_CHUNKS)
+    tl.store(dw_partial_ptr + chunk[None, :] * stride_dwp + rows[:, None], part, mask=row_mask[:, None])
+    da = acc * w
+    dg = da * u * (sig + silu * (1.0 - sig))
+    du = da * silu
+    dh_ptrs = dh_ptr + rows64[:, None] * stride_dhm + cols[None, :]
+    tl.store(dh_ptrs, dg.to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(dh_ptrs + N, du.to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(aw_ptr + rows64[:, None] * stride_awm + cols[None, :], (act * w).to(aw_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.autotune(configs=autotune_configs("dswiglu"), key=["N", "K", "M_BUCKET"], cache_results=True)
 @triton.jit
 def fc2_dgrad_dswiglu_kernel(
@@ -149,40 +202,29 @@ def fc2_dgrad_dswiglu_kernel(
         return
     expert, rows, row_mask = _tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M)
     src = tl.load(row_src_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
+    cols_lo = pid_n * (2 * BLOCK_N) + tl.arange(0, BLOCK_N)
+    cols_hi = cols_lo + BLOCK_N
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = dy_ptr + src[:, None] * stride_dym + ks[None, :]
-    b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    b_lo = w_ptr + expert.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols_lo[None, :] * stride_wn
+    b_hi = b_lo + BLOCK_N * stride_wn
+    acc_lo = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_hi = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + ks) < K
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        acc = _dot(a, b, acc, CAST_F32, IEEE)
+        blo = tl.load(b_lo, mask=k_mask[:, None] & (cols_lo < N)[None, :], other=0.0)
+        bhi = tl.load(b_hi, mask=k_mask[:, None] & (cols_hi < N)[None, :], other=0.0)
+        acc_lo = _dot(a, blo, acc_lo, CAST_F32, IEEE)
+        acc_hi = _dot(a, bhi, acc_hi, CAST_F32, IEEE)
         a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_wk
-    mask = row_mask[:, None] & col_mask[None, :]
-    rows64 = rows.to(tl.int64)
-    h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
-    g = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(h_ptrs + N, mask=mask, other=0.0).to(tl.float32)
+        b_lo += BLOCK_K * stride_wk
+        b_hi += BLOCK_K * stride_wk
     w = tl.load(row_weight_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-    sig = tl.sigmoid(g)
-    silu = g * sig
-    act = silu * u
-    # Partial sums per DW_CHUNK columns: the same chunks whatever BLOCK_N autotuning chose.
-    NUM_CHUNKS: tl.constexpr = BLOCK_N // DW_CHUNK
-    part = tl.sum(tl.reshape(acc * act, (BLOCK_M, NUM_CHUNKS, DW_CHUNK)), axis=2)
-    chunk = pid_n * NUM_CHUNKS + tl.arange(0, NUM_CHUNKS)
-    tl.store(dw_partial_ptr + chunk[None, :] * stride_dwp + rows[:, None], part, mask=row_mask[:, None])
-    da = acc * w
-    dg = da * u * (sig + silu * (1.0 - sig))
-    du = da * silu
-    dh_ptrs = dh_ptr + rows64[:, None] * stride_dhm + cols[None, :]
-    tl.store(dh_ptrs, dg.to(dh_ptr.dtype.element_ty), mask=mask)
-    tl.store(dh_ptrs + N, du.to(dh_ptr.dtype.element_ty), mask=mask)
-    tl.store(aw_ptr + rows64[:, None] * stride_awm + cols[None, :], (act * w).to(aw_ptr.dtype.element_ty), mask=mask)
+    _dswiglu_epilogue(acc_lo, rows, row_mask, cols_lo, N, h_ptr, dh_ptr, aw_ptr, dw_partial_ptr, w,
+                      stride_hm, stride_dhm, stride_awm, stride_dwp, BLOCK_M, BLOCK_N, DW_CHUNK)
+    _dswiglu_epilogue(acc_hi, rows, row_mask, cols_hi, N, h_ptr, dh_ptr, aw_ptr, dw_partial_ptr, w,
+                      stride_hm, stride_dhm, stride_awm, stride_dwp, BLOCK_M, BLOCK_N, DW_CHUNK)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ def _cfg(bm, bn, bk, warps, stages, **extra):
 def autotune_configs(kind: str) -> list[triton.Config]:
     """Candidates for one kernel family; evaluated when the module is imported (TRITON_INTERPRET is read then)."""
     if interpreting():
-        extra = {"GROUP_M": 2} if kind == "wgrad" else {}
+        extra = {"GROUP_M": 2} if kind == "wgrad" else {"PERSISTENT": True} if kind == "gemm" else {}
         return [_cfg(16, 16, 16, 1, 1, **extra)]
     m = tile_m()
     if kind == "fc1":  # two accumulators (gate and up) per tile
@@ -48,25 +48,25 @@ def autotune_configs(kind: str) -> list[triton.Config]:
         ]
     if kind == "gemm":
         return [
-            _cfg(m, 128, 64, 8, 4),
-            _cfg(m, 256, 64, 8, 3),
-            _cfg(m, 256, 64, 8, 4),
-            _cfg(m, 128, 128, 8, 3),
-            _cfg(m, 64, 64, 4, 5),
+            _cfg(m, 128, 64, 8, 4, PERSISTENT=False),
+            _cfg(m, 256, 64, 8, 3, PERSISTENT=False),
+            _cfg(m, 128, 64, 8, 4, PERSISTENT=True),
+            _cfg(m, 256, 64, 8, 3, PERSISTENT=True),
+            _cfg(m, 64, 64, 4, 5, PERSISTENT=False),
         ]
-    if kind == "dswiglu":
+    if kind == "dswiglu":  # two accumulators: a program covers 2 * BLOCK_N columns
         return [
             _cfg(m, 64, 64, 8, 4),
-            _cfg(m, 64, 64, 8, 5),
+            _cfg(m, 64, 64, 4, 4),
+            _cfg(m, 128, 64, 8, 3),
             _cfg(m, 64, 128, 8, 3),
-            _cfg(m, 128, 64, 8, 4),
         ]
     if kind == "wgrad":
         return [
             _cfg(128, 128, 64, 8, 3, GROUP_M=8),
-            _cfg(128, 128, 64, 8, 4, GROUP_M=8),
             _cfg(128, 128, 32, 4, 4, GROUP_M=8),
+            _cfg(128, 256, 64, 8, 4, GROUP_M=8),
             _cfg(256, 128, 64, 8, 3, GROUP_M=8),
-            _cfg(64, 128, 64, 4, 4, GROUP_M=8),
+            _cfg(128, 256, 32, 8, 4, GROUP_M=8),
         ]
     raise ValueError(f"unknown kernel family {kind!r}")

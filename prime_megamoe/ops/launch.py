@@ -16,6 +16,12 @@ from ..kernels.grouped_gemm import (
 from .routing_plan import RoutingPlan
 
 
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _flags(t: torch.Tensor) -> dict:
     return {"CAST_F32": tuning.interpreting(), "IEEE": t.dtype == torch.float32}
 
@@ -59,9 +65,16 @@ def grouped_gemm(
         k, n = b.shape[1], b.shape[2]
         stride_bk, stride_bn = b.stride(1), b.stride(2)
     c = a.new_empty(plan.num_pairs, n)
-    grouped_gemm_kernel[_tile_grid(plan, n)](
+    num_sms = _num_sms(a.device)
+
+    def grid(meta):
+        if meta["PERSISTENT"]:
+            return (num_sms, 1)
+        return (triton.cdiv(n, meta["BLOCK_N"]), plan.max_tiles)
+
+    grouped_gemm_kernel[grid](
         a, plan.row_src, b, c, row_scale if row_scale is not None else plan.row_weight, *_tile_args(plan),
-        n, k, plan.num_pairs,
+        n, k, plan.num_pairs, num_sms,
         a.stride(0), b.stride(0), stride_bk, stride_bn, c.stride(0),
         GATHER_A=gather, SCALE_ROWS=row_scale is not None, **_flags(a),
     )
@@ -73,12 +86,14 @@ def fc2_dgrad_dswiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, plan:
     hidden, inter = w2.shape[1], w2.shape[2]
     num_pairs = plan.num_pairs
     chunk = tuning.dw_chunk()
-    # Enough chunk rows for the widest BLOCK_N a config may use; unwritten chunks stay zero.
-    num_chunks = triton.cdiv(inter, chunk) + 256 // chunk
+    # Enough chunk rows for the widest column span a program may cover (2 * BLOCK_N <= 512); chunks past I are
+    # written as zeros or not at all (and then stay zero).
+    num_chunks = triton.cdiv(inter, chunk) + 512 // chunk
     dh = dy.new_empty(num_pairs, 2 * inter)
     aw = dy.new_empty(num_pairs, inter)
     dw_partial = torch.zeros(num_chunks, num_pairs, dtype=torch.float32, device=dy.device)
-    fc2_dgrad_dswiglu_kernel[_tile_grid(plan, inter)](
+    grid = lambda meta: (triton.cdiv(inter, 2 * meta["BLOCK_N"]), plan.max_tiles)  # noqa: E731
+    fc2_dgrad_dswiglu_kernel[grid](
         dy, plan.row_src, w2, h, plan.row_weight, dh, aw, dw_partial, *_tile_args(plan),
         inter, hidden, num_pairs,
         dy.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), h.stride(0), dh.stride(0), aw.stride(0),
