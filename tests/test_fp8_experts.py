@@ -1,0 +1,261 @@
+"""Quantised routed experts (fp8, fp8_bwd, mxfp8) against the float64 transformers oracle and against a torch
+emulation of the exact quantisation recipe; ragged routing, expert-parallel slices, determinism, the weight cache.
+
+Two references, two tolerances:
+- the oracle (transformers' Qwen3MoeExperts in float64): the issue's bound, 8e-2 relative for the output and all
+  four gradients. e4m3 keeps 3 mantissa bits (~2.6% rms error per quantised operand), and the layer chains two
+  GEMMs, so ~6-7% is the recipe's own noise on random data;
+- the emulation (fake-quantised operands, float64 GEMMs, same blocks and scales): 5e-3. Only elements that sit
+  next to an e4m3 rounding midpoint may differ (fp32 in the kernel vs float64 here), so a wrong scale, block
+  layout or operand shows up as a failure here even when it would hide inside the oracle's bound.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from prime_megamoe.kernels import tuning
+from prime_megamoe.ops import quantized_experts as qe
+from prime_megamoe.ops.quantized_experts import (
+    check_precision_supported,
+    invalidate_weight_cache,
+    routed_experts_quantized,
+    weight_cache_info,
+)
+from tests.oracle import oracle_with_grads, ragged_routing, rel_err
+
+ORACLE_TOL = 8e-2
+EMULATION_TOL = 5e-3
+NAMES = ("out", "d_rows", "d_top_k_weights", "d_w1", "d_w2")
+
+
+def _problem(tokens, hidden, inter, experts, top_k, seed, **routing):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen)
+    w1 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
+    grad_out = torch.randn(tokens, hidden, generator=gen)
+    index, weights = ragged_routing(tokens, experts, top_k, seed=seed, **routing)
+    return x, index, weights, w1, w2, grad_out
+
+
+def _run(precision, x, index, weights, w1, w2, grad_out, *, expert_base=0, pow2=False):
+    leaves = [t.clone().requires_grad_() for t in (x, weights, w1, w2)]
+    out = routed_experts_quantized(leaves[0], index, leaves[1], leaves[2], leaves[3], expert_base=expert_base,
+                                   tile_m=tuning.tile_m(), precision=precision, pow2_scales=pow2)
+    out.backward(grad_out)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Emulation of the recipe in torch: fake quantisation (quantise, dequantise) of every GEMM operand, float64 GEMMs.
+# ----------------------------------------------------------------------------------------------------------------
+def _fake_quant(x, bm, bk, pow2):
+    """2-D x, blocks bm x bk, scales as the kernels compute them (fp32): the dequantised values in float64."""
+    m, k = x.shape
+    xp = F.pad(x.float(), (0, (-k) % bk, 0, (-m) % bm))
+    blocks = xp.view(xp.shape[0] // bm, bm, xp.shape[1] // bk, bk)
+    amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
+    s = torch.where(amax > 0, torch.clamp(amax / 448.0, min=2.0**-126), torch.ones_like(amax))
+    if pow2:
+        mant, exp = torch.frexp(s)
+        s = torch.where(mant == 0.5, s, torch.ldexp(torch.ones_like(s), exp))
+    q = (blocks * (1.0 / s)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return (q.double() * s.double()).view(xp.shape)[:m, :k]
+
+
+def _fake_quant_halves(x, bm, bk, pow2, dim):
+    return torch.cat([_fake_quant(half, bm, bk, pow2) for half in x.chunk(2, dim=dim)], dim=dim)
+
+
+def _emulate(precision, x, index, weights, w1, w2, grad_out, *, pow2=False, tile=128):
+    mx = precision == "mxfp8"
+    g_k, w_rows, pow2 = (32, 1, True) if mx else (128, 128, pow2)
+    fq = lambda t, bm=1: _fake_quant(t, bm, g_k, pow2)  # noqa: E731
+    tokens, top_k = index.shape
+    num_experts, inter = w1.shape[0], w1.shape[1] // 2
+    flat = index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    src = order // top_k
+    w_row = weights.reshape(-1)[order].double()[:, None]
+    offsets = [0] + torch.cumsum(torch.bincount(flat, minlength=num_experts), 0).tolist()
+    spans = [slice(offsets[e], offsets[e + 1]) for e in range(num_experts)]
+    bf16_fwd = precision == "fp8_bwd"
+
+    xq = x.double() if bf16_fwd else fq(x)
+    h = torch.cat([xq[src[r]] @ (w1[e].double() if bf16_fwd else _fake_quant_halves(w1[e], w_rows, g_k, pow2, 0)).T
+                   for e, r in enumerate(spans)])
+    g, u = h[:, :inter], h[:, inter:]
+    a = F.silu(g) * u
+    aq = a if bf16_fwd else fq(a)
+    o = torch.cat([aq[r] @ (w2[e].double() if bf16_fwd else fq(w2[e], w_rows)).T for e, r in enumerate(spans)])
+    out = torch.zeros(tokens, x.shape[1], dtype=torch.float64).index_add_(0, src, o * w_row)
+
+    g_a = torch.cat([fq(grad_out)[src[r]] @ fq(w2[e].T.contiguous(), w_rows).T for e, r in enumerate(spans)])
+    sig = torch.sigmoid(g)
+    silu = g * sig
+    da = g_a * w_row
+    dh = torch.cat([da * u * (sig + silu * (1 - sig)), da * silu], 1)
+    aw = a * w_row
+    dh_rows = _fake_quant_halves(dh, 1, g_k, pow2, 1)
+    dx_sorted = torch.cat([dh_rows[r] @ _fake_quant_halves(w1[e].T.contiguous(), w_rows, g_k, pow2, 1).T
+                           for e, r in enumerate(spans)])
+    d_rows = torch.zeros(tokens, x.shape[1], dtype=torch.float64).index_add_(0, src, dx_sorted)
+    d_weights = torch.zeros(tokens * top_k, dtype=torch.float64)
+    d_weights[order] = (g_a * a).sum(1)
+    d_w1 = torch.zeros(w1.shape, dtype=torch.float64)
+    d_w2 = torch.zeros(w2.shape, dtype=torch.float64)
+    for e in range(num_experts):  # wgrads: scales along the rows of each 128-row tile of the expert
+        for t0 in range(offsets[e], offsets[e + 1], tile):
+            r = slice(t0, min(t0 + tile, offsets[e + 1]))
+            col = lambda t: fq(t.T.contiguous()).T  # noqa: E731  (blocks of g_k rows x 1 column)
+            d_w1[e] += col(dh[r]).T @ col(x.double()[src[r]])
+            d_w2[e] += col(grad_out.double()[src[r]]).T @ col(aw[r])
+    return [out, d_rows, d_weights.view(tokens, top_k), d_w1, d_w2]
+
+
+def _check(got, oracle, emulated, label):
+    errs = {n: rel_err(a, b) for n, a, b in zip(NAMES, got, oracle)}
+    emu = {n: rel_err(a, b) for n, a, b in zip(NAMES, got, emulated)}
+    print(f"\n{label}: vs oracle " + ", ".join(f"{n} {v:.4f}" for n, v in errs.items())
+          + " | vs emulation " + ", ".join(f"{v:.1e}" for v in emu.values()))
+    for n in NAMES:
+        assert errs[n] < ORACLE_TOL, f"{label} {n}: {errs[n]:.4f} vs the oracle"
+        assert emu[n] < EMULATION_TOL, f"{label} {n}: {emu[n]:.2e} vs the emulated recipe"
+
+
+# H = 192 and I = 96 are not multiples of 128 (ragged K blocks in every GEMM); expert 0 gets no tokens, expert 1
+# most of them (a multi-tile expert next to single-tile ones).
+SHAPE = dict(tokens=48, hidden=192, inter=96, experts=4, top_k=2)
+
+
+@pytest.mark.parametrize("precision,pow2", [("fp8", False), ("fp8", True), ("fp8_bwd", False), ("mxfp8", False)],
+                         ids=["fp8", "fp8_pow2", "fp8_bwd", "mxfp8"])
+def test_against_oracle_and_emulation(precision, pow2):
+    problem = _problem(**SHAPE, seed=1)
+    got = _run(precision, *problem, pow2=pow2)
+    x, index, weights, w1, w2, grad_out = problem
+    oracle = oracle_with_grads(x, index, weights, w1, w2, grad_out)
+    _check(got, oracle, _emulate(precision, *problem, pow2=pow2), f"{precision}{' pow2' if pow2 else ''}")
+
+
+def test_expert_parallel_slice_and_padding_rows():
+    """Rank 1 of 2 (experts 4..7 of 8): slots routed elsewhere and padding rows (-1) contribute nothing."""
+    tokens, hidden, inter, experts, top_k = 40, 128, 128, 8, 2
+    x, index, weights, w1, w2, grad_out = _problem(tokens, hidden, inter, experts, top_k, seed=3, empty_expert=5)
+    index[-3:] = -1  # padding rows of a capacity buffer
+    local = slice(4, 8)
+    got = _run("fp8", x, index, weights, w1[local], w2[local], grad_out, expert_base=4)
+    # Oracle: every expert of the other rank (and the padding) contributes zero.
+    keep = torch.zeros(experts, 1, 1)
+    keep[local] = 1.0
+    safe_index = index.clamp(min=0)
+    oracle = list(oracle_with_grads(x, safe_index, weights * (index >= 0), w1 * keep, w2 * keep, grad_out))
+    oracle[2] = oracle[2] * (index >= 4)  # d weights of slots routed elsewhere (or padding) are zero
+    oracle[3], oracle[4] = oracle[3][local], oracle[4][local]
+    emulated = _emulate("fp8", x, safe_index, weights * ((index >= 4) & (index >= 0)), w1 * keep, w2 * keep, grad_out)
+    emulated[2] = emulated[2] * (index >= 4)
+    emulated[3], emulated[4] = emulated[3][local], emulated[4][local]
+    _check(got, oracle, emulated, "fp8 ep slice")
+    assert torch.equal(got[0][-3:], torch.zeros(3, hidden))
+    assert torch.equal(got[2][index < 4], torch.zeros(int((index < 4).sum())))
+
+
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8"])
+def test_bitwise_repeatable(precision):
+    """Same inputs, same bits: output and all gradients (second call served by the weight cache)."""
+    problem = _problem(tokens=24, hidden=128, inter=64, experts=3, top_k=2, seed=5, empty_expert=None)
+    first = _run(precision, *problem)
+    second = _run(precision, *problem)
+    for n, a, b in zip(NAMES, first, second):
+        assert torch.equal(a, b), n
+
+
+def test_weight_cache_reuse_and_invalidation():
+    """Quantised weights are reused while the parameter is unchanged, rebuilt after an in-place update (its
+    _version moves) or invalidate_weight_cache(), and dropped with the parameter."""
+    x, index, weights, w1, w2, _ = _problem(tokens=16, hidden=128, inter=64, experts=2, top_k=1, seed=7,
+                                            empty_expert=None, hot_expert=None)
+    w1 = torch.nn.Parameter(w1)
+    w2 = torch.nn.Parameter(w2)
+    kw = dict(expert_base=0, tile_m=tuning.tile_m(), precision="fp8", pow2_scales=False)
+
+    def forward():
+        with torch.no_grad():
+            return routed_experts_quantized(x, index, weights, w1, w2, **kw)
+
+    def uncached():  # fresh tensors with the same values: never served from another tensor's entry
+        with torch.no_grad():
+            return routed_experts_quantized(x, index, weights, w1.detach().clone(), w2.detach().clone(), **kw)
+
+    invalidate_weight_cache()
+    before = weight_cache_info()
+    out0 = forward()
+    info = weight_cache_info()
+    assert info["misses"] - before["misses"] == 2 and info["weights"] == 2
+    out1 = forward()
+    assert weight_cache_info()["hits"] - info["hits"] == 2
+    assert torch.equal(out0, out1)
+
+    with torch.no_grad():  # an optimizer step: in place, bumps w1._version
+        w1.mul_(0.5).add_(0.01)
+    info = weight_cache_info()
+    out2 = forward()
+    after = weight_cache_info()
+    assert after["misses"] - info["misses"] == 1 and after["hits"] - info["hits"] == 1  # w1 rebuilt, w2 reused
+    assert not torch.equal(out2, out0)
+    assert torch.equal(out2, uncached())
+
+    invalidate_weight_cache()
+    assert weight_cache_info()["weights"] == 0
+    info = weight_cache_info()
+    assert torch.equal(forward(), out2)
+    assert weight_cache_info()["misses"] - info["misses"] == 2
+
+    count = weight_cache_info()["weights"]
+    del w1
+    assert weight_cache_info()["weights"] == count - 1  # evicted with its parameter
+
+
+def test_forward_without_grad_matches():
+    """The no-grad forward (h not stored) gives the same bits as the training forward."""
+    x, index, weights, w1, w2, _ = _problem(tokens=16, hidden=128, inter=64, experts=2, top_k=2, seed=8,
+                                            empty_expert=None)
+    kw = dict(expert_base=0, tile_m=tuning.tile_m(), precision="mxfp8", pow2_scales=False)
+    with torch.no_grad():
+        plain = routed_experts_quantized(x, index, weights, w1, w2, **kw)
+    trained = routed_experts_quantized(x.clone().requires_grad_(), index, weights, w1, w2, **kw)
+    assert torch.equal(plain, trained.detach())
+
+
+def test_unsupported_devices_raise_clear_errors(monkeypatch):
+    with pytest.raises(ValueError, match="not a quantised precision"):
+        check_precision_supported("fp4", torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    for precision in ("fp8", "fp8_bwd", "mxfp8"):
+        with pytest.raises(RuntimeError, match=r"compute capability >= 8\.9.*sm_80"):
+            check_precision_supported(precision, torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    check_precision_supported("mxfp8", torch.device("cuda", 0))  # Hopper: emulated, allowed
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        check_precision_supported("fp8", torch.device("cpu"))
+    with pytest.raises(ValueError, match="not a quantised precision"):
+        routed_experts_quantized(torch.zeros(1, 4), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1),
+                                 torch.zeros(1, 8, 4), torch.zeros(1, 4, 4), expert_base=0, tile_m=16,
+                                 precision="bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd", "mxfp8"])
+def test_gpu_against_oracle(precision):
+    """On a GPU (not run on CPU machines): bf16 inputs at a larger shape, against the float64 oracle."""
+    x, index, weights, w1, w2, grad_out = _problem(tokens=512, hidden=512, inter=384, experts=8, top_k=4, seed=11)
+    dev = torch.device("cuda")
+    problem = [t.to(dev) for t in (x, index, weights, w1, w2, grad_out)]
+    problem = [t.bfloat16() if t.is_floating_point() and i != 2 else t for i, t in enumerate(problem)]
+    got = _run(precision, *problem)
+    oracle = oracle_with_grads(x, index, weights, w1, w2, grad_out)
+    for n, a, b in zip(NAMES, got, oracle):
+        assert rel_err(a.cpu(), b) < ORACLE_TOL, n
+    qe.invalidate_weight_cache()
