@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from prime_megamoe import DispatchConfig, fused_experts
 from prime_megamoe.kernels.tuning import interpreting
@@ -349,3 +351,24 @@ class TestQwen3ShapeOnGPU:
         second = run_mega_moe(x, index, weights, w1, w2, g)
         for name, a, b in zip(NAMES, first, second):
             assert torch.equal(a, b), f"{name} differs between two identical calls"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rows=st.integers(1, 40),
+    top_k=st.integers(1, 4),
+    num_experts=st.integers(4, 12),
+    world=st.sampled_from([1, 2, 4]),
+    tile_m=st.sampled_from([1, 2, 8, 16]),
+    seed=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_routing_plan_properties(rows, top_k, num_experts, world, tile_m, seed, data):
+    # Any shape, any slice of the experts, padding rows: the invariants of check_plan hold.
+    num_experts -= num_experts % world
+    top_k = min(top_k, num_experts)
+    num_local = num_experts // world
+    rank = data.draw(st.integers(0, world - 1))
+    pad = data.draw(st.integers(0, rows - 1))
+    ids, weights = _random_ids(rows, top_k, num_experts, seed, pad_rows=pad)
+    check_plan(ids, weights, base=rank * num_local, num_local=num_local, tile_m=tile_m)
