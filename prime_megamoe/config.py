@@ -48,6 +48,8 @@ class DispatchConfig(_Strict):
     validate_routing: bool = False
     # A cross-rank wait that has not completed after this many seconds raises an error naming rank, peer and block.
     comm_timeout_s: float = Field(default=60.0, gt=0)
+    # fp8 / fp8_bwd: round scales up to powers of two (exact rescaling, slightly coarser). mxfp8 scales always are.
+    fp8_pow2_scales: bool = False
 
 
 class MoEConfig(_Strict):
@@ -57,8 +59,6 @@ class MoEConfig(_Strict):
     precision: Precision = "bf16"
     # Expert-parallel group size; experts are split evenly over it and it stays inside one node.
     ep: int = Field(default=1, gt=0)
-    # fp8 only: round scales to powers of two (exact rescaling, slightly coarser).
-    fp8_pow2_scales: bool = False
 
     @field_validator("dispatch", mode="before")
     @classmethod

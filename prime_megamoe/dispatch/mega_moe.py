@@ -9,6 +9,7 @@ from ..config import DispatchConfig
 from ..kernels.tuning import tile_m
 from ..ops.ep_exchange import combine_rows_across, dispatch_rows
 from ..ops.expert_compute import routed_experts
+from ..ops.quantized_experts import QUANTIZED_PRECISIONS, check_precision_supported, routed_experts_quantized
 from .registry import register_backend
 
 
@@ -24,13 +25,22 @@ def mega_moe_experts(
     group: dist.ProcessGroup | None,
     options: DispatchConfig,
 ) -> torch.Tensor:
-    if precision != "bf16":
-        raise NotImplementedError(f"mega_moe precision = {precision!r} is not implemented yet; use 'bf16'")
+    if precision == "bf16":
+        experts = routed_experts
+    elif precision in QUANTIZED_PRECISIONS:
+        check_precision_supported(precision, hidden_states.device)
+
+        def experts(*args, **kwargs):
+            return routed_experts_quantized(
+                *args, **kwargs, precision=precision, pow2_scales=options.fp8_pow2_scales
+            )
+    else:
+        raise ValueError(f"precision = {precision!r}; allowed: 'bf16', {', '.join(map(repr, QUANTIZED_PRECISIONS))}")
     world = 1 if group is None else dist.get_world_size(group)
     if world == 1:
         if hidden_states.shape[0] == 0:
             return hidden_states.new_zeros(hidden_states.shape)
-        return routed_experts(
+        return experts(
             hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, expert_base=0, tile_m=tile_m()
         )
     # Expert parallelism: every rank sees all ranks' tokens (padded to capacity), computes its experts' share of
@@ -41,7 +51,5 @@ def mega_moe_experts(
     index = dispatch_rows(top_k_index, capacity, group, fill=-1)
     weights = dispatch_rows(top_k_weights, capacity, group)
     num_local = gate_up_proj.shape[0]
-    partials = routed_experts(
-        rows, index, weights, gate_up_proj, down_proj, expert_base=rank * num_local, tile_m=tile_m()
-    )
+    partials = experts(rows, index, weights, gate_up_proj, down_proj, expert_base=rank * num_local, tile_m=tile_m())
     return combine_rows_across(partials, hidden_states.shape[0], group)
