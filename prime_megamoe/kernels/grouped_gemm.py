@@ -40,20 +40,13 @@ def _tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M
 # ----------------------------------------------------------------------------------------------------------------
 # FC1 + SwiGLU:  h = x[src] @ W1[e]^T,  a = silu(h[:, :I]) * h[:, I:]
 # ----------------------------------------------------------------------------------------------------------------
-@triton.autotune(configs=autotune_configs("fc1"), key=["N", "K", "M_BUCKET"], cache_results=True)
 @triton.jit
-def fc1_swiglu_kernel(
-    x_ptr, row_src_ptr, w_ptr, h_ptr, a_ptr,
-    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
-    N, K, M_BUCKET,
-    stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_am,
+def _fc1_swiglu_tile(
+    x_ptr, row_src_ptr, w_ptr, h_ptr, a_ptr, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, pid_n,
+    N, K, stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_am,
     SAVE_H: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    if pid_m >= tl.load(num_tiles_ptr):
-        return
     expert, rows, row_mask = _tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M)
     src = tl.load(row_src_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -83,6 +76,31 @@ def fc1_swiglu_kernel(
         tl.store(h_ptrs + N, acc_u.to(h_ptr.dtype.element_ty), mask=out_mask)
     act = acc_g * tl.sigmoid(acc_g) * acc_u
     tl.store(a_ptr + rows64[:, None] * stride_am + cols[None, :], act.to(a_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.autotune(configs=autotune_configs("fc1"), key=["N", "K", "M_BUCKET"], cache_results=True)
+@triton.jit
+def fc1_swiglu_kernel(
+    x_ptr, row_src_ptr, w_ptr, h_ptr, a_ptr,
+    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
+    N, K, M_BUCKET, NUM_SMS,
+    stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_am,
+    SAVE_H: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    if PERSISTENT:
+        num_n = tl.cdiv(N, BLOCK_N)
+        total = tl.load(num_tiles_ptr) * num_n
+        for work in tl.range(tl.program_id(0), total, NUM_SMS, flatten=True):
+            _fc1_swiglu_tile(x_ptr, row_src_ptr, w_ptr, h_ptr, a_ptr, tile_expert_ptr, tile_row_ptr,
+                             expert_offsets_ptr, work // num_n, work % num_n, N, K, stride_xm, stride_we, stride_wn,
+                             stride_wk, stride_hm, stride_am, SAVE_H, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        pid_m = tl.program_id(1)
+        if pid_m < tl.load(num_tiles_ptr):
+            _fc1_swiglu_tile(x_ptr, row_src_ptr, w_ptr, h_ptr, a_ptr, tile_expert_ptr, tile_row_ptr,
+                             expert_offsets_ptr, pid_m, tl.program_id(0), N, K, stride_xm, stride_we, stride_wn,
+                             stride_wk, stride_hm, stride_am, SAVE_H, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -186,20 +204,14 @@ def _dswiglu_epilogue(
     tl.store(aw_ptr + rows64[:, None] * stride_awm + cols[None, :], (act * w).to(aw_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(configs=autotune_configs("dswiglu"), key=["N", "K", "M_BUCKET"], cache_results=True)
 @triton.jit
-def fc2_dgrad_dswiglu_kernel(
+def _dswiglu_tile(
     dy_ptr, row_src_ptr, w_ptr, h_ptr, row_weight_ptr, dh_ptr, aw_ptr, dw_partial_ptr,
-    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
-    N, K, M_BUCKET,
+    tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, pid_n, N, K,
     stride_dym, stride_we, stride_wk, stride_wn, stride_hm, stride_dhm, stride_awm, stride_dwp,
     DW_CHUNK: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    if pid_m >= tl.load(num_tiles_ptr):
-        return
     expert, rows, row_mask = _tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M)
     src = tl.load(row_src_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     cols_lo = pid_n * (2 * BLOCK_N) + tl.arange(0, BLOCK_N)
@@ -225,6 +237,33 @@ def fc2_dgrad_dswiglu_kernel(
                       stride_hm, stride_dhm, stride_awm, stride_dwp, BLOCK_M, BLOCK_N, DW_CHUNK)
     _dswiglu_epilogue(acc_hi, rows, row_mask, cols_hi, N, h_ptr, dh_ptr, aw_ptr, dw_partial_ptr, w,
                       stride_hm, stride_dhm, stride_awm, stride_dwp, BLOCK_M, BLOCK_N, DW_CHUNK)
+
+
+@triton.autotune(configs=autotune_configs("dswiglu"), key=["N", "K", "M_BUCKET"], cache_results=True)
+@triton.jit
+def fc2_dgrad_dswiglu_kernel(
+    dy_ptr, row_src_ptr, w_ptr, h_ptr, row_weight_ptr, dh_ptr, aw_ptr, dw_partial_ptr,
+    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
+    N, K, M_BUCKET, NUM_SMS,
+    stride_dym, stride_we, stride_wk, stride_wn, stride_hm, stride_dhm, stride_awm, stride_dwp,
+    DW_CHUNK: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    if PERSISTENT:
+        num_n = tl.cdiv(N, 2 * BLOCK_N)
+        total = tl.load(num_tiles_ptr) * num_n
+        for work in tl.range(tl.program_id(0), total, NUM_SMS, flatten=True):
+            _dswiglu_tile(dy_ptr, row_src_ptr, w_ptr, h_ptr, row_weight_ptr, dh_ptr, aw_ptr, dw_partial_ptr,
+                          tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, work // num_n, work % num_n, N, K,
+                          stride_dym, stride_we, stride_wk, stride_wn, stride_hm, stride_dhm, stride_awm, stride_dwp,
+                          DW_CHUNK, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        pid_m = tl.program_id(1)
+        if pid_m < tl.load(num_tiles_ptr):
+            _dswiglu_tile(dy_ptr, row_src_ptr, w_ptr, h_ptr, row_weight_ptr, dh_ptr, aw_ptr, dw_partial_ptr,
+                          tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, tl.program_id(0), N, K,
+                          stride_dym, stride_we, stride_wk, stride_wn, stride_hm, stride_dhm, stride_awm, stride_dwp,
+                          DW_CHUNK, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -36,15 +36,15 @@ def _cfg(bm, bn, bk, warps, stages, **extra):
 def autotune_configs(kind: str) -> list[triton.Config]:
     """Candidates for one kernel family; evaluated when the module is imported (TRITON_INTERPRET is read then)."""
     if interpreting():
-        extra = {"GROUP_M": 2} if kind == "wgrad" else {"PERSISTENT": True} if kind == "gemm" else {}
+        extra = {"GROUP_M": 2} if kind == "wgrad" else {"PERSISTENT": True}
         return [_cfg(16, 16, 16, 1, 1, **extra)]
     m = tile_m()
     if kind == "fc1":  # two accumulators (gate and up) per tile
         return [
-            _cfg(m, 128, 64, 8, 3),
-            _cfg(m, 128, 64, 8, 4),
-            _cfg(m, 128, 32, 8, 5),
-            _cfg(m, 64, 64, 8, 4),
+            _cfg(m, 128, 64, 8, 3, PERSISTENT=False),
+            _cfg(m, 128, 64, 8, 3, PERSISTENT=True),
+            _cfg(m, 128, 64, 8, 4, PERSISTENT=True),
+            _cfg(m, 64, 64, 8, 4, PERSISTENT=False),
         ]
     if kind == "gemm":
         return [
@@ -56,10 +56,10 @@ def autotune_configs(kind: str) -> list[triton.Config]:
         ]
     if kind == "dswiglu":  # two accumulators: a program covers 2 * BLOCK_N columns
         return [
-            _cfg(m, 64, 64, 8, 4),
-            _cfg(m, 64, 64, 4, 4),
-            _cfg(m, 128, 64, 8, 3),
-            _cfg(m, 64, 128, 8, 3),
+            _cfg(m, 64, 64, 8, 4, PERSISTENT=False),
+            _cfg(m, 64, 64, 8, 4, PERSISTENT=True),
+            _cfg(m, 64, 128, 8, 3, PERSISTENT=True),
+            _cfg(m, 64, 64, 4, 4, PERSISTENT=False),
         ]
     if kind == "wgrad":
         return [

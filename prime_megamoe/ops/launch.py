@@ -26,8 +26,15 @@ def _flags(t: torch.Tensor) -> dict:
     return {"CAST_F32": tuning.interpreting(), "IEEE": t.dtype == torch.float32}
 
 
-def _tile_grid(plan: RoutingPlan, n: int):
-    return lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), plan.max_tiles)
+def _tile_grid(plan: RoutingPlan, n: int, num_sms: int, cols_per_program: int = 1):
+    """Grid of a tile-list kernel: one program per (column block, row tile), or one per SM when persistent."""
+
+    def grid(meta):
+        if meta.get("PERSISTENT", False):
+            return (num_sms, 1)
+        return (triton.cdiv(n, cols_per_program * meta["BLOCK_N"]), plan.max_tiles)
+
+    return grid
 
 
 def _tile_args(plan: RoutingPlan):
@@ -39,9 +46,10 @@ def fc1_swiglu(x: torch.Tensor, w1: torch.Tensor, plan: RoutingPlan, save_h: boo
     num_pairs, inter, hidden = plan.num_pairs, w1.shape[1] // 2, w1.shape[2]
     a = x.new_empty(num_pairs, inter)
     h = x.new_empty(num_pairs, 2 * inter) if save_h else a  # a stands in for the unused pointer
-    fc1_swiglu_kernel[_tile_grid(plan, inter)](
+    num_sms = _num_sms(x.device)
+    fc1_swiglu_kernel[_tile_grid(plan, inter, num_sms)](
         x, plan.row_src, w1, h, a, *_tile_args(plan),
-        inter, hidden, num_pairs,
+        inter, hidden, num_pairs, num_sms,
         x.stride(0), w1.stride(0), w1.stride(1), w1.stride(2), h.stride(0), a.stride(0),
         SAVE_H=save_h, **_flags(x),
     )
@@ -66,13 +74,7 @@ def grouped_gemm(
         stride_bk, stride_bn = b.stride(1), b.stride(2)
     c = a.new_empty(plan.num_pairs, n)
     num_sms = _num_sms(a.device)
-
-    def grid(meta):
-        if meta["PERSISTENT"]:
-            return (num_sms, 1)
-        return (triton.cdiv(n, meta["BLOCK_N"]), plan.max_tiles)
-
-    grouped_gemm_kernel[grid](
+    grouped_gemm_kernel[_tile_grid(plan, n, num_sms)](
         a, plan.row_src, b, c, row_scale if row_scale is not None else plan.row_weight, *_tile_args(plan),
         n, k, plan.num_pairs, num_sms,
         a.stride(0), b.stride(0), stride_bk, stride_bn, c.stride(0),
@@ -92,10 +94,10 @@ def fc2_dgrad_dswiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, plan:
     dh = dy.new_empty(num_pairs, 2 * inter)
     aw = dy.new_empty(num_pairs, inter)
     dw_partial = torch.zeros(num_chunks, num_pairs, dtype=torch.float32, device=dy.device)
-    grid = lambda meta: (triton.cdiv(inter, 2 * meta["BLOCK_N"]), plan.max_tiles)  # noqa: E731
-    fc2_dgrad_dswiglu_kernel[grid](
+    num_sms = _num_sms(dy.device)
+    fc2_dgrad_dswiglu_kernel[_tile_grid(plan, inter, num_sms, cols_per_program=2)](
         dy, plan.row_src, w2, h, plan.row_weight, dh, aw, dw_partial, *_tile_args(plan),
-        inter, hidden, num_pairs,
+        inter, hidden, num_pairs, num_sms,
         dy.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), h.stride(0), dh.stride(0), aw.stride(0),
         dw_partial.stride(0),
         DW_CHUNK=chunk, **_flags(dy),
