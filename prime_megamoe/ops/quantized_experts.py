@@ -14,23 +14,23 @@ along the reduction dim of every operand (OCP MX), through ``tl.dot_scaled``: na
 emulates it (operands upcast to bf16 with their scales, bf16 MMAs), so mxfp8 on an H100/H200 has MX numerics but no
 fp8 speed-up. Both need an NVIDIA GPU with fp8 support (compute capability >= 8.9); anything else is a clear error.
 
-What each GEMM quantises, and the scale layout its operands need (the scales always run along the reduction dim):
+What each GEMM quantises, and the scale layout its operands need (scales always run along the GEMM's reduction dim;
+"1x128 / 1x32" = fp8 / mxfp8; weight operands come from the cache):
 
-==================  ====================  ===========================================  ======================================
-GEMM                reduction             A operand (activations)                      B operand (weights, cached)
-==================  ====================  ===========================================  ======================================
-FC1 (+SwiGLU)       H                     x [T, H] row-scaled (1x128 / 1x32), gathered  W1 [E, 2I, H]: 128x128 / 1x32 along H
-FC2 (+weight)       I                     a [P, I] row-scaled, emitted by FC1's         W2 [E, H, I]: 128x128 / 1x32 along I
-                                          epilogue (fp8 + scales, no extra pass)
-FC2 dgrad (+dSwiGLU) H                    dy [T, H] row-scaled, gathered                W2^T [E, I, H]: copy, K-major
-FC1 dgrad           2I (gate, up halves)  dh [P, 2I] row-scaled per half, emitted by    W1^T [E, H, 2I]: copy, K-major
-                                          the dSwiGLU epilogue
-W1 wgrad            each expert's rows    dh [P, 2I] column-scaled (128x1 / 32x1 along  x [T, H] gathered, quantised
-                                          the rows of each 128-row tile), emitted by    per tile and column inside the
-                                          the dSwiGLU epilogue                          wgrad kernel (no [P, H] copy)
-W2 wgrad            each expert's rows    dy [T, H] gathered, quantised in-kernel       w * a [P, I] column-scaled, emitted
-                                          per tile and column                           by the dSwiGLU epilogue
-==================  ====================  ===========================================  ======================================
+- FC1 + SwiGLU epilogue (reduction H): A = x [T, H], row-scaled 1x128 / 1x32 along H, quantised once per token and
+  gathered per sorted row; B = W1 [E, 2I, H] in 128x128 blocks / 1x32 along H (gate and up halves blocked apart).
+  The epilogue stores h (input dtype, for the backward) and a = silu(g) * u in fp8 with 1x128 / 1x32 row scales.
+- FC2 + top-k weight epilogue (reduction I): A = a [P, I] from FC1's epilogue (no extra pass); B = W2 [E, H, I] in
+  128x128 blocks / 1x32 along I. Output in the input dtype, then the deterministic combine.
+- FC2 dgrad + dSwiGLU epilogue (reduction H): A = dy [T, H] row-scaled along H, gathered; B = the transposed copy
+  W2^T [E, I, H] (K-major, as Hopper's fp8 wgmma wants), blocks / groups along H. The epilogue emits dh = [dg | du]
+  twice in fp8: row-scaled per half (for the FC1 dgrad) and column-scaled (for the W1 wgrad), plus w * a
+  column-scaled (for the W2 wgrad) and the top-k weight gradient <dy W2, a>.
+- FC1 dgrad (reduction 2I, two halves): A = dh [P, 2I] row-scaled per half; B = the copy W1^T [E, H, 2I].
+- W1 wgrad, dW1[e] = dh^T x (reduction over the expert's rows): A = dh column-scaled; B = x gathered, quantised per
+  tile and column inside the kernel from the high-precision rows (no [P, H] gathered copy is written).
+- W2 wgrad, dW2[e] = dy^T (w * a): A = dy gathered, quantised in-kernel per tile and column; B = w * a
+  column-scaled.
 
 The wgrads reduce over tokens, so their operands carry scales along the token dim: one per column for every block
 of 128 (fp8) or 32 (mx) rows of a 128-row tile. Tiles start at each expert's first row (the routing plan's tile
@@ -54,6 +54,13 @@ activations, which keeps one layer's h alive at a time. Transients at that shape
 column-scaled) 2 x 201 MB, w * a 101 MB, scales ~17 MB, the FC1 dgrad output before the combine 537 MB.
 
 ``fp8_bwd`` runs the bf16 forward kernels (``ops.launch``) and the same fp8 backward as ``fp8``.
+
+Accuracy (CPU interpreter, tests/test_fp8_experts.py, H = 192, I = 96, ragged routing): against the float64
+transformers oracle the output and the four gradients are 6-7.5% off (relative norm) for fp8 and mxfp8 and 3-5%
+for the fp8_bwd gradients; that is e4m3's own rounding (3 mantissa bits, ~2.6% rms per quantised operand, two GEMMs
+in a chain). Against a torch emulation of this exact recipe (same blocks, scales and roundings, float64 GEMMs) they
+agree to ~1e-7, so the kernels add nothing beyond the recipe. The top-k weight gradient is the noisiest (a dot
+product over I of two noisy factors, with cancellation): over random seeds it averages 6.6% and reaches 8%.
 """
 
 from __future__ import annotations
@@ -77,7 +84,9 @@ QUANTIZED_PRECISIONS = ("fp8", "fp8_bwd", "mxfp8")
 def check_precision_supported(precision: str, device: torch.device) -> None:
     """Raise a clear error where ``precision`` cannot run on ``device``."""
     if precision not in QUANTIZED_PRECISIONS:
-        raise ValueError(f"precision = {precision!r} is not a quantised precision; allowed: {list(QUANTIZED_PRECISIONS)}")
+        raise ValueError(
+            f"precision = {precision!r} is not a quantised precision; allowed: {list(QUANTIZED_PRECISIONS)}"
+        )
     if device.type == "cuda":
         if torch.version.hip is not None:
             raise RuntimeError(f"precision = {precision!r} is implemented for NVIDIA GPUs only; use precision = 'bf16'")
@@ -269,7 +278,9 @@ def routed_experts_quantized(rows, top_k_index, top_k_weights, w1, w2, *, expert
     tile_m is the row tile of the bf16 kernels (the fp8_bwd forward); the quantised GEMMs always use 128-row tiles.
     """
     if precision not in QUANTIZED_PRECISIONS:
-        raise ValueError(f"precision = {precision!r} is not a quantised precision; allowed: {list(QUANTIZED_PRECISIONS)}")
+        raise ValueError(
+            f"precision = {precision!r} is not a quantised precision; allowed: {list(QUANTIZED_PRECISIONS)}"
+        )
     return QuantizedRoutedExperts.apply(
         rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, precision, bool(pow2_scales)
     )
