@@ -253,9 +253,11 @@ def main(argv: list[str] | None = None) -> None:
                             shape, tokens, backend, precision, group, args.iters, args.warmup,
                             reference=reference if backend != "torch" else None,
                         )
-                    except torch.cuda.OutOfMemoryError as err:
+                    except Exception as err:  # noqa: BLE001 - report the failure, measure the rest
                         if rank == 0:
-                            print(f"{shape} T={tokens} {backend} {precision}: out of memory ({err})", flush=True)
+                            msg = str(err).strip().splitlines()
+                            print(f"FAILED {shape} T={tokens} {backend} {precision}: {type(err).__name__}: "
+                                  f"{' | '.join(msg[-6:])}", flush=True)
                         torch.cuda.empty_cache()
                         continue
                     if backend == "torch":
