@@ -47,15 +47,12 @@ def _cfg(bn, bk, warps, stages, bm=QTILE_M, **extra):
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, **extra}, num_warps=warps, num_stages=stages)
 
 
-def quant_configs(kind: str) -> list[triton.Config]:
-    """Autotuning candidates. BLOCK_K divides 128 (one fp32 scale per step) and is a multiple of 32 (MX groups);
-    dSwiGLU's BLOCK_N is a multiple of 128 (it emits 1x128-scaled fp8) and of DW_CHUNK_Q.
-    Untuned on hardware so far: these are starting points for an H100/H200 sweep."""
+def _candidates(kind: str) -> list[triton.Config]:
     if _interpreting():
         extra = {"GROUP_M": 1} if kind == "wgrad" else {}
         return [_cfg(128, 128, 1, 1, **extra)]
     if kind == "fc1":  # two accumulators (gate and up)
-        return [_cfg(128, 128, 8, 3), _cfg(128, 128, 8, 4), _cfg(64, 128, 4, 4)]
+        return [_cfg(128, 128, 8, 3), _cfg(128, 128, 8, 4), _cfg(128, 64, 8, 4)]
     if kind == "gemm":
         return [_cfg(128, 128, 8, 3), _cfg(256, 128, 8, 3), _cfg(128, 128, 4, 4), _cfg(128, 64, 8, 4)]
     if kind == "dswiglu":
@@ -67,6 +64,24 @@ def quant_configs(kind: str) -> list[triton.Config]:
             _cfg(128, QTILE_M, 4, 4, bm=64, GROUP_M=8),
         ]
     raise ValueError(f"unknown kernel family {kind!r}")
+
+
+def quant_configs(kind: str) -> list[triton.Config]:
+    """Autotuning candidates (evaluated at import). Constraints: BLOCK_K divides 128 (one fp32 scale per step) and
+    is a multiple of 32 (MX groups); the row tile is QTILE_M; FC1 and dSwiGLU emit 1x128-scaled fp8, so their
+    BLOCK_N is a multiple of 128 (and of DW_CHUNK_Q). Untuned on hardware so far: starting points for a sweep."""
+    configs = _candidates(kind)
+    for c in configs:
+        kw = c.kwargs
+        if kind == "wgrad":
+            ok = kw["BLOCK_K"] == QTILE_M
+        else:
+            ok = kw["BLOCK_M"] == QTILE_M and 128 % kw["BLOCK_K"] == 0 and kw["BLOCK_K"] % 32 == 0
+            if kind in ("fc1", "dswiglu"):
+                ok = ok and kw["BLOCK_N"] % 128 == 0 and kw["BLOCK_N"] % DW_CHUNK_Q == 0
+        if not ok:
+            raise ValueError(f"{kind} config {kw} breaks the quantised GEMM block constraints")
+    return configs
 
 
 @triton.jit
