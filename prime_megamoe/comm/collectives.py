@@ -3,9 +3,16 @@
 Every rank contributes a block of exactly ``capacity`` rows (its tokens, padded), so split sizes are static: no
 counts travel to the host and the calls are stream-ordered on GPU. Collectives here move bytes only (no reductions),
 so tensors travel as raw bytes (uint8), which every backend supports.
+
+Waits are bounded. On CPU (gloo) each exchange waits at most ``timeout_s`` and then raises an error naming this rank,
+the exchange and the peers of the group, instead of hanging. On GPU the exchange is enqueued on the stream (waiting
+on the host would add a sync); there the process group's own timeout (``init_process_group(timeout=...)``) and NCCL's
+watchdog turn a peer that never arrives into an error.
 """
 
 from __future__ import annotations
+
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -15,27 +22,65 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-def _all_gather_into(out: torch.Tensor, inp: torch.Tensor, group) -> None:
-    gather = getattr(dist, "all_gather_single", None)
-    if gather is not None:
-        gather(_wire(out), _wire(inp), group=group)
+def _finish(work, group, what: str, timeout_s: float | None) -> None:
+    if work is None:
+        return
+    if timeout_s is None or dist.get_backend(group) != "gloo":
+        work.wait()
+        return
+    try:
+        completed = work.wait(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as err:
+        completed = False
+        cause = f" ({str(err).splitlines()[0][:200]})"
     else:
-        dist.all_gather_into_tensor(_wire(out), _wire(inp), group=group)
+        cause = ""
+    if completed is False:
+        rank = dist.get_rank(group)
+        peers = [p for p in dist.get_process_group_ranks(group) if p != dist.get_global_rank(group, rank)]
+        raise RuntimeError(
+            f"rank {rank} of the expert-parallel group: the {what} did not complete within {timeout_s:g} s; peers "
+            f"(global ranks) {peers} never delivered their blocks{cause}. Check that every rank of the group calls the "
+            f"MoE layer the same number of times, or raise [model.moe.dispatch] comm_timeout_s."
+        )
 
 
-def all_gather_blocks(block: torch.Tensor, group) -> torch.Tensor:
+def all_gather_blocks(block: torch.Tensor, group, timeout_s: float | None = None, what="dispatch") -> torch.Tensor:
     """[C, ...] on each of W ranks -> [W*C, ...] on every rank (rank r's block at rows [r*C, (r+1)*C))."""
     world = dist.get_world_size(group)
     out = block.new_empty((world * block.shape[0], *block.shape[1:]))
-    _all_gather_into(out, block.contiguous(), group)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    work = gather(_wire(out), _wire(block.contiguous()), group=group, async_op=True)
+    _finish(work, group, what, timeout_s)
     return out
 
 
-def exchange_blocks(blocks: torch.Tensor, group) -> torch.Tensor:
+def exchange_blocks(blocks: torch.Tensor, group, timeout_s: float | None = None, what="combine") -> torch.Tensor:
     """[W*C, ...]: block s goes to rank s. Returns [W*C, ...] whose block s came from rank s."""
     out = torch.empty_like(blocks)
-    dist.all_to_all_single(_wire(out), _wire(blocks.contiguous()), group=group)
+    work = dist.all_to_all_single(_wire(out), _wire(blocks.contiguous()), group=group, async_op=True)
+    _finish(work, group, what, timeout_s)
     return out
+
+
+_CHECKED_GROUPS: set[int] = set()
+
+
+def check_group_within_node(group, local_world_size: int | None) -> None:
+    """Expert parallelism runs over NVLink inside one node: every rank of ``group`` must sit on the same node.
+
+    Nodes are inferred as torchrun lays ranks out: global rank // LOCAL_WORLD_SIZE. Checked once per group."""
+    if id(group) in _CHECKED_GROUPS or local_world_size is None:
+        return
+    ranks = dist.get_process_group_ranks(group)
+    nodes = sorted({r // local_world_size for r in ranks})
+    if len(nodes) > 1:
+        raise ValueError(
+            f"the expert-parallel group (global ranks {ranks}) spans nodes {nodes} (LOCAL_WORLD_SIZE = "
+            f"{local_world_size}); expert parallelism stays inside one node: choose [model.moe] ep <= ranks per node "
+            f"and build EP groups of consecutive ranks, with data parallelism across nodes"
+        )
+    _CHECKED_GROUPS.add(id(group))
 
 
 class _AllToAllVariable(torch.autograd.Function):

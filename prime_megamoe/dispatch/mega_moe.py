@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
+from ..comm.collectives import check_group_within_node
 from ..config import DispatchConfig
 from ..kernels.tuning import tile_m
 from ..ops.ep_exchange import combine_rows_across, dispatch_rows
@@ -44,11 +47,18 @@ def mega_moe_experts(
         )
     # Expert parallelism: every rank sees all ranks' tokens (padded to capacity), computes its experts' share of
     # each, and sends each share back to the token's rank, which sums the shares in rank order.
+    check_group_within_node(group, _local_world_size())
     rank = dist.get_rank(group)
     capacity = options.max_tokens_per_rank
-    rows = dispatch_rows(hidden_states, capacity, group)
-    index = dispatch_rows(top_k_index, capacity, group, fill=-1)
-    weights = dispatch_rows(top_k_weights, capacity, group)
+    timeout = options.comm_timeout_s
+    rows = dispatch_rows(hidden_states, capacity, group, timeout_s=timeout)
+    index = dispatch_rows(top_k_index, capacity, group, fill=-1, timeout_s=timeout)
+    weights = dispatch_rows(top_k_weights, capacity, group, timeout_s=timeout)
     num_local = gate_up_proj.shape[0]
     partials = experts(rows, index, weights, gate_up_proj, down_proj, expert_base=rank * num_local, tile_m=tile_m())
-    return combine_rows_across(partials, hidden_states.shape[0], group)
+    return combine_rows_across(partials, hidden_states.shape[0], group, timeout_s=timeout)
+
+
+def _local_world_size() -> int | None:
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(value) if value else None

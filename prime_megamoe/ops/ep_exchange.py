@@ -36,37 +36,39 @@ class DispatchRows(torch.autograd.Function):
     """x [T, C...] on each rank -> [W*capacity, C...] on every rank (padding rows filled with ``fill``)."""
 
     @staticmethod
-    def forward(ctx, x, capacity: int, group, fill):
-        ctx.group, ctx.num_tokens, ctx.dtype = group, x.shape[0], x.dtype
-        return all_gather_blocks(_pad_rows(x, capacity, fill), group)
+    def forward(ctx, x, capacity: int, group, fill, timeout_s):
+        ctx.group, ctx.num_tokens, ctx.dtype, ctx.timeout_s = group, x.shape[0], x.dtype, timeout_s
+        return all_gather_blocks(_pad_rows(x, capacity, fill), group, timeout_s, "dispatch of tokens")
 
     @staticmethod
     def backward(ctx, grad):
         world = torch.distributed.get_world_size(ctx.group)
-        back = exchange_blocks(grad.contiguous(), ctx.group)
-        return _sum_partials(back, world, ctx.num_tokens, ctx.dtype), None, None, None
+        back = exchange_blocks(grad.contiguous(), ctx.group, ctx.timeout_s, "return of token gradients")
+        return _sum_partials(back, world, ctx.num_tokens, ctx.dtype), None, None, None, None
 
 
 class CombineRows(torch.autograd.Function):
     """Partial rows [W*capacity, H] (block s: this rank's results for rank s's tokens) -> [T, H] on each rank."""
 
     @staticmethod
-    def forward(ctx, partials, num_tokens: int, group):
-        ctx.group, ctx.capacity = group, partials.shape[0] // torch.distributed.get_world_size(group)
+    def forward(ctx, partials, num_tokens: int, group, timeout_s):
         world = torch.distributed.get_world_size(group)
-        back = exchange_blocks(partials, group)
+        ctx.group, ctx.capacity, ctx.timeout_s = group, partials.shape[0] // world, timeout_s
+        back = exchange_blocks(partials, group, timeout_s, "combine of expert outputs")
         return _sum_partials(back, world, num_tokens, partials.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather_blocks(_pad_rows(grad.contiguous(), ctx.capacity), ctx.group), None, None
+        out = all_gather_blocks(_pad_rows(grad.contiguous(), ctx.capacity), ctx.group, ctx.timeout_s,
+                                "dispatch of output gradients")
+        return out, None, None, None
 
 
-def dispatch_rows(x: torch.Tensor, capacity: int, group, fill=0) -> torch.Tensor:
+def dispatch_rows(x: torch.Tensor, capacity: int, group, fill=0, timeout_s: float | None = None) -> torch.Tensor:
     if x.requires_grad or x.is_floating_point():
-        return DispatchRows.apply(x, capacity, group, fill)
-    return all_gather_blocks(_pad_rows(x, capacity, fill), group)
+        return DispatchRows.apply(x, capacity, group, fill, timeout_s)
+    return all_gather_blocks(_pad_rows(x, capacity, fill), group, timeout_s, "dispatch of routing")
 
 
-def combine_rows_across(partials: torch.Tensor, num_tokens: int, group) -> torch.Tensor:
-    return CombineRows.apply(partials, num_tokens, group)
+def combine_rows_across(partials: torch.Tensor, num_tokens: int, group, timeout_s: float | None = None) -> torch.Tensor:
+    return CombineRows.apply(partials, num_tokens, group, timeout_s)

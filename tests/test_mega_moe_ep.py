@@ -1,0 +1,113 @@
+"""The fused `mega_moe` backend with expert parallelism over gloo processes (EP = 2 and 4): outputs and all four
+gradients against the float64 transformers oracle, ragged routing (an empty expert, a hot expert, a rank that
+receives nothing, unequal token counts), bitwise determinism, bounded waits and the one-node rule."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from prime_megamoe import DispatchConfig, fused_experts
+from prime_megamoe.comm.collectives import check_group_within_node
+
+from .distributed import run_on_ranks
+from .oracle import oracle_with_grads
+from .test_torch_backend import DTYPES, TOL, Case, assert_matches, make_problem
+
+CASES = [
+    Case("ragged", 40, 24, 8, 3, "ragged", (7, 12, 1, 9)),
+    Case("starved", 32, 16, 8, 2, "starved", (6, 3, 8, 5)),
+]
+
+
+def _seed(case: Case, world: int, dtype_name: str) -> int:
+    return 7000 + 100 * world + 10 * CASES.index(case) + list(DTYPES).index(dtype_name)
+
+
+def _run(x, index, weights, w1, w2, grad_out, group, capacity):
+    leaves = [t.detach().clone().requires_grad_() for t in (x, weights, w1, w2)]
+    opts = DispatchConfig(type="mega_moe", max_tokens_per_rank=capacity)
+    out = fused_experts(leaves[0], index, leaves[1], leaves[2], leaves[3], dispatch=opts, group=group)
+    out.backward(grad_out)
+    return (out.detach(), *(t.grad for t in leaves))
+
+
+def _ep_body(rank, world, cases):
+    group = dist.group.WORLD
+    results = {}
+    for case, dtype_name in cases:
+        x, w, w1, w2, g, idx = make_problem(case, world, DTYPES[dtype_name], _seed(case, world, dtype_name))
+        counts = case.tokens_per_rank(world)
+        t0, t1 = sum(counts[:rank]), sum(counts[: rank + 1])
+        per_rank = case.experts // world
+        e0, e1 = rank * per_rank, (rank + 1) * per_rank
+        args = (x[t0:t1], idx[t0:t1], w[t0:t1], w1[e0:e1], w2[e0:e1], g[t0:t1], group, max(counts))
+        first = _run(*args)
+        again = _run(*args)
+        results[(case.name, dtype_name)] = (first, all(torch.equal(a, b) for a, b in zip(first, again)))
+    return results
+
+
+_RESULTS: dict[int, list] = {}
+
+
+def results_for(world: int) -> list:
+    if world not in _RESULTS:
+        cases = [(c, d) for c in CASES for d in DTYPES]
+        _RESULTS[world] = run_on_ranks(_ep_body, world, cases)
+    return _RESULTS[world]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_expert_parallel_mega_moe_matches_oracle(world, case, dtype_name):
+    dtype = DTYPES[dtype_name]
+    x, w, w1, w2, g, idx = make_problem(case, world, dtype, _seed(case, world, dtype_name))
+    got = [r[(case.name, dtype_name)] for r in results_for(world)]
+    assert all(bitwise for _, bitwise in got), "a repeated call gave different bits"
+    per = [res for res, _ in got]
+    gathered = tuple(torch.cat([res[n] for res in per]) for n in range(5))
+    assert_matches(gathered, oracle_with_grads(x, idx, w, w1, w2, g), TOL[dtype], f"mega_moe EP={world} {case.name}")
+    if case.routing == "starved":  # the last rank's experts are never chosen: it receives no rows
+        assert (per[-1][3] == 0).all() and (per[-1][4] == 0).all()
+
+
+def _stalled_peer_body(rank, world):
+    x = torch.randn(4, 32)
+    index = torch.tensor([[0, 1]] * 4)
+    weights = torch.full((4, 2), 0.5)
+    w1, w2 = torch.randn(1, 48, 32), torch.randn(1, 32, 24)
+    if rank == 1:  # never joins the exchange
+        time.sleep(6.0)
+        return None
+    opts = DispatchConfig(type="mega_moe", max_tokens_per_rank=4, comm_timeout_s=1.5)
+    start = time.monotonic()
+    try:
+        fused_experts(x, index, weights, w1, w2, dispatch=opts, group=dist.group.WORLD)
+    except RuntimeError as err:
+        return time.monotonic() - start, str(err)
+    return None
+
+
+def test_a_peer_that_never_arrives_is_an_error_not_a_hang():
+    elapsed, message = run_on_ranks(_stalled_peer_body, 2)[0]
+    assert elapsed < 5.0
+    assert "rank 0" in message and "[1]" in message and "comm_timeout_s" in message
+
+
+def _node_check_body(rank, world):
+    check_group_within_node(dist.group.WORLD, local_world_size=2)  # both ranks on node 0: fine
+    try:
+        check_group_within_node(dist.new_group([0, 1]), local_world_size=1)  # one rank per node: spans two
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_an_expert_parallel_group_must_stay_inside_one_node():
+    messages = run_on_ranks(_node_check_body, 2)
+    assert all(m is not None and "spans nodes" in m and "ep" in m for m in messages)
