@@ -38,9 +38,11 @@ class DispatchConfig(_Strict):
     type: DispatchType = "mega_moe"
     # Static capacity: the most tokens one rank may pass to the layer in one call. Buffers are sized from it.
     max_tokens_per_rank: int = Field(default=16384, gt=0)
-    # Streaming multiprocessors the fused kernels may use (None: all of them).
+    # Streaming multiprocessors the fused kernels may use (None: all of them). Reserved: any other value is rejected
+    # at the first call until the kernels can be limited.
     num_sms: int | None = Field(default=None, gt=0)
-    # Sum each token's k contributions in a fixed order (no float atomics): bitwise reproducible.
+    # Sum each token's k contributions in a fixed order (no float atomics): bitwise reproducible. The only mode so
+    # far: false is rejected at the first call.
     deterministic: bool = True
     # How top_k_index is checked against [0, E) on a GPU. False (default): a device-side assertion, no host sync, so
     # the layer stays asynchronous and capturable in a CUDA graph. True: a host-side check with a readable message

@@ -38,6 +38,16 @@ def fused_experts(
         if dispatch not in DISPATCH_TYPES:
             raise ValueError(f"dispatch = {dispatch!r} is not a backend; allowed values: {list(DISPATCH_TYPES)}")
         options = DispatchConfig(type=dispatch)
+    if options.num_sms is not None:
+        raise NotImplementedError(
+            f"[model.moe.dispatch] num_sms = {options.num_sms} is not implemented yet: the fused kernels use every SM; "
+            "remove the key"
+        )
+    if not options.deterministic:
+        raise NotImplementedError(
+            "[model.moe.dispatch] deterministic = false is not implemented: both backends sum in a fixed order "
+            "(no float atomics); remove the key or set it to true"
+        )
     if precision not in PRECISIONS:
         raise ValueError(f"precision = {precision!r} is not supported; allowed values: {list(PRECISIONS)}")
     shapes = check_expert_inputs(

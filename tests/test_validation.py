@@ -254,3 +254,11 @@ def test_expert_parallel_validation():
         assert local_shape == (2, 2 * I, H)
         assert ok_shape == (T, H)
         assert range_msg is not None and "[0, 4)" in range_msg
+
+
+def test_options_that_are_not_implemented_raise():
+    x, index, weights, w1, w2 = make_inputs(seed=4)
+    with pytest.raises(NotImplementedError, match="num_sms"):
+        call(x, index, weights, w1, w2, dispatch=DispatchConfig(type="torch", num_sms=8))
+    with pytest.raises(NotImplementedError, match="deterministic"):
+        call(x, index, weights, w1, w2, dispatch=DispatchConfig(type="torch", deterministic=False))
