@@ -33,6 +33,7 @@ import os
 import triton
 import triton.language as tl
 
+from .grouped_gemm import wgrad_tile_offsets
 from .quantize import e8m0_from_scale, quant_groups_cols, quant_groups_rows
 
 QTILE_M = 128  # row tile of every quantised grouped GEMM = the token-dim block of the wgrad scales
@@ -391,20 +392,8 @@ def fp8_grouped_wgrad_kernel(
     MX: tl.constexpr, POW2: tl.constexpr, GROUP_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # Tiles of one expert are consecutive programs, grouped so that neighbouring programs share A and B panels.
-    pid = tl.program_id(0)
     expert = tl.program_id(1)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group_size = GROUP_M * num_n
-    first_m = (pid // group_size) * GROUP_M
-    rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_size) % rows_in_group
-    pid_n = (pid % group_size) // rows_in_group
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    offs_m, offs_n, m_mask, n_mask = wgrad_tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     end = tl.load(expert_offsets_ptr + expert + 1)
     t_begin = tl.load(expert_tiles_ptr + expert)
     t_end = tl.load(expert_tiles_ptr + expert + 1)

@@ -270,18 +270,11 @@ def fc2_dgrad_dswiglu_kernel(
 # Weight gradient:  C[e] = A[rows of e]^T @ B[rows of e],  the reduction over each expert's rows (either operand may
 # be gathered). dW1[e] = dh^T @ x[src];  dW2[e] = dy[src]^T @ aw. Experts with no rows get zeros.
 # ----------------------------------------------------------------------------------------------------------------
-@triton.autotune(configs=autotune_configs("wgrad"), key=["M", "N", "M_BUCKET"], cache_results=True)
 @triton.jit
-def grouped_wgrad_kernel(
-    a_ptr, a_src_ptr, b_ptr, b_src_ptr, c_ptr, expert_offsets_ptr,
-    M, N, M_BUCKET,
-    stride_am, stride_bm, stride_ce, stride_cm, stride_cn,
-    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    # Tiles of one expert are consecutive programs, grouped so that neighbouring programs share A and B panels.
+def wgrad_tile_offsets(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Output tile of a weight-gradient program: an expert's tiles are consecutive programs, grouped GROUP_M row
+    blocks at a time so that neighbouring programs share A and B panels."""
     pid = tl.program_id(0)
-    expert = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     group_size = GROUP_M * num_n
@@ -291,8 +284,20 @@ def grouped_wgrad_kernel(
     pid_n = (pid % group_size) // rows_in_group
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    return offs_m, offs_n, offs_m < M, offs_n < N
+
+
+@triton.autotune(configs=autotune_configs("wgrad"), key=["M", "N", "M_BUCKET"], cache_results=True)
+@triton.jit
+def grouped_wgrad_kernel(
+    a_ptr, a_src_ptr, b_ptr, b_src_ptr, c_ptr, expert_offsets_ptr,
+    M, N, M_BUCKET,
+    stride_am, stride_bm, stride_ce, stride_cm, stride_cn,
+    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    expert = tl.program_id(1)
+    offs_m, offs_n, m_mask, n_mask = wgrad_tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     start = tl.load(expert_offsets_ptr + expert)
     end = tl.load(expert_offsets_ptr + expert + 1)
     ks = tl.arange(0, BLOCK_K)
