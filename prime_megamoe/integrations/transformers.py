@@ -241,8 +241,8 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup | None) -> list[str
     rank, size = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
     names = []
     for name, module in experts_modules(model):
-        if getattr(module, "ep_size", 1) != 1:
-            raise ValueError(f"{name} is already sharded over {module.ep_size} ranks")
+        if hasattr(module, "num_global_experts"):
+            raise ValueError(f"{name} is already sharded (over {module.ep_size} ranks)")
         num_experts = module.gate_up_proj.shape[0]
         if num_experts % size:
             raise ConfigError(

@@ -115,7 +115,8 @@ def resolve_model(model: ModelConfig) -> ModelSource:
         try:
             from transformers import CONFIG_MAPPING
 
-            cfg = CONFIG_MAPPING[name]() if name in CONFIG_MAPPING else AutoConfig.from_pretrained(name)
+            # A model type (e.g. qwen3_moe), or a Hub id already in the local cache: the trainer downloads nothing.
+            cfg = CONFIG_MAPPING[name]() if name in CONFIG_MAPPING else AutoConfig.from_pretrained(name, local_files_only=True)
         except Exception as err:  # noqa: BLE001 - re-raised as a config error naming the key
             raise ConfigError(
                 f"model.name = {name!r} is not a preset ({', '.join(PRESETS)}), a local directory with config.json, "

@@ -57,7 +57,8 @@ def init_runtime(device_pref: str, ep: int, data_parallel: str) -> Runtime:
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
-    fsdp = data_parallel == "fsdp" or (data_parallel == "auto" and use_cuda and world > 1)
+    # One rank has nothing to shard or reduce: FSDP only with several ranks.
+    fsdp = world > 1 and (data_parallel == "fsdp" or (data_parallel == "auto" and use_cuda))
     return Runtime(rank, world, local_rank, device, init_expert_parallel(ep), fsdp, owns)
 
 
@@ -103,8 +104,11 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], rt: Runtime, param_dty
         if isinstance(module, FSDPModule):
             if hasattr(module, "set_gradient_divide_factor"):
                 module.set_gradient_divide_factor(1.0)
-            else:  # torch < 2.8
+            else:  # older torch
                 module.set_reduce_scatter_divide_factor(1.0)
+            if hasattr(module, "set_force_sum_reduction_for_comms"):
+                # A plain SUM reduce-scatter (gloo has no PREMUL_SUM; with factor 1 the two are the same).
+                module.set_force_sum_reduction_for_comms(True)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
