@@ -182,6 +182,37 @@ def test_local_model_directory_loads_its_weights(tmp_path):
     assert losses(train_here(d)) == pytest.approx(preset, abs=1e-6)
 
 
+def _meta_paths_on_rank(rank, world, preset, from_dir, meta_init):
+    from prime_megamoe.train import models, train
+
+    runs = [train(config_from_dict(preset)), train(config_from_dict(from_dir))]
+    models.FULL_INIT_MAX_PARAMS = 0  # force the meta-device build with per-rank initialisation
+    runs.append(train(config_from_dict(meta_init)))
+    return runs
+
+
+def test_fsdp_meta_build_and_sliced_loading_on_two_ranks(tmp_path):
+    """FSDP2 + ep = 2 from a weights directory (meta build, rows of each DTensor shard read from safetensors) matches
+    the preset trained with the all-reduce; a meta-initialised FSDP2 model trains too."""
+    from transformers import AutoModelForCausalLM
+
+    from prime_megamoe.config import ModelConfig
+    from prime_megamoe.integrations.transformers import register
+    from prime_megamoe.train.models import resolve_model
+
+    register()
+    source = resolve_model(ModelConfig(name="tiny", overrides=dict(SMALL)))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(source.config).save_pretrained(tmp_path / "model")
+    preset = run_config(tmp_path, "preset", ep=2, steps=3, batch=4)
+    from_dir = run_config(tmp_path, "dir", ep=2, steps=3, batch=4, train__data_parallel="fsdp")
+    from_dir["model"] = {"name": str(tmp_path / "model"), "moe": from_dir["model"]["moe"]}
+    meta = run_config(tmp_path, "meta", ep=2, steps=3, batch=4, train__data_parallel="fsdp")
+    a, b, c = run_on_ranks(_meta_paths_on_rank, 2, preset, from_dir, meta)[0]
+    assert max(abs(x - y) for x, y in zip(losses(a), losses(b))) < 1e-5, (losses(a), losses(b))
+    assert all(torch.isfinite(torch.tensor(losses(c)))) and losses(c)[-1] < losses(c)[0]
+
+
 def test_jsonl_prompt_completion_masks_the_prompt(tmp_path):
     from prime_megamoe.config import DataConfig
     from prime_megamoe.train.data import IGNORE, ByteTokenizer, build_data, get_batch
