@@ -113,6 +113,15 @@ def test_activation_checkpointing_gives_the_same_curve(tmp_path):
     assert a == pytest.approx(b, abs=1e-6)
 
 
+def test_progress_bar_on_a_terminal(tmp_path, capsys):
+    from prime_megamoe.train import train
+
+    train(config_from_dict(run_config(tmp_path, "bar", steps=2)), progress_bar=True)
+    captured = capsys.readouterr()
+    assert "train" in captured.err and "2/2" in captured.err  # tqdm
+    assert "step 1/2" not in captured.out  # no plain lines alongside the bar
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Checkpoints
 
