@@ -456,6 +456,26 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
             module.attention_scaling = fresh.attention_scaling
 
 
+def model_from_config(config, experts_implementation: str):
+    """``AutoModelForCausalLM.from_config`` with our experts implementation (``register()`` first).
+
+    transformers releases before 5.7 accepted only their own implementation names when a model was constructed; there
+    the model is built with "eager" and switched afterwards (the experts forward reads the name at call time)."""
+    from transformers import AutoModelForCausalLM
+
+    register()
+    config._experts_implementation = experts_implementation
+    try:
+        return AutoModelForCausalLM.from_config(config)
+    except ValueError as err:
+        if "experts_implementation" not in str(err) or experts_implementation not in IMPLEMENTATIONS:
+            raise
+    config._experts_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config)
+    model.config._experts_implementation = experts_implementation
+    return model
+
+
 def from_pretrained_expert_parallel(
     path: str | os.PathLike,
     *,
@@ -470,15 +490,13 @@ def from_pretrained_expert_parallel(
     rank's experts, then read only those slices (and the replicated weights) from ``path``'s safetensors files.
 
     ``experts_implementation`` defaults to ``moe.dispatch.type``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    register()
     moe = moe or MoEConfig()
     impl = experts_implementation or moe.dispatch.type
     config = AutoConfig.from_pretrained(path, **config_kwargs)
-    config._experts_implementation = impl
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = model_from_config(config, impl)
     shard_experts(model, group)
     cast_parameters(model, dtype)
     materialize(model, device)

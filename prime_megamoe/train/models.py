@@ -162,18 +162,14 @@ def build_model(
 ) -> tuple[nn.Module, bool]:
     """Build the model with this rank's experts only. Returns (model, needs_init): with ``needs_init`` the parameters
     are still on the meta device and ``initialize(...)`` must run once the model is parallelised."""
-    from transformers import AutoModelForCausalLM
-
-    hf.register()
     cfg = source.config
-    cfg._experts_implementation = experts_implementation
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
+        model = hf.model_from_config(cfg, experts_implementation)
     count = sum(p.numel() for p in model.parameters())
     if source.weights_dir is None and count <= FULL_INIT_MAX_PARAMS:
         # Whole model on the CPU from the seed, then keep this rank's experts: identical weights for every ep.
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg)
+        model = hf.model_from_config(cfg, experts_implementation)
         hf.shard_experts(model, ep_group)
         hf.cast_parameters(model, param_dtype)
         needs_init = False
