@@ -96,6 +96,18 @@ def test_from_config_accepts_mega_moe():
     assert model.config._experts_implementation == "mega_moe"
 
 
+def test_from_pretrained_with_mega_moe(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ref = build("eager")
+    ref.save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="mega_moe", dtype=torch.float32)
+    assert model.config._experts_implementation == "mega_moe"
+    ids = batch(2)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_options_come_from_the_moe_config():
     model = build("torch")
     moe = MoEConfig(dispatch=DispatchConfig(type="torch", max_tokens_per_rank=4))
