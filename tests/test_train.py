@@ -240,6 +240,23 @@ def test_jsonl_prompt_completion_masks_the_prompt(tmp_path):
     assert len(records) == 2
 
 
+def test_jsonl_with_a_local_tokenizer_directory(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = [f"the answer to question {i} is {i * 7}" for i in range(40)]
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=["<unk>", "<pad>", "<eos>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+    fast.save_pretrained(tmp_path / "tok")
+    path = tmp_path / "text.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    records = train_here(run_config(tmp_path, "tok", steps=3, data__source="jsonl", data__path=str(path),
+                                    data__tokenizer=str(tmp_path / "tok")))
+    assert len(records) == 3 and records[-1]["loss"] < records[0]["loss"]
+
+
 def test_synthetic_data_is_deterministic_and_split_over_ranks():
     from prime_megamoe.config import DataConfig
     from prime_megamoe.train.data import IGNORE, ByteTokenizer, build_data, get_batch, verify
