@@ -46,17 +46,17 @@ def init_runtime(device_pref: str, ep: int, data_parallel: str) -> Runtime:
         raise RuntimeError("train.device = 'cuda' but no CUDA device is available")
     owns = False
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank() if dist.is_initialized() else 0))
+    if use_cuda:  # before NCCL starts, so that each rank talks from its own GPU
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
     if not dist.is_initialized() and world_env > 1:
         dist.init_process_group("nccl" if use_cuda else "gloo")
         owns = True
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    if use_cuda:
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
     # One rank has nothing to shard or reduce: FSDP only with several ranks.
     fsdp = world > 1 and (data_parallel == "fsdp" or (data_parallel == "auto" and use_cuda))
     return Runtime(rank, world, local_rank, device, init_expert_parallel(ep), fsdp, owns)
