@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from ..config import Config, ConfigError, OptimConfig
 from ..integrations import transformers as hf
+from ..ops.quantized_experts import invalidate_weight_cache
 from . import checkpoint as ckpt
 from .data import IGNORE, build_data, build_tokenizer, get_batch
 from .models import build_model, decoder_blocks, initialize, num_experts_of, resolve_model
@@ -240,6 +241,9 @@ def _run(cfg: Config, rt: Runtime, source, dataset, out_dir: Path, resume_path, 
         sync_gradients(dense, experts, rt)
         grad_norm = clip_grad_norm(dense, experts, o.max_grad_norm, rt)
         optimizer.step()
+        # Quantised precisions cache fp8 weights per parameter version; FSDP2 may re-gather into the same storage
+        # without bumping it, so drop the cache once per step (a no-op for bf16).
+        invalidate_weight_cache()
         optimizer.zero_grad(set_to_none=True)
         global_loss = float(all_reduce_sum(loss.detach().clone()))
         elapsed = time.perf_counter() - t0
