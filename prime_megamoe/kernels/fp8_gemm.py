@@ -33,6 +33,7 @@ import os
 import triton
 import triton.language as tl
 
+from .grouped_gemm import tile_rows as _tile_rows
 from .grouped_gemm import wgrad_tile_offsets
 from .quantize import e8m0_from_scale, quant_groups_cols, quant_groups_rows
 
@@ -83,15 +84,6 @@ def quant_configs(kind: str) -> list[triton.Config]:
         if not ok:
             raise ValueError(f"{kind} config {kw} breaks the quantised GEMM block constraints")
     return configs
-
-
-@triton.jit
-def _tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M: tl.constexpr):
-    expert = tl.load(tile_expert_ptr + pid_m)
-    row_start = tl.load(tile_row_ptr + pid_m)
-    row_end = tl.load(expert_offsets_ptr + expert + 1)
-    rows = row_start + tl.arange(0, BLOCK_M)
-    return expert, rows, rows < row_end
 
 
 @triton.jit

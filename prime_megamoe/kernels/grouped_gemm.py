@@ -29,7 +29,8 @@ def _dot(a, b, acc, CAST_F32: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M: tl.constexpr):
+def tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M: tl.constexpr):
+    """Expert, row indices and row mask of row tile ``pid_m`` from the device-side tile list."""
     expert = tl.load(tile_expert_ptr + pid_m)
     row_start = tl.load(tile_row_ptr + pid_m)
     row_end = tl.load(expert_offsets_ptr + expert + 1)
@@ -47,7 +48,7 @@ def _fc1_swiglu_tile(
     SAVE_H: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    expert, rows, row_mask = _tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M)
+    expert, rows, row_mask = tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M)
     src = tl.load(row_src_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -115,7 +116,7 @@ def _gemm_tile(
     GATHER_A: tl.constexpr, SCALE_ROWS: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    expert, rows, row_mask = _tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M)
+    expert, rows, row_mask = tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M)
     if GATHER_A:
         src = tl.load(row_src_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     else:
@@ -212,7 +213,7 @@ def _dswiglu_tile(
     DW_CHUNK: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    expert, rows, row_mask = _tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M)
+    expert, rows, row_mask = tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M)
     src = tl.load(row_src_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     cols_lo = pid_n * (2 * BLOCK_N) + tl.arange(0, BLOCK_N)
     cols_hi = cols_lo + BLOCK_N
