@@ -20,6 +20,13 @@ from . import launch
 from .routing_plan import RoutingPlan, build_routing_plan
 
 
+def unquantized_forward(rows, w1, w2, plan: RoutingPlan, save_h: bool):
+    """FC1 + SwiGLU, FC2 + top-k weight, combine: (out [R, H], h [P, 2I] or None)."""
+    h, act = launch.fc1_swiglu(rows, w1, plan, save_h=save_h)
+    out_sorted = launch.grouped_gemm(act, w2, plan, transpose_b=True, row_scale=plan.row_weight)
+    return launch.combine_rows(out_sorted, plan.pair_pos, rows.dtype), h
+
+
 class RoutedExperts(torch.autograd.Function):
     """rows [R, H], top_k_index [R, k] (global ids), top_k_weights [R, k], w1 [E_l, 2I, H], w2 [E_l, H, I]
     -> out [R, H]: for each row, the weighted sum over the slots whose expert lives here (zeros if none)."""
@@ -31,9 +38,7 @@ class RoutedExperts(torch.autograd.Function):
             top_k_index, top_k_weights, expert_base=expert_base, num_local_experts=w1.shape[0], tile_m=tile_m
         )
         need_grad = any(ctx.needs_input_grad[i] for i in (0, 2, 3, 4))
-        h, act = launch.fc1_swiglu(rows, w1, plan, save_h=need_grad)
-        out_sorted = launch.grouped_gemm(act, w2, plan, transpose_b=True, row_scale=plan.row_weight)
-        out = launch.combine_rows(out_sorted, plan.pair_pos, rows.dtype)
+        out, h = unquantized_forward(rows, w1, w2, plan, save_h=need_grad)
         if need_grad:
             ctx.save_for_backward(rows, w1, w2, h)
             ctx.plan = plan
@@ -52,8 +57,7 @@ class RoutedExperts(torch.autograd.Function):
             dx_sorted = launch.grouped_gemm(dh, w1, plan, transpose_b=False)
             grad_rows = launch.combine_rows(dx_sorted, plan.pair_pos, rows.dtype)
         if ctx.needs_input_grad[2]:
-            pos = plan.pair_pos.long()
-            grad_weights = torch.where(pos >= 0, dw_row[pos.clamp(min=0)], 0.0).to(ctx.weights_dtype)
+            grad_weights = plan.pair_values(dw_row, ctx.weights_dtype)
         if ctx.needs_input_grad[3]:
             grad_w1 = launch.grouped_wgrad(dh, rows, plan, torch.empty_like(w1), gather_a=False, gather_b=True)
         if ctx.needs_input_grad[4]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -19,7 +21,12 @@ from .routing_plan import RoutingPlan
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:  # asked on every launch: keep it off the host's hot path
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _flags(t: torch.Tensor) -> dict:

@@ -73,6 +73,7 @@ from ..kernels import tuning
 from ..kernels.fp8_gemm import QTILE_M
 from . import fp8_launch as fl
 from . import launch
+from .expert_compute import unquantized_forward
 from .routing_plan import RoutingPlan, build_routing_plan
 
 QUANTIZED_PRECISIONS = ("fp8", "fp8_bwd", "mxfp8")
@@ -214,9 +215,7 @@ class QuantizedRoutedExperts(torch.autograd.Function):
             # bf16 forward: the bf16 kernels' own tile height, then (if it differs) the 128-row plan for the backward.
             # Both plans sort the rows identically, so h lines up with either.
             fwd_plan = _plan(top_k_index, top_k_weights, num_local, expert_base, tile_m)
-            h, act = launch.fc1_swiglu(rows, w1, fwd_plan, save_h=need_grad)
-            out_sorted = launch.grouped_gemm(act, w2, fwd_plan, transpose_b=True, row_scale=fwd_plan.row_weight)
-            out = launch.combine_rows(out_sorted, fwd_plan.pair_pos, rows.dtype)
+            out, h = unquantized_forward(rows, w1, w2, fwd_plan, save_h=need_grad)
             plan = fwd_plan
             if need_grad and tile_m != QTILE_M:
                 plan = _plan(top_k_index, top_k_weights, num_local, expert_base, QTILE_M)
@@ -251,8 +250,7 @@ class QuantizedRoutedExperts(torch.autograd.Function):
             dx_sorted = fl.fp8_grouped_gemm(d.dh_rows, w1q, plan, fmt, out_dtype=rows.dtype, segments=2)
             grad_rows = launch.combine_rows(dx_sorted, plan.pair_pos, rows.dtype)
         if ctx.needs_input_grad[2]:
-            pos = plan.pair_pos.long()
-            grad_weights = torch.where(pos >= 0, d.dw_row[pos.clamp(min=0)], 0.0).to(ctx.weights_dtype)
+            grad_weights = plan.pair_values(d.dw_row, ctx.weights_dtype)
         if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
             tiles = fl.expert_tile_offsets(plan)
             if ctx.needs_input_grad[3]:

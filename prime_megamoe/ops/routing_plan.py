@@ -41,6 +41,11 @@ class RoutingPlan:
     def max_tiles(self) -> int:
         return self.tile_expert.numel()
 
+    def pair_values(self, row_values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[R, k] from per-sorted-row values [P]: each (row, slot) pair's value, zero where its expert is elsewhere."""
+        pos = self.pair_pos.long()
+        return torch.where(pos >= 0, row_values[pos.clamp(min=0)], 0.0).to(dtype)
+
 
 def build_routing_plan(
     top_k_index: torch.Tensor,
