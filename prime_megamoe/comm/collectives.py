@@ -12,6 +12,7 @@ watchdog turn a peer that never arrives into an error.
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch
@@ -66,10 +67,13 @@ def exchange_blocks(blocks: torch.Tensor, group, timeout_s: float | None = None,
 _CHECKED_GROUPS: set[int] = set()
 
 
-def check_group_within_node(group, local_world_size: int | None) -> None:
+def check_group_within_node(group, local_world_size: int | None = None) -> None:
     """Expert parallelism runs over NVLink inside one node: every rank of ``group`` must sit on the same node.
 
-    Nodes are inferred as torchrun lays ranks out: global rank // LOCAL_WORLD_SIZE. Checked once per group."""
+    Nodes are inferred as torchrun lays ranks out: global rank // ranks per node, which defaults to
+    ``$LOCAL_WORLD_SIZE`` (without it the layout is unknown and nothing is checked). Checked once per group."""
+    if local_world_size is None and os.environ.get("LOCAL_WORLD_SIZE"):
+        local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
     if id(group) in _CHECKED_GROUPS or local_world_size is None:
         return
     ranks = dist.get_process_group_ranks(group)

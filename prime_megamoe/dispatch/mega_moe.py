@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
@@ -47,7 +45,7 @@ def mega_moe_experts(
         )
     # Expert parallelism: every rank sees all ranks' tokens (padded to capacity), computes its experts' share of
     # each, and sends each share back to the token's rank, which sums the shares in rank order.
-    check_group_within_node(group, _local_world_size())
+    check_group_within_node(group)
     rank = dist.get_rank(group)
     capacity = options.max_tokens_per_rank
     timeout = options.comm_timeout_s
@@ -57,8 +55,3 @@ def mega_moe_experts(
     num_local = gate_up_proj.shape[0]
     partials = experts(rows, index, weights, gate_up_proj, down_proj, expert_base=rank * num_local, tile_m=tile_m())
     return combine_rows_across(partials, hidden_states.shape[0], group, timeout_s=timeout)
-
-
-def _local_world_size() -> int | None:
-    value = os.environ.get("LOCAL_WORLD_SIZE")
-    return int(value) if value else None
