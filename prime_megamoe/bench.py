@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -92,11 +93,23 @@ def make_inputs(shape: str, tokens: int, rank: int, world: int, seed: int, dtype
     return x, index, weights.to(dtype), w1, w2
 
 
-def bench_one(shape, tokens, backend, precision, group, iters, warmup, reference=None, max_tokens=None):
+@dataclass
+class Workload:
+    """One benchmark case on this rank: the no-grad forward, the forward with autograd, and forward + backward."""
+
+    fwd: Callable[[], torch.Tensor]
+    fwd_grad: Callable[[], torch.Tensor]
+    fwd_bwd: Callable[[], None]
+
+    def f2b1(self) -> None:  # activation checkpointing: a no-grad forward, then forward + backward
+        self.fwd()
+        self.fwd_bwd()
+
+
+def make_workload(shape, tokens, backend, precision, group, max_tokens=None, device="cuda") -> Workload:
     rank = 0 if group is None else dist.get_rank(group)
     world = 1 if group is None else dist.get_world_size(group)
-    hidden, inter, _, top_k = SHAPES[shape]
-    x, index, weights, w1, w2 = make_inputs(shape, tokens, rank, world, seed=0)
+    x, index, weights, w1, w2 = make_inputs(shape, tokens, rank, world, seed=0, device=device)
     options = DispatchConfig(type=backend, max_tokens_per_rank=max_tokens or tokens)
     dy = torch.randn_like(x)
     xg, wg, w1g, w2g = (t.detach().clone().requires_grad_() for t in (x, weights, w1, w2))
@@ -111,13 +124,16 @@ def bench_one(shape, tokens, backend, precision, group, iters, warmup, reference
     def fwd_bwd():
         for t in (xg, wg, w1g, w2g):  # as after optimizer.zero_grad(): gradients are written, not accumulated
             t.grad = None
-        out = fwd_grad()
-        out.backward(dy)
+        fwd_grad().backward(dy)
 
-    def f2b1():
-        fwd()
-        fwd_bwd()
+    return Workload(fwd, fwd_grad, fwd_bwd)
 
+
+def bench_one(shape, tokens, backend, precision, group, iters, warmup, reference=None, max_tokens=None):
+    world = 1 if group is None else dist.get_world_size(group)
+    hidden, inter, _, top_k = SHAPES[shape]
+    work = make_workload(shape, tokens, backend, precision, group, max_tokens)
+    fwd = work.fwd
     out = fwd()
     fwd()
     torch.cuda.synchronize()
@@ -134,9 +150,9 @@ def bench_one(shape, tokens, backend, precision, group, iters, warmup, reference
     torch.cuda.reset_peak_memory_stats()
     base_mem = torch.cuda.memory_allocated()
     t_f = _events_median(fwd, iters, warmup, group)
-    t_fg = _events_median(fwd_grad, iters, warmup, group)
-    t_fb = _events_median(fwd_bwd, iters, warmup, group)
-    t_2f1b = _events_median(f2b1, iters, warmup, group)
+    t_fg = _events_median(work.fwd_grad, iters, warmup, group)
+    t_fb = _events_median(work.fwd_bwd, iters, warmup, group)
+    t_2f1b = _events_median(work.f2b1, iters, warmup, group)
     peak = (torch.cuda.max_memory_allocated() - base_mem) / 2**30
     flops = tokens * top_k * 6 * hidden * inter
     t_b = max(t_fb - t_fg, 1e-6)
@@ -153,16 +169,7 @@ def profile_one(shape, tokens, backend, precision, group, path):
     """Per-kernel CUDA times of one forward+backward (torch.profiler), written as a text table to ``path``."""
     rank = 0 if group is None else dist.get_rank(group)
     world = 1 if group is None else dist.get_world_size(group)
-    x, index, weights, w1, w2 = make_inputs(shape, tokens, rank, world, seed=0)
-    xg, wg, w1g, w2g = (t.detach().clone().requires_grad_() for t in (x, weights, w1, w2))
-    options = DispatchConfig(type=backend, max_tokens_per_rank=tokens)
-    dy = torch.randn_like(x)
-    def step():
-        for t in (xg, wg, w1g, w2g):
-            t.grad = None
-        with torch.no_grad():
-            fused_experts(x, index, weights, w1, w2, dispatch=options, precision=precision, group=group)
-        fused_experts(xg, index, wg, w1g, w2g, dispatch=options, precision=precision, group=group).backward(dy)
+    step = make_workload(shape, tokens, backend, precision, group).f2b1
 
     for _ in range(2):
         step()
