@@ -37,7 +37,7 @@ def _tile_grid(plan: RoutingPlan, n: int, num_sms: int, cols_per_program: int = 
     """Grid of a tile-list kernel: one program per (column block, row tile), or one per SM when persistent."""
 
     def grid(meta):
-        if meta.get("PERSISTENT", False):
+        if meta["PERSISTENT"]:
             return (num_sms, 1)
         return (triton.cdiv(n, cols_per_program * meta["BLOCK_N"]), plan.max_tiles)
 
