@@ -50,6 +50,11 @@ class DispatchConfig(_Strict):
     validate_routing: bool = False
     # A cross-rank wait that has not completed after this many seconds raises an error naming rank, peer and block.
     comm_timeout_s: float = Field(default=60.0, gt=0)
+    # How tokens and results move between the ranks of an expert-parallel group. "symmetric_memory": peer copies
+    # through symmetric-memory buffers with device-side signals, overlapped with the expert GEMMs (CUDA only).
+    # "collectives": torch.distributed all_gather / all_to_all, not overlapped (any backend, gloo on CPU). "auto":
+    # symmetric_memory on CUDA, collectives elsewhere.
+    transport: Literal["auto", "symmetric_memory", "collectives"] = "auto"
     # fp8 / fp8_bwd: round scales up to powers of two (exact rescaling, slightly coarser). mxfp8 scales always are.
     fp8_pow2_scales: bool = False
 

@@ -8,7 +8,9 @@ import torch.distributed as dist
 from ..comm.collectives import check_group_within_node
 from ..config import DispatchConfig
 from ..kernels.tuning import tile_m
+from ..comm.transport import make_transport
 from ..ops.ep_exchange import combine_rows_across, dispatch_rows
+from ..ops.ep_pipeline import expert_parallel_experts
 from ..ops.expert_compute import routed_experts
 from ..ops.quantized_experts import QUANTIZED_PRECISIONS, check_precision_supported, routed_experts_quantized
 from .registry import register_backend
@@ -43,12 +45,23 @@ def mega_moe_experts(
         return experts(
             hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, expert_base=0, tile_m=tile_m()
         )
-    # Expert parallelism: every rank sees all ranks' tokens (padded to capacity), computes its experts' share of
-    # each, and sends each share back to the token's rank, which sums the shares in rank order.
     check_group_within_node(group)
+    capacity, timeout = options.max_tokens_per_rank, options.comm_timeout_s
+    if precision == "bf16":
+        # Dispatch, expert GEMMs and combine pipelined per source rank (ops/ep_pipeline.py).
+        transport = make_transport(options.transport, group, capacity, hidden_states.device, timeout)
+        return expert_parallel_experts(
+            hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, transport=transport, tile_m=tile_m()
+        )
+    if options.transport == "symmetric_memory":
+        raise NotImplementedError(
+            f"precision = {precision!r} with expert parallelism runs over torch.distributed collectives only; the "
+            f"symmetric-memory pipeline is bf16-only so far. Set [model.moe.dispatch] transport = 'collectives' or "
+            f"'auto', or precision = 'bf16'"
+        )
+    # Quantised precisions: every rank sees all ranks' tokens (padded to capacity), computes its experts' share of
+    # each, and sends each share back to the token's rank, which sums the shares in rank order.
     rank = dist.get_rank(group)
-    capacity = options.max_tokens_per_rank
-    timeout = options.comm_timeout_s
     rows = dispatch_rows(hidden_states, capacity, group, timeout_s=timeout)
     index = dispatch_rows(top_k_index, capacity, group, fill=-1, timeout_s=timeout)
     weights = dispatch_rows(top_k_weights, capacity, group, timeout_s=timeout)

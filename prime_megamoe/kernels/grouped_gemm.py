@@ -292,30 +292,33 @@ def wgrad_tile_offsets(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
 @triton.jit
 def grouped_wgrad_kernel(
     a_ptr, a_src_ptr, b_ptr, b_src_ptr, c_ptr, expert_offsets_ptr,
-    M, N, M_BUCKET,
+    M, N, M_BUCKET, num_segments, experts_per_segment,
     stride_am, stride_bm, stride_ce, stride_cm, stride_cn,
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     expert = tl.program_id(1)
     offs_m, offs_n, m_mask, n_mask = wgrad_tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    start = tl.load(expert_offsets_ptr + expert)
-    end = tl.load(expert_offsets_ptr + expert + 1)
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(start, end, BLOCK_K):
-        r = k0 + ks
-        r_mask = r < end
-        if GATHER_A:
-            ra = tl.load(a_src_ptr + r, mask=r_mask, other=0).to(tl.int64)
-        else:
-            ra = r.to(tl.int64)
-        if GATHER_B:
-            rb = tl.load(b_src_ptr + r, mask=r_mask, other=0).to(tl.int64)
-        else:
-            rb = r.to(tl.int64)
-        a = tl.load(a_ptr + ra[:, None] * stride_am + offs_m[None, :], mask=r_mask[:, None] & m_mask[None, :], other=0.0)
-        b = tl.load(b_ptr + rb[:, None] * stride_bm + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = _dot(tl.trans(a), b, acc, CAST_F32, IEEE)
+    for seg in range(0, num_segments):  # the expert's rows of each segment (source rank), in a fixed order
+        start = tl.load(expert_offsets_ptr + seg * experts_per_segment + expert)
+        end = tl.load(expert_offsets_ptr + seg * experts_per_segment + expert + 1)
+        for k0 in range(start, end, BLOCK_K):
+            r = k0 + ks
+            r_mask = r < end
+            if GATHER_A:
+                ra = tl.load(a_src_ptr + r, mask=r_mask, other=0).to(tl.int64)
+            else:
+                ra = r.to(tl.int64)
+            if GATHER_B:
+                rb = tl.load(b_src_ptr + r, mask=r_mask, other=0).to(tl.int64)
+            else:
+                rb = r.to(tl.int64)
+            a = tl.load(a_ptr + ra[:, None] * stride_am + offs_m[None, :], mask=r_mask[:, None] & m_mask[None, :],
+                        other=0.0)
+            b = tl.load(b_ptr + rb[:, None] * stride_bm + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :],
+                        other=0.0)
+            acc = _dot(tl.trans(a), b, acc, CAST_F32, IEEE)
     c_ptrs = c_ptr + expert.to(tl.int64) * stride_ce + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])

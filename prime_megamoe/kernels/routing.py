@@ -12,58 +12,73 @@ import triton.language as tl
 
 @triton.jit
 def routing_keys_kernel(
-    index_ptr, key_ptr, counts_ptr, num_pairs, expert_base,
-    NUM_LOCAL: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK: tl.constexpr,
+    index_ptr, key_ptr, counts_ptr, num_pairs, pairs_per_segment, expert_base,
+    NUM_LOCAL: tl.constexpr, NUM_BINS: tl.constexpr, SKIP: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """key = local expert id of each (row, slot) pair, or NUM_LOCAL where the expert lives elsewhere; counts[key] += 1
-    for local keys.
+    """key = segment * NUM_LOCAL + local expert id of each (row, slot) pair, or SKIP (= segments * NUM_LOCAL) where
+    the expert lives elsewhere; counts[key] += 1 for local keys. A segment is a block of consecutive source rows (one
+    source rank's tokens under expert parallelism), so sorting by key orders rows by segment, then by expert.
     Integer atomics: the counts are exact whatever order the programs run in."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_pairs
     local = tl.load(index_ptr + offs, mask=mask, other=-1).to(tl.int32) - expert_base
-    key = tl.where((local >= 0) & (local < NUM_LOCAL), local, NUM_LOCAL)
+    segment = offs // pairs_per_segment
+    key = tl.where((local >= 0) & (local < NUM_LOCAL), segment * NUM_LOCAL + local, SKIP)
     tl.store(key_ptr + offs, key, mask=mask)
     hist = tl.histogram(tl.where(mask, key, NUM_BINS - 1), NUM_BINS)
     bins = tl.arange(0, NUM_BINS)
-    tl.atomic_add(counts_ptr + bins, hist, mask=(bins < NUM_LOCAL) & (hist > 0))
+    tl.atomic_add(counts_ptr + bins, hist, mask=(bins < SKIP) & (hist > 0))
 
 
 @triton.jit
 def routing_plan_kernel(
     order_ptr, weights_ptr, counts_ptr,
     row_src_ptr, row_weight_ptr, pair_pos_ptr, expert_offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
-    num_pairs, max_tiles,
+    num_pairs, tiles_per_segment, num_segments,
     TOP_K: tl.constexpr, NUM_LOCAL: tl.constexpr, EXPERT_BLOCK: tl.constexpr, TILE_M: tl.constexpr,
     BLOCK: tl.constexpr, TILE_BLOCK: tl.constexpr,
 ):
+    """Grid (programs, segments). Sorted rows are segment-major, then expert-major; segment s's tiles fill slots
+    [s * tiles_per_segment, (s + 1) * tiles_per_segment) of the tile list, and num_tiles[s] of them are in use."""
     pid = tl.program_id(0)
+    seg = tl.program_id(1)
     experts = tl.arange(0, EXPERT_BLOCK)
-    counts = tl.load(counts_ptr + experts, mask=experts < NUM_LOCAL, other=0)
+    e_mask = experts < NUM_LOCAL
+    counts = tl.load(counts_ptr + seg * NUM_LOCAL + experts, mask=e_mask, other=0)
+    seg_base = tl.sum(counts * 0, 0)  # sorted rows of the segments before this one
+    for s in range(0, seg):
+        seg_base += tl.sum(tl.load(counts_ptr + s * NUM_LOCAL + experts, mask=e_mask, other=0), 0)
     row_end = tl.cumsum(counts, 0)
-    total = tl.sum(counts, 0)
     tiles = (counts + TILE_M - 1) // TILE_M
     tile_end = tl.cumsum(tiles, 0)
 
-    # Sorted rows: source row, weight, and the inverse map from each pair to its sorted row (-1: not local).
-    rows = pid * BLOCK + tl.arange(0, BLOCK)
-    in_range = rows < num_pairs
-    pair = tl.load(order_ptr + rows, mask=in_range, other=0)
-    tl.store(row_src_ptr + rows, (pair // TOP_K).to(tl.int32), mask=in_range)
-    tl.store(row_weight_ptr + rows, tl.load(weights_ptr + pair, mask=in_range, other=0.0).to(tl.float32), mask=in_range)
-    tl.store(pair_pos_ptr + pair, tl.where(rows < total, rows, -1).to(tl.int32), mask=in_range)
+    if seg == 0:
+        # Sorted rows: source row, weight, and the inverse map from each pair to its sorted row (-1: not local).
+        total = tl.sum(counts * 0, 0)
+        for s in range(0, num_segments):
+            total += tl.sum(tl.load(counts_ptr + s * NUM_LOCAL + experts, mask=e_mask, other=0), 0)
+        rows = pid * BLOCK + tl.arange(0, BLOCK)
+        in_range = rows < num_pairs
+        pair = tl.load(order_ptr + rows, mask=in_range, other=0)
+        tl.store(row_src_ptr + rows, (pair // TOP_K).to(tl.int32), mask=in_range)
+        tl.store(row_weight_ptr + rows, tl.load(weights_ptr + pair, mask=in_range, other=0.0).to(tl.float32),
+                 mask=in_range)
+        tl.store(pair_pos_ptr + pair, tl.where(rows < total, rows, -1).to(tl.int32), mask=in_range)
 
     if pid == 0:
-        tl.store(expert_offsets_ptr + experts + 1, row_end.to(tl.int32), mask=experts < NUM_LOCAL)
-        tl.store(expert_offsets_ptr, 0)
-        tl.store(num_tiles_ptr, tl.sum(tiles, 0).to(tl.int32))
+        tl.store(expert_offsets_ptr + seg * NUM_LOCAL + experts + 1, (seg_base + row_end).to(tl.int32), mask=e_mask)
+        if seg == 0:
+            tl.store(expert_offsets_ptr, 0)
+        tl.store(num_tiles_ptr + seg, tl.sum(tiles, 0).to(tl.int32))
 
     # Tile list: tile t belongs to the expert whose tile range holds it; programs share the static tile bound.
-    for t0 in range(pid * TILE_BLOCK, max_tiles, tl.num_programs(0) * TILE_BLOCK):
+    for t0 in range(pid * TILE_BLOCK, tiles_per_segment, tl.num_programs(0) * TILE_BLOCK):
         t = t0 + tl.arange(0, TILE_BLOCK)
-        before = (tile_end[None, :] <= t[:, None]) & (experts[None, :] < NUM_LOCAL)  # experts wholly before t
+        before = (tile_end[None, :] <= t[:, None]) & e_mask[None, :]  # experts wholly before t
         expert = tl.minimum(tl.sum(before.to(tl.int32), 1), NUM_LOCAL - 1)
         first_tile = tl.sum(tl.where(before, tiles[None, :], 0), 1)
         first_row = tl.sum(tl.where(before, counts[None, :], 0), 1)
-        t_mask = t < max_tiles
-        tl.store(tile_expert_ptr + t, expert.to(tl.int32), mask=t_mask)
-        tl.store(tile_row_ptr + t, (first_row + (t - first_tile) * TILE_M).to(tl.int32), mask=t_mask)
+        t_mask = t < tiles_per_segment
+        slot = seg * tiles_per_segment + t
+        tl.store(tile_expert_ptr + slot, expert.to(tl.int32), mask=t_mask)
+        tl.store(tile_row_ptr + slot, (seg_base + first_row + (t - first_tile) * TILE_M).to(tl.int32), mask=t_mask)

@@ -48,11 +48,16 @@ def _tile_args(plan: RoutingPlan):
     return plan.tile_expert, plan.tile_row, plan.num_tiles, plan.expert_offsets
 
 
-def fc1_swiglu(x: torch.Tensor, w1: torch.Tensor, plan: RoutingPlan, save_h: bool):
-    """x [R, H] (source rows), w1 [E, 2I, H] -> (h [P, 2I] or None, a [P, I]) in expert-sorted row order."""
+def fc1_swiglu(x: torch.Tensor, w1: torch.Tensor, plan: RoutingPlan, save_h: bool, out=None):
+    """x [R, H] (source rows), w1 [E, 2I, H] -> (h [P, 2I] or None, a [P, I]) in expert-sorted row order.
+    ``out`` = (h or None, a): buffers to write into (a segment view's rows of buffers shared by all segments)."""
     num_pairs, inter, hidden = plan.num_pairs, w1.shape[1] // 2, w1.shape[2]
-    a = x.new_empty(num_pairs, inter)
-    h = x.new_empty(num_pairs, 2 * inter) if save_h else a  # a stands in for the unused pointer
+    if out is None:
+        a = x.new_empty(plan.sorted_rows, inter)
+        h = x.new_empty(plan.sorted_rows, 2 * inter) if save_h else a  # a stands in for the unused pointer
+    else:
+        h, a = out
+        h = h if save_h else a
     num_sms = _num_sms(x.device)
     fc1_swiglu_kernel[_tile_grid(plan, inter, num_sms)](
         x, plan.row_src, w1, h, a, *_tile_args(plan),
@@ -71,6 +76,7 @@ def grouped_gemm(
     transpose_b: bool,
     gather: bool = False,
     row_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """C[r] = scale[r] * A[src[r] if gather else r] @ op(B[e]); op(B) = B[e]^T if transpose_b else B[e]."""
     if transpose_b:  # B[e] is [N, K]
@@ -79,7 +85,7 @@ def grouped_gemm(
     else:  # B[e] is [K, N]
         k, n = b.shape[1], b.shape[2]
         stride_bk, stride_bn = b.stride(1), b.stride(2)
-    c = a.new_empty(plan.num_pairs, n)
+    c = a.new_empty(plan.sorted_rows, n) if out is None else out
     num_sms = _num_sms(a.device)
     grouped_gemm_kernel[_tile_grid(plan, n, num_sms)](
         a, plan.row_src, b, c, row_scale if row_scale is not None else plan.row_weight, *_tile_args(plan),
@@ -90,17 +96,23 @@ def grouped_gemm(
     return c
 
 
-def fc2_dgrad_dswiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, plan: RoutingPlan):
-    """From dy [R, H] (source rows): (dh [P, 2I], aw [P, I] = w * a, dw_row [P] = <dy W2, a>) in sorted order."""
+def dswiglu_buffers(dy: torch.Tensor, w2: torch.Tensor, plan: RoutingPlan):
+    """(dh, aw, dw_partial) sized for every sorted row of ``plan``, for ``fc2_dgrad_dswiglu(out=...)``."""
+    inter, rows = w2.shape[2], plan.sorted_rows
+    # Enough chunk rows for the widest column span a program may cover (2 * BLOCK_N <= 512); chunks past I are
+    # written as zeros or not at all (and then stay zero).
+    num_chunks = triton.cdiv(inter, tuning.dw_chunk()) + 512 // tuning.dw_chunk()
+    return (dy.new_empty(rows, 2 * inter), dy.new_empty(rows, inter),
+            torch.zeros(num_chunks, rows, dtype=torch.float32, device=dy.device))
+
+
+def fc2_dgrad_dswiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, out=None):
+    """From dy [R, H] (source rows): (dh [P, 2I], aw [P, I] = w * a, dw_row [P] = <dy W2, a>) in sorted order.
+    ``out``: buffers from ``dswiglu_buffers`` shared by all segments (dw_row then sums every segment run so far)."""
     hidden, inter = w2.shape[1], w2.shape[2]
     num_pairs = plan.num_pairs
     chunk = tuning.dw_chunk()
-    # Enough chunk rows for the widest column span a program may cover (2 * BLOCK_N <= 512); chunks past I are
-    # written as zeros or not at all (and then stay zero).
-    num_chunks = triton.cdiv(inter, chunk) + 512 // chunk
-    dh = dy.new_empty(num_pairs, 2 * inter)
-    aw = dy.new_empty(num_pairs, inter)
-    dw_partial = torch.zeros(num_chunks, num_pairs, dtype=torch.float32, device=dy.device)
+    dh, aw, dw_partial = dswiglu_buffers(dy, w2, plan) if out is None else out
     num_sms = _num_sms(dy.device)
     fc2_dgrad_dswiglu_kernel[_tile_grid(plan, inter, num_sms, cols_per_program=2)](
         dy, plan.row_src, w2, h, plan.row_weight, dh, aw, dw_partial, *_tile_args(plan),
@@ -122,23 +134,25 @@ def grouped_wgrad(
     gather_b: bool,
 ) -> torch.Tensor:
     """out[e] = A[rows of e]^T @ B[rows of e] with A [*, M], B [*, N], out [E, M, N]; gathered operands are
-    indexed by the source row of each sorted row."""
+    indexed by the source row of each sorted row. Expert e's rows of every segment are reduced, in segment order."""
     m, n = a.shape[1], b.shape[1]
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), plan.num_local_experts)
     grouped_wgrad_kernel[grid](
         a, plan.row_src, b, plan.row_src, out, plan.expert_offsets,
-        m, n, plan.num_pairs,
+        m, n, plan.num_pairs, plan.num_segments, plan.num_local_experts,
         a.stride(0), b.stride(0), out.stride(0), out.stride(1), out.stride(2),
         GATHER_A=gather_a, GATHER_B=gather_b, **_flags(a),
     )
     return out
 
 
-def combine_rows(src: torch.Tensor, pair_pos: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """out [R, H]: out[r] = sum_j src[pair_pos[r, j]] (fixed slot order, fp32 sum), zeros where no slot is local."""
+def combine_rows(src: torch.Tensor, pair_pos: torch.Tensor, out_dtype: torch.dtype, out=None) -> torch.Tensor:
+    """out [R, H]: out[r] = sum_j src[pair_pos[r, j]] (fixed slot order, fp32 sum), zeros where no slot is local.
+    ``out``: a row-contiguous [R, H] tensor to write into (it may live on a peer GPU)."""
     rows, top_k = pair_pos.shape
     hidden = src.shape[1]
-    out = torch.empty(rows, hidden, dtype=out_dtype, device=src.device)
+    if out is None:
+        out = torch.empty(rows, hidden, dtype=out_dtype, device=src.device)
     if rows == 0:
         return out
     block_h = min(triton.next_power_of_2(hidden), 64 if tuning.interpreting() else 1024)

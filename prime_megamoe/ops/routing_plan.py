@@ -16,22 +16,31 @@ from ..kernels.routing import routing_keys_kernel, routing_plan_kernel
 
 @dataclass
 class RoutingPlan:
-    """(source row, slot) pairs that hit this rank's experts, sorted by local expert then by pair index.
+    """(source row, slot) pairs that hit this rank's experts, sorted by segment, then local expert, then pair index.
 
-    ``num_pairs`` = rows * k is a static bound; sorted rows past the device-side total are never touched.
+    A segment is a block of ``num_rows / num_segments`` consecutive source rows: one source rank's tokens under
+    expert parallelism, so that each rank's rows can be computed as soon as they arrive (``segment(s)``); without
+    expert parallelism there is one segment. ``num_pairs`` = rows * k is a static bound; sorted rows past the
+    device-side total are never touched.
     """
 
-    num_rows: int  # R: rows of the source (tokens on one rank, or W * capacity with expert parallelism)
+    num_rows: int  # R: source rows of this plan (or of one segment, for a segment view)
     top_k: int
     num_local_experts: int
     tile_m: int
-    expert_offsets: torch.Tensor  # [E_local + 1] int32: expert e owns sorted rows [off[e], off[e+1])
-    row_src: torch.Tensor  # [R*k] int32: source row of each sorted row
-    row_weight: torch.Tensor  # [R*k] fp32: top-k weight of each sorted row
+    expert_offsets: torch.Tensor  # [S*E_local + 1] int32: (segment s, expert e) owns sorted rows [off[sE+e], off[sE+e+1])
+    row_src: torch.Tensor  # [sorted_rows] int32: source row of each sorted row (over all segments)
+    row_weight: torch.Tensor  # [sorted_rows] fp32: top-k weight of each sorted row
     pair_pos: torch.Tensor  # [R, k] int32: sorted row of each (row, slot) pair, -1 where the expert is not local
-    tile_expert: torch.Tensor  # [max_tiles] int32
-    tile_row: torch.Tensor  # [max_tiles] int32: first sorted row of each tile
-    num_tiles: torch.Tensor  # [1] int32: tiles actually in use
+    tile_expert: torch.Tensor  # [S * tiles per segment] int32: local expert of each row tile
+    tile_row: torch.Tensor  # [S * tiles per segment] int32: first sorted row of each tile
+    num_tiles: torch.Tensor  # [S] int32: tiles in use per segment
+    num_segments: int = 1
+    sorted_rows: int = -1  # rows of every sorted-order buffer (all segments' pairs); num_pairs when -1
+
+    def __post_init__(self):
+        if self.sorted_rows < 0:
+            self.sorted_rows = self.num_pairs
 
     @property
     def num_pairs(self) -> int:
@@ -41,8 +50,25 @@ class RoutingPlan:
     def max_tiles(self) -> int:
         return self.tile_expert.numel()
 
+    def segment(self, s: int) -> "RoutingPlan":
+        """The plan of segment ``s`` alone, for the tile-list kernels: its tiles and experts' row ranges, indexing the
+        same sorted-row buffers (``sorted_rows`` long) and the same source rows as the whole plan."""
+        if self.num_segments == 1:
+            return self
+        rows, experts, tiles = self.num_rows // self.num_segments, self.num_local_experts, self.max_tiles // self.num_segments
+        return RoutingPlan(
+            num_rows=rows, top_k=self.top_k, num_local_experts=experts, tile_m=self.tile_m,
+            expert_offsets=self.expert_offsets[s * experts : (s + 1) * experts + 1],
+            row_src=self.row_src, row_weight=self.row_weight,
+            pair_pos=self.pair_pos[s * rows : (s + 1) * rows],
+            tile_expert=self.tile_expert[s * tiles : (s + 1) * tiles],
+            tile_row=self.tile_row[s * tiles : (s + 1) * tiles],
+            num_tiles=self.num_tiles[s : s + 1],
+            num_segments=1, sorted_rows=self.sorted_rows,
+        )
+
     def pair_values(self, row_values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """[R, k] from per-sorted-row values [P]: each (row, slot) pair's value, zero where its expert is elsewhere."""
+        """[R, k] from per-sorted-row values: each (row, slot) pair's value, zero where its expert is elsewhere."""
         pos = self.pair_pos.long()
         return torch.where(pos >= 0, row_values[pos.clamp(min=0)], 0.0).to(dtype)
 
@@ -54,23 +80,29 @@ def build_routing_plan(
     expert_base: int,
     num_local_experts: int,
     tile_m: int,
+    num_segments: int = 1,
 ) -> RoutingPlan:
     """Plan for source rows with global expert ids ``top_k_index`` [R, k] (ids outside
-    [expert_base, expert_base + E_local), including -1 for padding rows, are other ranks' and skipped)."""
+    [expert_base, expert_base + E_local), including -1 for padding rows, are other ranks' and skipped), split into
+    ``num_segments`` equal blocks of rows (R must divide)."""
     num_rows, top_k = top_k_index.shape
+    if num_rows % num_segments:
+        raise ValueError(f"{num_rows} source rows do not split into {num_segments} equal segments")
     device = top_k_index.device
     num_pairs = num_rows * top_k
-    max_tiles = (num_pairs + tile_m - 1) // tile_m + num_local_experts
+    seg_pairs = num_pairs // num_segments
+    tiles_per_segment = (seg_pairs + tile_m - 1) // tile_m + num_local_experts
     index = top_k_index.reshape(-1)
     weights = top_k_weights.reshape(-1)
 
+    bins = num_segments * num_local_experts
     keys = torch.empty(num_pairs, dtype=torch.int32, device=device)
-    counts = torch.zeros(num_local_experts, dtype=torch.int32, device=device)
+    counts = torch.zeros(bins, dtype=torch.int32, device=device)
     block = 1024
     grid = (max(triton.cdiv(num_pairs, block), 1),)
     routing_keys_kernel[grid](
-        index, keys, counts, num_pairs, expert_base,
-        NUM_LOCAL=num_local_experts, NUM_BINS=triton.next_power_of_2(num_local_experts + 1), BLOCK=block,
+        index, keys, counts, num_pairs, max(seg_pairs, 1), expert_base,
+        NUM_LOCAL=num_local_experts, NUM_BINS=triton.next_power_of_2(bins + 1), SKIP=bins, BLOCK=block,
     )
     # Stable: within an expert, rows keep the pair order (row-major over (row, slot)), so results are reproducible.
     order = torch.sort(keys, stable=True).indices
@@ -80,18 +112,19 @@ def build_routing_plan(
         top_k=top_k,
         num_local_experts=num_local_experts,
         tile_m=tile_m,
-        expert_offsets=torch.empty(num_local_experts + 1, dtype=torch.int32, device=device),
+        expert_offsets=torch.empty(bins + 1, dtype=torch.int32, device=device),
         row_src=torch.empty(num_pairs, dtype=torch.int32, device=device),
         row_weight=torch.empty(num_pairs, dtype=torch.float32, device=device),
         pair_pos=torch.empty(num_rows, top_k, dtype=torch.int32, device=device),
-        tile_expert=torch.empty(max_tiles, dtype=torch.int32, device=device),
-        tile_row=torch.empty(max_tiles, dtype=torch.int32, device=device),
-        num_tiles=torch.empty(1, dtype=torch.int32, device=device),
+        tile_expert=torch.empty(num_segments * tiles_per_segment, dtype=torch.int32, device=device),
+        tile_row=torch.empty(num_segments * tiles_per_segment, dtype=torch.int32, device=device),
+        num_tiles=torch.empty(num_segments, dtype=torch.int32, device=device),
+        num_segments=num_segments,
     )
-    routing_plan_kernel[grid](
+    routing_plan_kernel[(grid[0], num_segments)](
         order, weights, counts,
         plan.row_src, plan.row_weight, plan.pair_pos, plan.expert_offsets, plan.tile_expert, plan.tile_row,
-        plan.num_tiles, num_pairs, max_tiles,
+        plan.num_tiles, num_pairs, tiles_per_segment, num_segments,
         TOP_K=top_k, NUM_LOCAL=num_local_experts, EXPERT_BLOCK=triton.next_power_of_2(num_local_experts),
         TILE_M=tile_m, BLOCK=block, TILE_BLOCK=32,
     )

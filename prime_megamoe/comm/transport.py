@@ -1,0 +1,121 @@
+"""How the expert-parallel pipeline moves blocks between ranks: one interface, two transports.
+
+One exchange round (a forward call, or a backward call) on rank r of W ranks, each block ``capacity`` rows:
+
+1. ``start(block, routing, kinds, top_k)``: publish this rank's block (tokens, or output gradients) and, in the forward, its
+   routing; returns every rank's rows [W*C, H] (block s from rank s, possibly still arriving) and every rank's
+   routing [W*C, k] (ready).
+2. For each source rank s, in the order of ``source_order()``: ``wait_rows(s)`` before reading block s; write this
+   rank's results for rank s's tokens into ``partial_buffers(s)``; ``send(s)``.
+3. ``finish()``: every rank's results for this rank's tokens, [W, C, ...] per kind (slot q from rank q).
+
+Transports differ only in when bytes move: ``CollectiveTransport`` moves everything in blocking collectives at
+``start`` and ``finish``; ``comm.symmetric_memory.SymmetricMemoryTransport`` pulls each peer's block while the
+local one is computed and pushes each result block as soon as it is written. The arithmetic is the same, so both
+give bitwise the same results.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .collectives import all_gather_blocks, exchange_blocks
+
+# Result kinds a round returns to the source ranks: "rows" [C, H] in the rows' dtype (the layer output, or the
+# token gradient), "pairs" [C, k] fp32 (the top-k weight gradient, backward only).
+ROW_RESULTS = "rows"
+PAIR_RESULTS = "pairs"
+
+
+class Transport:
+    """Interface of one expert-parallel group's exchange (see the module docstring)."""
+
+    name = "transport"
+
+    def __init__(self, group, capacity: int, timeout_s: float | None):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.capacity = capacity
+        self.timeout_s = timeout_s
+
+    def source_order(self) -> list[int]:
+        """This rank's own block first (nothing to wait for), then the peers in ring order."""
+        return [(self.rank + i) % self.world for i in range(self.world)]
+
+    def start(self, block: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None, kinds: tuple[str, ...],
+              top_k: int):
+        """block [C, H]; routing (ids [C, k] int32, weights [C, k] fp32) or None; kinds: the result kinds this
+        round returns. -> (rows [W*C, H], (ids [W*C, k], weights [W*C, k]) or None)."""
+        raise NotImplementedError
+
+    def wait_rows(self, source: int) -> None:
+        raise NotImplementedError
+
+    def partial_buffers(self, source: int) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def send(self, source: int) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+
+class CollectiveTransport(Transport):
+    """torch.distributed collectives (gloo on CPU, NCCL on GPU): all_gather at ``start``, all_to_all at ``finish``.
+    Waits are bounded by ``timeout_s`` on gloo (see ``collectives``)."""
+
+    name = "collectives"
+
+    def start(self, block, routing, kinds, top_k):
+        rows = all_gather_blocks(block, self.group, self.timeout_s, "dispatch of rows")
+        gathered = None
+        if routing is not None:
+            gathered = tuple(all_gather_blocks(t, self.group, self.timeout_s, "dispatch of routing") for t in routing)
+        c, w = self.capacity, self.world
+        self._staging = {}
+        for kind in kinds:
+            if kind == ROW_RESULTS:
+                self._staging[kind] = block.new_empty(w, c, block.shape[1])
+            else:
+                self._staging[kind] = torch.empty(w, c, top_k, dtype=torch.float32, device=block.device)
+        return rows, gathered
+
+    def wait_rows(self, source):
+        pass  # the all_gather has completed
+
+    def partial_buffers(self, source):
+        return {kind: buf[source] for kind, buf in self._staging.items()}
+
+    def send(self, source):
+        pass  # everything travels in one all_to_all at finish
+
+    def finish(self):
+        out = {}
+        for kind, buf in self._staging.items():
+            flat = buf.view(self.world * self.capacity, *buf.shape[2:])
+            out[kind] = exchange_blocks(flat, self.group, self.timeout_s, f"return of results ({kind})").view(buf.shape)
+        self._staging = {}
+        return out
+
+
+def make_transport(name: str, group, capacity: int, device: torch.device, timeout_s: float) -> Transport:
+    """The transport named by ``[model.moe.dispatch] transport`` for this group and device."""
+    if name == "auto":
+        name = "symmetric_memory" if device.type == "cuda" else "collectives"
+    if name == "collectives":
+        return CollectiveTransport(group, capacity, timeout_s)
+    if name == "symmetric_memory":
+        if device.type != "cuda":
+            raise ValueError(
+                f"[model.moe.dispatch] transport = 'symmetric_memory' needs CUDA tensors, but the layer runs on "
+                f"{device}; use transport = 'collectives' (or 'auto')"
+            )
+        from .symmetric_memory import SymmetricMemoryTransport
+
+        return SymmetricMemoryTransport.for_group(group, capacity, device, timeout_s)
+    raise ValueError(
+        f"[model.moe.dispatch] transport = {name!r}; allowed: 'auto', 'symmetric_memory', 'collectives'"
+    )

@@ -1,0 +1,112 @@
+"""Autograd for the expert-parallel routed experts: dispatch, expert GEMMs and combine as one pipeline per call.
+
+Rank r of W holds experts [r*E_l, (r+1)*E_l). Every rank's tokens are padded to ``capacity`` rows (a block); the
+routing plan covers all W blocks, one segment per source rank (``RoutingPlan.segment``), so rank r computes its
+experts' share of each source's tokens segment by segment, its own block first, while the transport brings in the
+next block and carries finished results back:
+
+forward   publish x and routing -> plan over all blocks -> per source s: [wait block s] FC1+SwiGLU, FC2, combine
+          into s's result block, send -> each rank sums the W result blocks of its tokens in rank order (fp32)
+backward  publish dy -> per source s: [wait block s] FC2 dgrad+dSwiGLU, FC1 dgrad, combine into s's dx block and
+          its top-k weight gradients, send -> weight gradients over all segments (local, while results travel)
+          -> each rank sums its W dx blocks in rank order
+
+Fixed orders everywhere (rank order for the sums, segment order inside each expert's weight-gradient reduction), so
+outputs and gradients are bitwise repeatable, and the same under every transport. What the forward saves: the
+gathered rows [W*C, H] (for the W1 weight gradient), h = x W1^T in sorted order, and the plan; see
+``expert_compute`` for why h and not a recompute.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm.transport import PAIR_RESULTS, ROW_RESULTS, Transport
+from . import launch
+from .routing_plan import build_routing_plan
+
+
+def _pad_rows(t: torch.Tensor, capacity: int, fill=0) -> torch.Tensor:
+    if t.shape[0] == capacity:
+        return t.contiguous()
+    out = t.new_full((capacity, *t.shape[1:]), fill)
+    out[: t.shape[0]] = t
+    return out
+
+
+def sum_in_rank_order(blocks: torch.Tensor, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """blocks [W, C, ...] -> [num_tokens, ...]: sum over W in rank order, in fp32."""
+    acc = blocks[0, :num_tokens].float()
+    for s in range(1, blocks.shape[0]):
+        acc = acc + blocks[s, :num_tokens].float()
+    return acc.to(dtype)
+
+
+class ExpertParallelExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, top_k_index, top_k_weights, w1, w2, transport: Transport, tile_m: int):
+        num_tokens, top_k = top_k_index.shape
+        capacity, world = transport.capacity, transport.world
+        num_local, inter, hidden = w1.shape[0], w1.shape[1] // 2, w1.shape[2]
+        block = _pad_rows(x, capacity)
+        routing = (_pad_rows(top_k_index.to(torch.int32), capacity, -1), _pad_rows(top_k_weights.float(), capacity))
+        rows, (index_all, weights_all) = transport.start(block, routing, (ROW_RESULTS,), top_k)
+        plan = build_routing_plan(index_all, weights_all, expert_base=transport.rank * num_local,
+                                  num_local_experts=num_local, tile_m=tile_m, num_segments=world)
+        need_grad = any(ctx.needs_input_grad[i] for i in (0, 2, 3, 4))
+        a = x.new_empty(plan.sorted_rows, inter)
+        h = x.new_empty(plan.sorted_rows, 2 * inter) if need_grad else None
+        y = x.new_empty(plan.sorted_rows, hidden)
+        for s in transport.source_order():
+            transport.wait_rows(s)
+            seg = plan.segment(s)
+            launch.fc1_swiglu(rows, w1, seg, save_h=need_grad, out=(h, a))
+            launch.grouped_gemm(a, w2, seg, transpose_b=True, row_scale=plan.row_weight, out=y)
+            launch.combine_rows(y, seg.pair_pos, x.dtype, out=transport.partial_buffers(s)[ROW_RESULTS])
+            transport.send(s)
+        out = sum_in_rank_order(transport.finish()[ROW_RESULTS], num_tokens, x.dtype)
+        if need_grad:
+            ctx.save_for_backward(rows, w1, w2, h)
+            ctx.plan, ctx.transport, ctx.tile_m = plan, transport, tile_m
+            ctx.weights_dtype = top_k_weights.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        rows, w1, w2, h = ctx.saved_tensors
+        plan, transport = ctx.plan, ctx.transport
+        num_tokens = grad_out.shape[0]
+        kinds = (ROW_RESULTS, PAIR_RESULTS)
+        dy, _ = transport.start(_pad_rows(grad_out.to(rows.dtype), transport.capacity), None, kinds, plan.top_k)
+        dh, aw, dw_partial = launch.dswiglu_buffers(dy, w2, plan)
+        dx_sorted = dy.new_empty(plan.sorted_rows, dy.shape[1])
+        for s in transport.source_order():
+            transport.wait_rows(s)
+            seg = plan.segment(s)
+            _, _, dw_row = launch.fc2_dgrad_dswiglu(dy, w2, h, seg, out=(dh, aw, dw_partial))
+            results = transport.partial_buffers(s)
+            launch.grouped_gemm(dh, w1, seg, transpose_b=False, out=dx_sorted)
+            launch.combine_rows(dx_sorted, seg.pair_pos, rows.dtype, out=results[ROW_RESULTS])
+            results[PAIR_RESULTS].copy_(seg.pair_values(dw_row, torch.float32))
+            transport.send(s)
+        # Weight gradients stay local; they run while the last result blocks travel.
+        grad_w1 = grad_w2 = None
+        if ctx.needs_input_grad[3]:
+            grad_w1 = launch.grouped_wgrad(dh, rows, plan, torch.empty_like(w1), gather_a=False, gather_b=True)
+        if ctx.needs_input_grad[4]:
+            grad_w2 = launch.grouped_wgrad(dy, aw, plan, torch.empty_like(w2), gather_a=True, gather_b=False)
+        results = transport.finish()
+        grad_x = sum_in_rank_order(results[ROW_RESULTS], num_tokens, rows.dtype)
+        grad_weights = sum_in_rank_order(results[PAIR_RESULTS], num_tokens, ctx.weights_dtype)
+        return grad_x, None, grad_weights, grad_w1, grad_w2, None, None
+
+
+def expert_parallel_experts(x, top_k_index, top_k_weights, w1, w2, *, transport: Transport, tile_m: int):
+    """x [T, H], top_k_index [T, k] (global expert ids), top_k_weights [T, k], this rank's w1 [E_l, 2I, H] and
+    w2 [E_l, H, I] -> [T, H]: the MoE output of this rank's tokens over the experts of every rank in the group."""
+    if x.shape[0] > transport.capacity:
+        raise ValueError(
+            f"{x.shape[0]} tokens on rank {transport.rank} exceed max_tokens_per_rank = {transport.capacity}; raise "
+            f"[model.moe.dispatch] max_tokens_per_rank or pass fewer tokens per call"
+        )
+    return ExpertParallelExperts.apply(x, top_k_index, top_k_weights, w1, w2, transport, tile_m)
