@@ -54,6 +54,7 @@ class Result:
     peak_mem_gib: float
     host_fwd_ms: float
     max_rel_err_vs_torch: float | None = None
+    transport: str = ""  # mega_moe with ep > 1: how blocks move between ranks
 
 
 def _events_median(fn, iters: int, warmup: int, group) -> float:
@@ -106,11 +107,12 @@ class Workload:
         self.fwd_bwd()
 
 
-def make_workload(shape, tokens, backend, precision, group, max_tokens=None, device="cuda") -> Workload:
+def make_workload(shape, tokens, backend, precision, group, max_tokens=None, device="cuda",
+                  transport="auto") -> Workload:
     rank = 0 if group is None else dist.get_rank(group)
     world = 1 if group is None else dist.get_world_size(group)
     x, index, weights, w1, w2 = make_inputs(shape, tokens, rank, world, seed=0, device=device)
-    options = DispatchConfig(type=backend, max_tokens_per_rank=max_tokens or tokens)
+    options = DispatchConfig(type=backend, max_tokens_per_rank=max_tokens or tokens, transport=transport)
     dy = torch.randn_like(x)
     xg, wg, w1g, w2g = (t.detach().clone().requires_grad_() for t in (x, weights, w1, w2))
 
@@ -129,10 +131,11 @@ def make_workload(shape, tokens, backend, precision, group, max_tokens=None, dev
     return Workload(fwd, fwd_grad, fwd_bwd)
 
 
-def bench_one(shape, tokens, backend, precision, group, iters, warmup, reference=None, max_tokens=None):
+def bench_one(shape, tokens, backend, precision, group, iters, warmup, reference=None, max_tokens=None,
+              transport="auto"):
     world = 1 if group is None else dist.get_world_size(group)
     hidden, inter, _, top_k = SHAPES[shape]
-    work = make_workload(shape, tokens, backend, precision, group, max_tokens)
+    work = make_workload(shape, tokens, backend, precision, group, max_tokens, transport=transport)
     fwd = work.fwd
     out = fwd()
     fwd()
@@ -161,15 +164,41 @@ def bench_one(shape, tokens, backend, precision, group, iters, warmup, reference
         round(t_f, 4), round(t_b, 4), round(t_2f1b, 4),
         round(flops / t_f / 1e9, 1), round(2 * flops / t_b / 1e9, 1), round(4 * flops / t_2f1b / 1e9, 1),
         round(peak, 3), round(host_ms, 3), None if err is None else round(err, 6),
+        transport if backend == "mega_moe" and world > 1 else "",
     )
     return res, out
 
 
-def profile_one(shape, tokens, backend, precision, group, path):
-    """Per-kernel CUDA times of one forward+backward (torch.profiler), written as a text table to ``path``."""
+def hidden_transfer_time(trace_path: str) -> dict:
+    """From a profiler trace: GPU time spent in memory copies between GPUs (peer-to-peer and device-to-device copies,
+    excluding the copies on the stream that runs the kernels) and how much of it ran while a kernel was running on
+    another stream, i.e. hidden under compute."""
+    with open(trace_path) as fh:
+        events = [e for e in json.load(fh).get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    kernels = [(e["ts"], e["ts"] + e["dur"], e.get("tid")) for e in events if e.get("cat") == "kernel"]
+    copies = [(e["ts"], e["ts"] + e["dur"], e.get("tid")) for e in events
+              if e.get("cat") == "gpu_memcpy" and any(k in e.get("name", "") for k in ("PtoP", "DtoD"))]
+    total = hidden = 0.0
+    for start, end, stream in copies:
+        spans = sorted((max(s, start), min(e, end)) for s, e, t in kernels if t != stream and s < end and e > start)
+        covered, cursor = 0.0, start
+        for s, e in spans:  # length of the union of kernel spans inside [start, end)
+            s = max(s, cursor)
+            if e > s:
+                covered += e - s
+                cursor = e
+        total += end - start
+        hidden += covered
+    return {"copy_us": round(total, 1), "hidden_us": round(hidden, 1),
+            "hidden_fraction": round(hidden / total, 3) if total else None}
+
+
+def profile_one(shape, tokens, backend, precision, group, path, transport="auto"):
+    """Per-kernel CUDA times of one forward+backward (torch.profiler), written as a text table to ``path``, with
+    the Chrome trace beside it and, with expert parallelism, how much GPU-to-GPU copy time compute hid."""
     rank = 0 if group is None else dist.get_rank(group)
     world = 1 if group is None else dist.get_world_size(group)
-    step = make_workload(shape, tokens, backend, precision, group).f2b1
+    step = make_workload(shape, tokens, backend, precision, group, transport=transport).f2b1
 
     for _ in range(2):
         step()
@@ -182,10 +211,17 @@ def profile_one(shape, tokens, backend, precision, group, path):
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
     if rank == 0:
+        trace = path.replace(".txt", ".trace.json")
+        prof.export_chrome_trace(trace)
+        overlap = hidden_transfer_time(trace) if world > 1 else None
         with open(path, "w") as fh:
-            fh.write(f"# {shape} T={tokens} ep={world} {backend} {precision}: 3 x (no-grad forward, forward + "
-                     f"backward)\n{table}\n")
-        prof.export_chrome_trace(path.replace(".txt", ".trace.json"))
+            fh.write(f"# {shape} T={tokens} ep={world} {backend} {precision} {transport}: 3 x (no-grad forward, "
+                     f"forward + backward)\n")
+            if overlap is not None:
+                fh.write(f"# GPU-to-GPU copies: {json.dumps(overlap)}\n")
+                print(f"transfers {shape} T={tokens} ep={world} {backend} {transport}: {json.dumps(overlap)}",
+                      flush=True)
+            fh.write(f"{table}\n")
     return table
 
 
@@ -204,9 +240,12 @@ def environment() -> dict:
     }
 
 
+_TRANSPORT_TAG = {"symmetric_memory": "/sm", "collectives": "/nc", "auto": "/auto"}
+
+
 def format_table(results: list[Result]) -> str:
     head = (
-        f"{'shape':16} {'T':>6} {'ep':>2} {'backend':9} {'prec':7} {'fwd ms':>8} {'bwd ms':>8} {'2F+1B':>8} "
+        f"{'shape':16} {'T':>6} {'ep':>2} {'backend':12} {'prec':7} {'fwd ms':>8} {'bwd ms':>8} {'2F+1B':>8} "
         f"{'fwd TF':>7} {'bwd TF':>7} {'x fwd':>6} {'x bwd':>6} {'x 2F1B':>6} {'mem GiB':>7} {'host ms':>7} {'err':>9}"
     )
     lines = [head]
@@ -215,7 +254,7 @@ def format_table(results: list[Result]) -> str:
         b = base.get((r.shape, r.tokens_per_rank, r.ep))
         ratio = lambda a, c: f"{a / c:6.2f}" if b else "   n/a"  # noqa: E731
         lines.append(
-            f"{r.shape:16} {r.tokens_per_rank:6d} {r.ep:2d} {r.backend:9} {r.precision:7} {r.forward_ms:8.3f} "
+            f"{r.shape:16} {r.tokens_per_rank:6d} {r.ep:2d} {r.backend + _TRANSPORT_TAG.get(r.transport, ''):12} {r.precision:7} {r.forward_ms:8.3f} "
             f"{r.backward_ms:8.3f} {r.f2b1_ms:8.3f} {r.forward_tflops:7.1f} {r.backward_tflops:7.1f} "
             f"{ratio(b.forward_ms, r.forward_ms) if b else '   n/a'} {ratio(b.backward_ms, r.backward_ms) if b else '   n/a'} "
             f"{ratio(b.f2b1_ms, r.f2b1_ms) if b else '   n/a'} {r.peak_mem_gib:7.2f} {r.host_fwd_ms:7.3f} "
@@ -230,6 +269,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384], help="tokens per rank")
     p.add_argument("--backends", nargs="+", default=["torch", "mega_moe"])
     p.add_argument("--precisions", nargs="+", default=["bf16"], help="precisions for mega_moe (torch runs bf16)")
+    p.add_argument("--transports", nargs="+", default=["auto"],
+                   help="mega_moe with expert parallelism: auto, symmetric_memory, collectives")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", default=None, help="JSON file for the results")
@@ -254,16 +295,17 @@ def main(argv: list[str] | None = None) -> None:
             reference = None
             for backend in args.backends:
                 precisions = ["bf16"] if backend == "torch" else args.precisions
-                for precision in precisions:
+                transports = args.transports if backend == "mega_moe" and group is not None else ["auto"]
+                for precision, transport in [(p, t) for p in precisions for t in transports]:
                     try:
                         res, out = bench_one(
                             shape, tokens, backend, precision, group, args.iters, args.warmup,
-                            reference=reference if backend != "torch" else None,
+                            reference=reference if backend != "torch" else None, transport=transport,
                         )
                     except Exception as err:  # noqa: BLE001 - report the failure, measure the rest
                         if rank == 0:
                             msg = str(err).strip().splitlines()
-                            print(f"FAILED {shape} T={tokens} {backend} {precision}: {type(err).__name__}: "
+                            print(f"FAILED {shape} T={tokens} {backend} {precision} {transport}: {type(err).__name__}: "
                                   f"{' | '.join(msg[-6:])}", flush=True)
                         torch.cuda.empty_cache()
                         continue
@@ -274,8 +316,10 @@ def main(argv: list[str] | None = None) -> None:
                         print(json.dumps(asdict(res)), flush=True)
                     if args.profile_dir and backend in args.profile_backends and tokens in args.profile_tokens:
                         os.makedirs(args.profile_dir, exist_ok=True)
-                        path = os.path.join(args.profile_dir, f"profile_{shape}_T{tokens}_ep{res.ep}_{backend}_{precision}.txt")
-                        profile_one(shape, tokens, backend, precision, group, path)
+                        tag = f"_{transport}" if res.transport else ""
+                        path = os.path.join(args.profile_dir,
+                                            f"profile_{shape}_T{tokens}_ep{res.ep}_{backend}_{precision}{tag}.txt")
+                        profile_one(shape, tokens, backend, precision, group, path, transport=transport)
                     del out
                     torch.cuda.empty_cache()
     if rank == 0:

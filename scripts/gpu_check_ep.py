@@ -1,6 +1,8 @@
 """Expert-parallel correctness on GPUs: mega_moe over NCCL against a float64 reference of the whole layer.
 
     torchrun --nproc-per-node 2 scripts/gpu_check_ep.py
+Both transports run (symmetric memory and NCCL collectives), each twice: results must match the reference, be
+bitwise identical run to run, and bitwise identical between the transports.
 Every rank draws the same global problem (all ranks' tokens, all experts), runs its shard, and compares its output,
 dx and d top-k weights with the reference for its tokens, and its expert-weight gradients with the reference
 gradients of its experts (which sum over every rank's tokens). Routing is ragged: the last rank's experts are never
@@ -44,10 +46,21 @@ def main():
         dys = [torch.randn(c, hidden, device="cuda", generator=gen).to(dtype) for c in counts]
 
         shard = slice(rank * per_rank, (rank + 1) * per_rank)
-        leaves = [t.clone().requires_grad_() for t in (xs[rank], routes[rank][1], w1[shard], w2[shard])]
-        opts = DispatchConfig(type="mega_moe", max_tokens_per_rank=tokens)
-        out = fused_experts(leaves[0], routes[rank][0], *leaves[1:], dispatch=opts, group=dist.group.WORLD)
-        grads = torch.autograd.grad(out, leaves, dys[rank])
+        runs = {}
+        for transport in ("symmetric_memory", "collectives"):
+            for attempt in range(2):
+                leaves = [t.clone().requires_grad_() for t in (xs[rank], routes[rank][1], w1[shard], w2[shard])]
+                opts = DispatchConfig(type="mega_moe", max_tokens_per_rank=tokens, transport=transport,
+                                      comm_timeout_s=30)
+                out = fused_experts(leaves[0], routes[rank][0], *leaves[1:], dispatch=opts, group=dist.group.WORLD)
+                grads = torch.autograd.grad(out, leaves, dys[rank])
+                runs[transport, attempt] = [out.detach(), *grads]
+        first = runs["symmetric_memory", 0]
+        same = {key: all(torch.equal(a, b) for a, b in zip(first, val)) for key, val in runs.items()}
+        if not all(same.values()):
+            ok = False
+            print(f"FAIL rank {rank} {dtype}: not bitwise identical across runs/transports: {same}", flush=True)
+        out, grads = first[0], first[1:]
 
         dw1 = torch.zeros_like(w1, dtype=torch.float64)
         dw2 = torch.zeros_like(w2, dtype=torch.float64)

@@ -1,0 +1,206 @@
+"""The symmetric-memory transport: peer-to-peer copies over NVLink, device-side signals, overlapped with compute.
+
+One workspace per (group, capacity, H, k, dtype), allocated on first use with
+``torch.distributed._symmetric_memory`` and shared by every layer of the model (rounds run one after another on each
+rank). Each rank's part, with W ranks and capacity C:
+
+    rows       [C, H]      dtype  this rank's published block (tokens in the forward, output gradients backward)
+    index      [C, k]      int32  its published routing (forward)
+    weights    [C, k]      fp32
+    row_res    [W, C, H]   dtype  results for this rank's tokens; slot q is written by rank q
+    pair_res   [W, C, k]   fp32   top-k weight gradients for this rank's tokens (backward); slot q by rank q
+    flags      [2, W]      int32  channel 0: "rank q published round n", channel 1: "rank q wrote its slot, round n"
+
+A round on rank r (see ``comm.transport``), with streams `compute` (the caller's) and `comm` (a side stream):
+- start: copy the block (and routing) into the workspace; flag channel 0 on every peer. Forward: wait for every
+  peer's flag and read their routing (a few kB) on compute, since the routing plan needs it. Then `comm` copies
+  each peer's block into a local [W*C, H] buffer (copy engines, no SMs), recording an event per block, while compute
+  starts on its own block.
+- send(s): results for rank s's tokens go straight into rank r's own slot when s = r; otherwise into a staging
+  buffer that `comm` copies into rank s's slot r, then flags channel 1 on rank s.
+- finish: wait (compute) for channel 1 from every peer, then return the slots; the caller sums them in rank order.
+
+Why reuse is safe without extra barriers: a rank overwrites its published block only in a later round, after it has
+received every peer's results of the earlier round, and each peer sends those only after reading the block. A peer
+writes into this rank's slots only after reading this rank's block of the same round, published after this rank
+summed the previous round's slots.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..kernels.signals import signal_flag_kernel, wait_flags_kernel
+from .transport import ROW_RESULTS, Transport
+
+log = logging.getLogger("prime_megamoe")
+
+PUBLISHED, RETURNED = 0, 1  # flag channels
+_ALIGN = 256
+
+
+class SymmetricWorkspace:
+    """The symmetric buffers of one (group, capacity, H, k, dtype); see the module docstring for the layout."""
+
+    def __init__(self, group, capacity: int, hidden: int, top_k: int, dtype: torch.dtype, device: torch.device):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.world, self.rank, self.capacity, self.hidden, self.top_k = world, rank, capacity, hidden, top_k
+        item = torch.empty((), dtype=dtype).element_size()
+        regions = {
+            "rows": ((capacity, hidden), dtype, capacity * hidden * item),
+            "index": ((capacity, top_k), torch.int32, capacity * top_k * 4),
+            "weights": ((capacity, top_k), torch.float32, capacity * top_k * 4),
+            "row_res": ((world, capacity, hidden), dtype, world * capacity * hidden * item),
+            "pair_res": ((world, capacity, top_k), torch.float32, world * capacity * top_k * 4),
+            "flags": ((2, world), torch.int32, 2 * world * 4),
+        }
+        offsets, total = {}, 0
+        for name, (_, _, size) in regions.items():
+            offsets[name] = total
+            total += math.ceil(size / _ALIGN) * _ALIGN
+        self.nbytes = total
+        self.buffer = symm_mem.empty(total, dtype=torch.uint8, device=device)
+        self.buffer.zero_()  # flags start at round 0
+        torch.cuda.current_stream(device).synchronize()
+        self.handle = symm_mem.rendezvous(self.buffer, group)
+        dist.barrier(group=group)  # no peer signals before every flag is zero
+
+        def view(peer: int, name: str) -> torch.Tensor:
+            shape, dt, _ = regions[name]
+            elem = torch.empty((), dtype=dt).element_size()
+            return self.handle.get_buffer(peer, shape, dt, offsets[name] // elem)
+
+        self.views = [{name: view(peer, name) for name in regions} for peer in range(world)]
+        self.local = self.views[rank]
+        self.round = 0
+        self.comm_stream = torch.cuda.Stream(device=device)
+        log.info(
+            "prime_megamoe: symmetric-memory workspace for EP = %d, max_tokens_per_rank = %d, H = %d, k = %d, %s: "
+            "%.1f MiB per rank", world, capacity, hidden, top_k, dtype, total / 2**20,
+        )
+
+    def signal(self, peer: int, channel: int, value: int) -> None:
+        """Set flag (channel, this rank) on ``peer`` to ``value`` once this stream's earlier work is done."""
+        flags = self.views[peer]["flags"]
+        signal_flag_kernel[(1,)](flags[channel, self.rank :], value, num_warps=1)
+
+    def wait(self, channel: int, value: int, timeout_s: float) -> None:
+        """Hold this stream until every peer has set its flag on ``channel`` to ``value`` or more."""
+        wait_flags_kernel[(1,)](
+            self.local["flags"], value, self.rank, channel, int(timeout_s * 1e9),
+            WORLD=self.world, WORLD_BLOCK=max(2, 1 << (self.world - 1).bit_length()), num_warps=1,
+        )
+
+
+_WORKSPACES: dict[tuple, SymmetricWorkspace] = {}
+
+
+def workspace_info() -> list[dict]:
+    """Every symmetric-memory workspace allocated in this process and its size per rank."""
+    return [
+        {"ep": ws.world, "max_tokens_per_rank": ws.capacity, "hidden": ws.hidden, "top_k": ws.top_k,
+         "dtype": str(key[4]), "bytes_per_rank": ws.nbytes}
+        for key, ws in _WORKSPACES.items()
+    ]
+
+
+class SymmetricMemoryTransport(Transport):
+    """Per-call transport over the shared workspace of its group and shapes (see the module docstring)."""
+
+    name = "symmetric_memory"
+
+    def __init__(self, group, capacity: int, device: torch.device, timeout_s: float):
+        super().__init__(group, capacity, timeout_s)
+        self.device = device
+        self.workspace: SymmetricWorkspace | None = None
+
+    @classmethod
+    def for_group(cls, group, capacity: int, device: torch.device, timeout_s: float) -> "SymmetricMemoryTransport":
+        return cls(group, capacity, device, timeout_s)
+
+    def _workspace(self, hidden: int, top_k: int, dtype: torch.dtype) -> SymmetricWorkspace:
+        key = (self.group.group_name, self.capacity, hidden, top_k, dtype, self.device.index)
+        ws = _WORKSPACES.get(key)
+        if ws is None:
+            ws = _WORKSPACES[key] = SymmetricWorkspace(self.group, self.capacity, hidden, top_k, dtype, self.device)
+        return ws
+
+    def start(self, block, routing, kinds, top_k):
+        if self.workspace is None:
+            self.workspace = self._workspace(block.shape[1], top_k, block.dtype)
+        ws, c, rank = self.workspace, self.capacity, self.rank
+        ws.round += 1
+        self.round = ws.round
+        compute, comm = torch.cuda.current_stream(self.device), ws.comm_stream
+        ws.local["rows"].copy_(block)
+        if routing is not None:
+            ws.local["index"].copy_(routing[0])
+            ws.local["weights"].copy_(routing[1])
+        for peer in self._peers():
+            ws.signal(peer, PUBLISHED, self.round)
+        rows = block.new_empty(self.world * c, block.shape[1])
+        rows[rank * c : (rank + 1) * c].copy_(block)
+        gathered = None
+        if routing is not None:
+            # The routing plan needs every rank's routing before any GEMM: read it now, on the compute stream.
+            ws.wait(PUBLISHED, self.round, self.timeout_s)
+            gathered = tuple(torch.cat([ws.views[q][name] for q in range(self.world)]) for name in ("index", "weights"))
+            comm.wait_stream(compute)
+        else:
+            comm.wait_stream(compute)
+            with torch.cuda.stream(comm):
+                ws.wait(PUBLISHED, self.round, self.timeout_s)
+        self._arrived = {}
+        with torch.cuda.stream(comm):
+            for peer in self._peers():
+                rows[peer * c : (peer + 1) * c].copy_(ws.views[peer]["rows"])
+                self._arrived[peer] = torch.cuda.Event()
+                self._arrived[peer].record(comm)
+        self._kinds = kinds
+        self._staging = {}
+        return rows, gathered
+
+    def _peers(self) -> list[int]:
+        return [q for q in self.source_order() if q != self.rank]
+
+    def wait_rows(self, source):
+        if source != self.rank:
+            torch.cuda.current_stream(self.device).wait_event(self._arrived[source])
+
+    def _slot(self, peer: int, kind: str, source_slot: int) -> torch.Tensor:
+        if kind == ROW_RESULTS:
+            return self.workspace.views[peer]["row_res"][source_slot]
+        return self.workspace.views[peer]["pair_res"][source_slot]
+
+    def partial_buffers(self, source):
+        if source == self.rank:
+            return {kind: self._slot(self.rank, kind, self.rank) for kind in self._kinds}
+        staging = {kind: torch.empty_like(self._slot(self.rank, kind, source)) for kind in self._kinds}
+        self._staging[source] = staging
+        return staging
+
+    def send(self, source):
+        if source == self.rank:
+            return
+        ws = self.workspace
+        written = torch.cuda.Event()
+        written.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(ws.comm_stream):
+            ws.comm_stream.wait_event(written)
+            for kind, buf in self._staging[source].items():
+                self._slot(source, kind, self.rank).copy_(buf)
+            ws.signal(source, RETURNED, self.round)
+
+    def finish(self):
+        ws = self.workspace
+        compute = torch.cuda.current_stream(self.device)
+        ws.wait(RETURNED, self.round, self.timeout_s)
+        compute.wait_stream(ws.comm_stream)  # staging and gathered rows are freed on the compute stream
+        self._staging = {}
+        return {kind: ws.local["row_res" if kind == ROW_RESULTS else "pair_res"] for kind in self._kinds}
