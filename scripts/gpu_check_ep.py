@@ -55,6 +55,8 @@ def main():
                 out = fused_experts(leaves[0], routes[rank][0], *leaves[1:], dispatch=opts, group=dist.group.WORLD)
                 grads = torch.autograd.grad(out, leaves, dys[rank])
                 runs[transport, attempt] = [out.detach(), *grads]
+                torch.cuda.synchronize()
+                print(f"rank {rank}: {dtype} {transport} run {attempt} done", flush=True)
         first = runs["symmetric_memory", 0]
         same = {key: all(torch.equal(a, b) for a, b in zip(first, val)) for key, val in runs.items()}
         if not all(same.values()):

@@ -34,10 +34,17 @@ def _cfg(bm, bn, bk, warps, stages, **extra):
 
 
 def autotune_configs(kind: str) -> list[triton.Config]:
-    """Candidates for one kernel family; evaluated when the module is imported (TRITON_INTERPRET is read then)."""
+    """Candidates for one kernel family; evaluated when the module is imported (TRITON_INTERPRET and
+    PRIME_MEGAMOE_AUTOTUNE are read then). PRIME_MEGAMOE_AUTOTUNE=0 keeps only the first candidate of each family:
+    correctness checks then compile one kernel per shape instead of timing every candidate."""
     if interpreting():
         extra = {"GROUP_M": 2} if kind == "wgrad" else {"PERSISTENT": True}
         return [_cfg(16, 16, 16, 1, 1, **extra)]
+    configs = _gpu_configs(kind)
+    return configs if os.environ.get("PRIME_MEGAMOE_AUTOTUNE", "1") != "0" else configs[:1]
+
+
+def _gpu_configs(kind: str) -> list[triton.Config]:
     m = tile_m()
     if kind == "fc1":  # two accumulators (gate and up) per tile
         return [
