@@ -12,6 +12,7 @@ only: forward T*k*6*H*I per rank, backward twice that. Results go to JSON with t
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import platform
@@ -214,6 +215,9 @@ def profile_one(shape, tokens, backend, precision, group, path, transport="auto"
         trace = path.replace(".txt", ".trace.json")
         prof.export_chrome_trace(trace)
         overlap = hidden_transfer_time(trace) if world > 1 else None
+        with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
+            dst.write(src.read())
+        os.remove(trace)
         with open(path, "w") as fh:
             fh.write(f"# {shape} T={tokens} ep={world} {backend} {precision} {transport}: 3 x (no-grad forward, "
                      f"forward + backward)\n")
@@ -323,8 +327,12 @@ def main(argv: list[str] | None = None) -> None:
                     del out
                     torch.cuda.empty_cache()
     if rank == 0:
+        from .comm.symmetric_memory import workspace_info
+
         payload = {"command": " ".join(["python -m prime_megamoe.bench", *sys.argv[1:]]), "env": environment(),
-                   "results": [asdict(r) for r in results]}
+                   "results": [asdict(r) for r in results], "symmetric_workspaces": workspace_info()}
+        for ws in workspace_info():
+            print(f"symmetric-memory workspace: {json.dumps(ws)}", flush=True)
         if args.out:
             os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
             with open(args.out, "w") as fh:

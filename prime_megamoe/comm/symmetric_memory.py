@@ -145,7 +145,12 @@ class SymmetricMemoryTransport(Transport):
         for peer in self._peers():
             ws.signal(peer, PUBLISHED, self.round)
         rows = block.new_empty(self.world * c, block.shape[1])
-        rows[rank * c : (rank + 1) * c].copy_(block)
+        self._arrived = {}
+        comm.wait_stream(compute)
+        with torch.cuda.stream(comm):  # this rank's own block, while compute waits for the peers and plans
+            rows[rank * c : (rank + 1) * c].copy_(block)
+            self._arrived[rank] = torch.cuda.Event()
+            self._arrived[rank].record(comm)
         gathered = None
         if routing is not None:
             # The routing plan needs every rank's routing before any GEMM: read it now, on the compute stream.
@@ -156,7 +161,6 @@ class SymmetricMemoryTransport(Transport):
             comm.wait_stream(compute)
             with torch.cuda.stream(comm):
                 ws.wait(PUBLISHED, self.round, self.timeout_s)
-        self._arrived = {}
         with torch.cuda.stream(comm):
             for peer in self._peers():
                 rows[peer * c : (peer + 1) * c].copy_(ws.views[peer]["rows"])
@@ -170,8 +174,7 @@ class SymmetricMemoryTransport(Transport):
         return [q for q in self.source_order() if q != self.rank]
 
     def wait_rows(self, source):
-        if source != self.rank:
-            torch.cuda.current_stream(self.device).wait_event(self._arrived[source])
+        torch.cuda.current_stream(self.device).wait_event(self._arrived[source])
 
     def _slot(self, peer: int, kind: str, source_slot: int) -> torch.Tensor:
         if kind == ROW_RESULTS:

@@ -34,14 +34,6 @@ def _pad_rows(t: torch.Tensor, capacity: int, fill=0) -> torch.Tensor:
     return out
 
 
-def sum_in_rank_order(blocks: torch.Tensor, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
-    """blocks [W, C, ...] -> [num_tokens, ...]: sum over W in rank order, in fp32."""
-    acc = blocks[0, :num_tokens].float()
-    for s in range(1, blocks.shape[0]):
-        acc = acc + blocks[s, :num_tokens].float()
-    return acc.to(dtype)
-
-
 class ExpertParallelExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, top_k_index, top_k_weights, w1, w2, transport: Transport, tile_m: int):
@@ -64,7 +56,7 @@ class ExpertParallelExperts(torch.autograd.Function):
             launch.grouped_gemm(a, w2, seg, transpose_b=True, row_scale=plan.row_weight, out=y)
             launch.combine_rows(y, seg.pair_pos, x.dtype, out=transport.partial_buffers(s)[ROW_RESULTS])
             transport.send(s)
-        out = sum_in_rank_order(transport.finish()[ROW_RESULTS], num_tokens, x.dtype)
+        out = launch.sum_blocks(transport.finish()[ROW_RESULTS], num_tokens, x.dtype)
         if need_grad:
             ctx.save_for_backward(rows, w1, w2, h)
             ctx.plan, ctx.transport, ctx.tile_m = plan, transport, tile_m
@@ -96,8 +88,8 @@ class ExpertParallelExperts(torch.autograd.Function):
         if ctx.needs_input_grad[4]:
             grad_w2 = launch.grouped_wgrad(dy, aw, plan, torch.empty_like(w2), gather_a=True, gather_b=False)
         results = transport.finish()
-        grad_x = sum_in_rank_order(results[ROW_RESULTS], num_tokens, rows.dtype)
-        grad_weights = sum_in_rank_order(results[PAIR_RESULTS], num_tokens, ctx.weights_dtype)
+        grad_x = launch.sum_blocks(results[ROW_RESULTS], num_tokens, rows.dtype)
+        grad_weights = launch.sum_blocks(results[PAIR_RESULTS], num_tokens, ctx.weights_dtype)
         return grad_x, None, grad_weights, grad_w1, grad_w2, None, None
 
 

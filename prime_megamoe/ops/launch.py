@@ -8,7 +8,7 @@ import torch
 import triton
 
 from ..kernels import tuning
-from ..kernels.combine import combine_rows_kernel
+from ..kernels.combine import combine_rows_kernel, sum_blocks_kernel
 from ..kernels.grouped_gemm import (
     fc1_swiglu_kernel,
     fc2_dgrad_dswiglu_kernel,
@@ -159,5 +159,19 @@ def combine_rows(src: torch.Tensor, pair_pos: torch.Tensor, out_dtype: torch.dty
     combine_rows_kernel[(rows, triton.cdiv(hidden, block_h))](
         src, pair_pos, out, hidden, src.stride(0), out.stride(0),
         TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
+    )
+    return out
+
+
+def sum_blocks(blocks: torch.Tensor, num_rows: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """blocks [W, C, N] -> [num_rows, N]: out[t] = sum over W of blocks[:, t] in rank order (fp32), in one pass."""
+    world, _, cols = blocks.shape
+    out = torch.empty(num_rows, cols, dtype=out_dtype, device=blocks.device)
+    if num_rows == 0:
+        return out
+    block_c = min(triton.next_power_of_2(cols), 64 if tuning.interpreting() else 1024)
+    sum_blocks_kernel[(num_rows, triton.cdiv(cols, block_c))](
+        blocks, out, cols, blocks.stride(0), blocks.stride(1), out.stride(0),
+        NUM_BLOCKS=world, BLOCK_C=block_c, num_warps=4,
     )
     return out
