@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from prime_megamoe import DispatchConfig, fused_experts
 from prime_megamoe.comm.collectives import check_group_within_node
+from prime_megamoe.comm.transport import make_transport
 
 from .distributed import run_on_ranks
 from .oracle import oracle_with_grads
@@ -111,3 +112,35 @@ def _node_check_body(rank, world):
 def test_an_expert_parallel_group_must_stay_inside_one_node():
     messages = run_on_ranks(_node_check_body, 2)
     assert all(m is not None and "spans nodes" in m and "ep" in m for m in messages)
+
+
+def test_symmetric_memory_transport_needs_cuda():
+    with pytest.raises(ValueError, match=r"transport = 'symmetric_memory' needs CUDA.*'collectives'"):
+        make_transport("symmetric_memory", None, 8, torch.device("cpu"), 5.0)
+
+
+def _transport_choice_body(rank, world):
+    x = torch.randn(4, 32)
+    index = torch.tensor([[0, 1]] * 4)
+    weights = torch.full((4, 2), 0.5)
+    w1, w2 = torch.randn(1, 48, 32), torch.randn(1, 32, 24)
+    auto = make_transport("auto", dist.group.WORLD, 4, x.device, 5.0)
+    errors = []
+    for precision, transport in (("fp8", "symmetric_memory"), ("bf16", "symmetric_memory")):
+        opts = DispatchConfig(type="mega_moe", max_tokens_per_rank=4, transport=transport)
+        try:
+            fused_experts(x, index, weights, w1, w2, dispatch=opts, precision=precision, group=dist.group.WORLD)
+        except (NotImplementedError, ValueError, RuntimeError) as err:
+            errors.append((precision, type(err).__name__, str(err)))
+    return type(auto).__name__, auto.source_order(), errors
+
+
+def test_transport_choice_on_cpu():
+    results = run_on_ranks(_transport_choice_body, 2)
+    for rank, (auto, order, errors) in enumerate(results):
+        assert auto == "CollectiveTransport"  # auto picks collectives off CUDA
+        assert order == [rank, 1 - rank]  # own block first, then the peer
+        assert len(errors) == 2, errors
+        (p1, kind1, msg1), (p2, kind2, msg2) = errors
+        assert kind1 in ("NotImplementedError", "RuntimeError") and "transport" in msg1
+        assert kind2 == "ValueError" and "needs CUDA tensors" in msg2

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from prime_megamoe import DispatchConfig, fused_experts
 from prime_megamoe.kernels.tuning import interpreting
-from prime_megamoe.ops.launch import combine_rows
+from prime_megamoe.ops.launch import combine_rows, grouped_wgrad, sum_blocks
 from prime_megamoe.ops.routing_plan import build_routing_plan
 
 from .oracle import oracle_with_grads, ragged_routing, rel_err
@@ -256,6 +256,70 @@ def test_routing_plan_single_row():
     assert plan.row_weight[:3].tolist() == pytest.approx([0.3, 0.2, 0.5])
 
 
+@pytest.mark.parametrize("segments, base, num_local", [(2, 2, 3), (4, 0, 2), (3, 4, 4)])
+def test_segmented_plan_is_each_segment_planned_alone(segments, base, num_local):
+    # Expert parallelism plans all source ranks' blocks at once, segment-major: segment s's view must be the plan of
+    # its rows alone, shifted by the rows of the segments before it. The last block is all padding (a rank with no
+    # tokens), another block routes most pairs to one expert.
+    rows, k, tile_m = 9, 3, 4
+    ids, weights = _random_ids(rows * segments, k, 8, seed=segments * 10 + base, pad_rows=rows)
+    ids[:rows, 0] = base  # segment 0: the first local expert takes one slot of every row
+    plan = build_routing_plan(ids, weights, expert_base=base, num_local_experts=num_local, tile_m=tile_m,
+                              num_segments=segments)
+    assert plan.expert_offsets.shape == (segments * num_local + 1,) and plan.num_tiles.shape == (segments,)
+    seg_base = 0
+    for s in range(segments):
+        view = plan.segment(s)
+        alone = build_routing_plan(ids[s * rows:(s + 1) * rows], weights[s * rows:(s + 1) * rows], expert_base=base,
+                                   num_local_experts=num_local, tile_m=tile_m)
+        count = int(alone.expert_offsets[-1])
+        assert int(view.expert_offsets[0]) == seg_base
+        assert torch.equal(view.expert_offsets - seg_base, alone.expert_offsets)
+        n = int(view.num_tiles[0])
+        assert n == int(alone.num_tiles[0]) and view.max_tiles == alone.max_tiles
+        assert torch.equal(view.tile_expert[:n], alone.tile_expert[:n])
+        assert torch.equal(view.tile_row[:n] - seg_base, alone.tile_row[:n])
+        assert ((view.tile_expert >= 0) & (view.tile_expert < num_local)).all()
+        assert torch.equal(plan.row_src[seg_base:seg_base + count] - s * rows, alone.row_src[:count])
+        assert torch.equal(plan.row_weight[seg_base:seg_base + count], alone.row_weight[:count])
+        assert torch.equal(torch.where(view.pair_pos >= 0, view.pair_pos - seg_base, -1), alone.pair_pos)
+        assert view.sorted_rows == plan.num_pairs and view.num_pairs == rows * k
+        seg_base += count
+    assert seg_base == int(plan.expert_offsets[-1])
+    assert int(plan.num_tiles[-1]) == 0  # the padding block has nothing to compute
+
+
+def test_weight_gradient_reduces_every_segment():
+    # dW[e] = sum over segments, then rows, of A^T B: the wgrad kernel walks expert e's rows segment by segment.
+    rows, k, num_local, segments, m, n = 7, 2, 3, 3, 24, 20
+    ids, weights = _random_ids(rows * segments, k, num_local, seed=5)
+    plan = build_routing_plan(ids, weights, expert_base=0, num_local_experts=num_local, tile_m=4,
+                              num_segments=segments)
+    gen = torch.Generator().manual_seed(6)
+    a = torch.randn(plan.sorted_rows, m, generator=gen)
+    src = torch.randn(rows * segments, n, generator=gen)
+    got = grouped_wgrad(a, src, plan, torch.empty(num_local, m, n), gather_a=False, gather_b=True)
+    pos = plan.pair_pos.long()
+    want = torch.zeros(num_local, m, n, dtype=torch.float64)
+    for r in range(rows * segments):
+        for j in range(k):
+            e = int(ids[r, j])
+            want[e] += a[pos[r, j]].double()[:, None] * src[r].double()[None, :]
+    assert rel_err(got, want) < 1e-6
+
+
+@pytest.mark.parametrize("world, cols, dtype", [(1, 5, torch.float32), (2, 70, torch.bfloat16), (4, 8, torch.float32)])
+def test_sum_blocks_is_the_rank_order_fp32_sum(world, cols, dtype):
+    gen = torch.Generator().manual_seed(world)
+    blocks = torch.randn(world, 11, cols, generator=gen).to(dtype)
+    got = sum_blocks(blocks, 9, dtype)
+    acc = blocks[0, :9].float()
+    for s in range(1, world):
+        acc = acc + blocks[s, :9].float()
+    assert torch.equal(got, to_kernel_dtype(acc, dtype))
+    assert sum_blocks(blocks, 0, dtype).shape == (0, cols)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # combine_rows (one small kernel; interpreter)
 
@@ -372,3 +436,13 @@ def test_routing_plan_properties(rows, top_k, num_experts, world, tile_m, seed, 
     pad = data.draw(st.integers(0, rows - 1))
     ids, weights = _random_ids(rows, top_k, num_experts, seed, pad_rows=pad)
     check_plan(ids, weights, base=rank * num_local, num_local=num_local, tile_m=tile_m)
+
+
+def test_small_problems_skip_autotuning():
+    from prime_megamoe.kernels.tuning import SMALL_PROBLEM, prune_small_problems
+
+    prune = prune_small_problems("N", "K", "M_BUCKET")
+    configs = ["first", "second", "third"]
+    assert prune(configs, {"N": 32, "K": 64, "M_BUCKET": 64}) == ["first"]  # a tiny model: no candidate timing
+    assert prune(configs, {"N": 768, "K": 2048, "M_BUCKET": 131072}) == configs  # Qwen3-30B-A3B: all candidates
+    assert prune(configs, {"N": 1, "K": 1, "M_BUCKET": SMALL_PROBLEM}) == configs

@@ -29,6 +29,24 @@ def dw_chunk() -> int:
     return DW_CHUNK_INTERPRET if interpreting() else DW_CHUNK_GPU
 
 
+# Problems with fewer multiply-adds than this (M * N * K over the autotuning key) run the first candidate untimed:
+# compiling and timing every candidate takes seconds each and would cost more than any choice saves (a tiny model's
+# first step would take minutes).
+SMALL_PROBLEM = 1 << 30
+
+
+def prune_small_problems(*dims: str):
+    """An ``early_config_prune`` keeping only the first candidate when the product of ``dims`` is small."""
+
+    def prune(configs, named_args, **kwargs):
+        size = 1
+        for name in dims:
+            size *= max(int(named_args[name]), 1)
+        return configs[:1] if size < SMALL_PROBLEM else configs
+
+    return prune
+
+
 def _cfg(bm, bn, bk, warps, stages, **extra):
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, **extra}, num_warps=warps, num_stages=stages)
 
