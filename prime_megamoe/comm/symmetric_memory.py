@@ -80,6 +80,7 @@ class SymmetricWorkspace:
         self.local = self.views[rank]
         self.round = 0
         self.comm_stream = torch.cuda.Stream(device=device)
+        self.last_stream: torch.cuda.Stream | None = None  # the stream the last round computed on
         log.info(
             "prime_megamoe: symmetric-memory workspace for EP = %d, max_tokens_per_rank = %d, H = %d, k = %d, %s: "
             "%.1f MiB per rank", world, capacity, hidden, top_k, dtype, total / 2**20,
@@ -138,6 +139,11 @@ class SymmetricMemoryTransport(Transport):
         ws.round += 1
         self.round = ws.round
         compute, comm = torch.cuda.current_stream(self.device), ws.comm_stream
+        if ws.last_stream is not None and ws.last_stream != compute:
+            # The previous round ran on another stream: its sum of this rank's result slots must be done before
+            # peers may write them again (they do once this round's block is published).
+            compute.wait_stream(ws.last_stream)
+        ws.last_stream = compute
         ws.local["rows"].copy_(block)
         if routing is not None:
             ws.local["index"].copy_(routing[0])
