@@ -1,4 +1,5 @@
-"""Autograd for moving tokens to the experts' ranks and results back (expert parallelism).
+"""Autograd for moving tokens to the experts' ranks and results back over collectives, around an unsplit expert
+call: the expert parallelism of the quantised precisions (bf16 runs the per-source pipeline of ``ep_pipeline``).
 
 Layout: every rank sends a block of ``capacity`` rows (tokens padded to ``max_tokens_per_rank``); after the dispatch
 each rank sees ``W * capacity`` source rows, rank s's tokens at rows [s*C, (s+1)*C). The expert compute produces,
@@ -14,9 +15,11 @@ from __future__ import annotations
 import torch
 
 from ..comm.collectives import all_gather_blocks, exchange_blocks
+from . import launch
 
 
-def _pad_rows(t: torch.Tensor, capacity: int, fill=0) -> torch.Tensor:
+def pad_rows(t: torch.Tensor, capacity: int, fill=0) -> torch.Tensor:
+    """t [T, ...] -> [capacity, ...]: the rows of t, then ``fill``."""
     if t.shape[0] == capacity:
         return t.contiguous()
     out = t.new_full((capacity, *t.shape[1:]), fill)
@@ -25,11 +28,7 @@ def _pad_rows(t: torch.Tensor, capacity: int, fill=0) -> torch.Tensor:
 
 
 def _sum_partials(blocks: torch.Tensor, world: int, num_tokens: int, dtype) -> torch.Tensor:
-    parts = blocks.view(world, -1, *blocks.shape[1:])[:, :num_tokens]
-    acc = parts[0].float()
-    for s in range(1, world):  # rank order, fp32
-        acc = acc + parts[s].float()
-    return acc.to(dtype)
+    return launch.sum_blocks(blocks.view(world, -1, *blocks.shape[1:]), num_tokens, dtype)
 
 
 class DispatchRows(torch.autograd.Function):
@@ -38,7 +37,7 @@ class DispatchRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, capacity: int, group, fill, timeout_s):
         ctx.group, ctx.num_tokens, ctx.dtype, ctx.timeout_s = group, x.shape[0], x.dtype, timeout_s
-        return all_gather_blocks(_pad_rows(x, capacity, fill), group, timeout_s, "dispatch of tokens")
+        return all_gather_blocks(pad_rows(x, capacity, fill), group, timeout_s, "dispatch of tokens")
 
     @staticmethod
     def backward(ctx, grad):
@@ -59,7 +58,7 @@ class CombineRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        out = all_gather_blocks(_pad_rows(grad.contiguous(), ctx.capacity), ctx.group, ctx.timeout_s,
+        out = all_gather_blocks(pad_rows(grad.contiguous(), ctx.capacity), ctx.group, ctx.timeout_s,
                                 "dispatch of output gradients")
         return out, None, None, None
 
@@ -67,7 +66,7 @@ class CombineRows(torch.autograd.Function):
 def dispatch_rows(x: torch.Tensor, capacity: int, group, fill=0, timeout_s: float | None = None) -> torch.Tensor:
     if x.requires_grad or x.is_floating_point():
         return DispatchRows.apply(x, capacity, group, fill, timeout_s)
-    return all_gather_blocks(_pad_rows(x, capacity, fill), group, timeout_s, "dispatch of routing")
+    return all_gather_blocks(pad_rows(x, capacity, fill), group, timeout_s, "dispatch of routing")
 
 
 def combine_rows_across(partials: torch.Tensor, num_tokens: int, group, timeout_s: float | None = None) -> torch.Tensor:

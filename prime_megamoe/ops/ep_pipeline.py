@@ -23,15 +23,8 @@ import torch
 
 from ..comm.transport import PAIR_RESULTS, ROW_RESULTS, Transport
 from . import launch
+from .ep_exchange import pad_rows
 from .routing_plan import build_routing_plan
-
-
-def _pad_rows(t: torch.Tensor, capacity: int, fill=0) -> torch.Tensor:
-    if t.shape[0] == capacity:
-        return t.contiguous()
-    out = t.new_full((capacity, *t.shape[1:]), fill)
-    out[: t.shape[0]] = t
-    return out
 
 
 class ExpertParallelExperts(torch.autograd.Function):
@@ -40,8 +33,8 @@ class ExpertParallelExperts(torch.autograd.Function):
         num_tokens, top_k = top_k_index.shape
         capacity, world = transport.capacity, transport.world
         num_local, inter, hidden = w1.shape[0], w1.shape[1] // 2, w1.shape[2]
-        block = _pad_rows(x, capacity)
-        routing = (_pad_rows(top_k_index.to(torch.int32), capacity, -1), _pad_rows(top_k_weights.float(), capacity))
+        block = pad_rows(x, capacity)
+        routing = (pad_rows(top_k_index.to(torch.int32), capacity, -1), pad_rows(top_k_weights.float(), capacity))
         rows, (index_all, weights_all) = transport.start(block, routing, (ROW_RESULTS,), top_k)
         plan = build_routing_plan(index_all, weights_all, expert_base=transport.rank * num_local,
                                   num_local_experts=num_local, tile_m=tile_m, num_segments=world)
@@ -69,7 +62,7 @@ class ExpertParallelExperts(torch.autograd.Function):
         plan, transport = ctx.plan, ctx.transport
         num_tokens = grad_out.shape[0]
         kinds = (ROW_RESULTS, PAIR_RESULTS)
-        dy, _ = transport.start(_pad_rows(grad_out.to(rows.dtype), transport.capacity), None, kinds, plan.top_k)
+        dy, _ = transport.start(pad_rows(grad_out.to(rows.dtype), transport.capacity), None, kinds, plan.top_k)
         dh, aw, dw_partial = launch.dswiglu_buffers(dy, w2, plan)
         dx_sorted = dy.new_empty(plan.sorted_rows, dy.shape[1])
         for s in transport.source_order():
