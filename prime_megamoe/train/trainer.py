@@ -119,6 +119,15 @@ class _Progress:
             self.bar.close()
 
 
+def _report_workspaces(rt: Runtime) -> None:
+    """After the first step: the symmetric-memory buffers the expert-parallel layers allocated (none off CUDA)."""
+    from ..comm.symmetric_memory import workspace_info
+
+    for ws in workspace_info():
+        _log(rt, f"symmetric-memory workspace: ep {ws['ep']}, max_tokens_per_rank {ws['max_tokens_per_rank']}, "
+                 f"H {ws['hidden']}, k {ws['top_k']}, {ws['dtype']}: {ws['bytes_per_rank'] / 2**20:.1f} MiB per rank")
+
+
 def _log(rt: Runtime, msg: str) -> None:
     if rt.is_main:
         print(msg, flush=True)
@@ -256,6 +265,8 @@ def _run(cfg: Config, rt: Runtime, source, dataset, out_dir: Path, resume_path, 
             "grad_norm": grad_norm,
         }
         records.append(rec)
+        if step == start:
+            _report_workspaces(rt)
         if rt.is_main:
             with metrics_path.open("a") as fh:
                 fh.write(json.dumps(rec) + "\n")
