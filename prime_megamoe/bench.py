@@ -5,8 +5,10 @@
 
 Forward is timed without autograd; backward = (forward + backward) - forward with autograd on; 2F+1B is a no-grad
 forward followed by a forward and backward (activation checkpointing), timed as one region. Each figure is the median
-of CUDA-event timings after warm-up; with several ranks, the slowest rank's median. TFLOP/s counts the expert GEMMs
-only: forward T*k*6*H*I per rank, backward twice that. Results go to JSON with the GPU, versions and command.
+of CUDA-event timings after warm-up; with several ranks, the slowest rank's median. Each sample starts from an idle
+GPU and (with several ranks) host-synchronised ranks, so host launch time shows in short calls; ``--repeat K`` times
+K calls issued back to back per sample instead, as a training step sees them. TFLOP/s counts the expert GEMMs only:
+forward T*k*6*H*I per rank, backward twice that. Results go to JSON with the GPU, versions and command.
 """
 
 from __future__ import annotations
@@ -58,7 +60,9 @@ class Result:
     transport: str = ""  # mega_moe with ep > 1: how blocks move between ranks
 
 
-def _events_median(fn, iters: int, warmup: int, group) -> float:
+def _events_median(fn, iters: int, warmup: int, group, repeat: int = 1) -> float:
+    """Median over ``iters`` samples of the CUDA-event time per call; a sample issues ``repeat`` calls back to back
+    (repeat > 1: the host runs ahead of the GPU after the first call, as in a training step)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -68,10 +72,11 @@ def _events_median(fn, iters: int, warmup: int, group) -> float:
             dist.barrier(group)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(repeat):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / repeat)
     med = statistics.median(times)
     if group is not None:
         t = torch.tensor([med], device="cuda")
@@ -133,7 +138,7 @@ def make_workload(shape, tokens, backend, precision, group, max_tokens=None, dev
 
 
 def bench_one(shape, tokens, backend, precision, group, iters, warmup, reference=None, max_tokens=None,
-              transport="auto"):
+              transport="auto", repeat=1):
     world = 1 if group is None else dist.get_world_size(group)
     hidden, inter, _, top_k = SHAPES[shape]
     work = make_workload(shape, tokens, backend, precision, group, max_tokens, transport=transport)
@@ -153,10 +158,10 @@ def bench_one(shape, tokens, backend, precision, group, iters, warmup, reference
             err = float(t.item())
     torch.cuda.reset_peak_memory_stats()
     base_mem = torch.cuda.memory_allocated()
-    t_f = _events_median(fwd, iters, warmup, group)
-    t_fg = _events_median(work.fwd_grad, iters, warmup, group)
-    t_fb = _events_median(work.fwd_bwd, iters, warmup, group)
-    t_2f1b = _events_median(work.f2b1, iters, warmup, group)
+    t_f = _events_median(fwd, iters, warmup, group, repeat)
+    t_fg = _events_median(work.fwd_grad, iters, warmup, group, repeat)
+    t_fb = _events_median(work.fwd_bwd, iters, warmup, group, repeat)
+    t_2f1b = _events_median(work.f2b1, iters, warmup, group, repeat)
     peak = (torch.cuda.max_memory_allocated() - base_mem) / 2**30
     flops = tokens * top_k * 6 * hidden * inter
     t_b = max(t_fb - t_fg, 1e-6)
@@ -276,6 +281,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--transports", nargs="+", default=["auto"],
                    help="mega_moe with expert parallelism: auto, symmetric_memory, collectives")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="calls per timed sample, issued back to back (1: each call starts from an idle GPU and a "
+                        "synchronised host, so host launch time shows; >1: the host runs ahead, as in training)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", default=None, help="JSON file for the results")
     p.add_argument("--profile-dir", default=None, help="write per-kernel profiler tables and traces here")
@@ -305,6 +313,7 @@ def main(argv: list[str] | None = None) -> None:
                         res, out = bench_one(
                             shape, tokens, backend, precision, group, args.iters, args.warmup,
                             reference=reference if backend != "torch" else None, transport=transport,
+                            repeat=args.repeat,
                         )
                     except Exception as err:  # noqa: BLE001 - report the failure, measure the rest
                         if rank == 0:
@@ -330,6 +339,7 @@ def main(argv: list[str] | None = None) -> None:
         from .comm.symmetric_memory import workspace_info
 
         payload = {"command": " ".join(["python -m prime_megamoe.bench", *sys.argv[1:]]), "env": environment(),
+                   "calls_per_sample": args.repeat,
                    "results": [asdict(r) for r in results], "symmetric_workspaces": workspace_info()}
         for ws in workspace_info():
             print(f"symmetric-memory workspace: {json.dumps(ws)}", flush=True)
