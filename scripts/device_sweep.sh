@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One GPU session's sweep, each step under its own time limit, logs and results under $OUT (at most a few files).
+#   bash scripts/device_sweep.sh check      # EP=2 correctness (both transports) + the missing-peer error
+#   bash scripts/device_sweep.sh bench      # Qwen3-30B-A3B EP=2 (both transports, profile) + back-to-back timing
+#   bash scripts/device_sweep.sh train      # configs/tiny.toml and tiny-torch.toml on two GPUs
+# Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+step() {  # step NAME SECONDS CMD...: run CMD with a limit, log to $OUT/NAME.log, print its rc and key lines
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name rc=$?"
+  grep -E "^(PASS|FAIL|rank|step|done|transfers|symmetric)|timed out|^\{|FAILED" "$OUT/$name.log" | cut -c1-300 | tail -20
+}
+case "${1:-}" in
+  check)
+    (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 240 torchrun --nproc-per-node 2 gpu_check_ep.py)
+    (cd scripts && step timeout_check 90 torchrun --nproc-per-node 2 gpu_check_timeout.py) ;;
+  bench)
+    step bench_30b 420 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 16384 \
+      --transports symmetric_memory collectives --iters 10 --warmup 3 --out "$OUT/bench_30b.json" --profile-dir "$OUT"
+    step bench_30b_repeat 240 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+      --transports symmetric_memory --repeat 5 --iters 10 --warmup 3 --out "$OUT/bench_30b_repeat.json" ;;
+  train)
+    for c in tiny tiny-torch; do
+      step "train_$c" 180 torchrun --nproc-per-node 2 -m prime_megamoe.train configs/$c.toml --train.steps 10 \
+        --output-dir "/tmp/$c"
+      cp "/tmp/$c/metrics.jsonl" "$OUT/metrics_$c.jsonl"
+    done ;;
+  *) echo "usage: $0 check|bench|train" >&2; exit 2 ;;
+esac
