@@ -52,7 +52,7 @@ class ExpertParallelExperts(torch.autograd.Function):
         out = launch.sum_blocks(transport.finish()[ROW_RESULTS], num_tokens, x.dtype)
         if need_grad:
             ctx.save_for_backward(rows, w1, w2, h)
-            ctx.plan, ctx.transport, ctx.tile_m = plan, transport, tile_m
+            ctx.plan, ctx.transport = plan, transport
             ctx.weights_dtype = top_k_weights.dtype
         return out
 
