@@ -438,7 +438,7 @@ def test_routing_plan_properties(rows, top_k, num_experts, world, tile_m, seed, 
     check_plan(ids, weights, base=rank * num_local, num_local=num_local, tile_m=tile_m)
 
 
-def test_small_problems_skip_autotuning():
+def test_small_problems_skip_autotuning(monkeypatch):
     from prime_megamoe.kernels.tuning import SMALL_PROBLEM, prune_small_problems
 
     prune = prune_small_problems("N", "K", "M_BUCKET")
@@ -446,3 +446,5 @@ def test_small_problems_skip_autotuning():
     assert prune(configs, {"N": 32, "K": 64, "M_BUCKET": 64}) == ["first"]  # a tiny model: no candidate timing
     assert prune(configs, {"N": 768, "K": 2048, "M_BUCKET": 131072}) == configs  # Qwen3-30B-A3B: all candidates
     assert prune(configs, {"N": 1, "K": 1, "M_BUCKET": SMALL_PROBLEM}) == configs
+    monkeypatch.setenv("PRIME_MEGAMOE_AUTOTUNE", "0")  # checks: never time candidates
+    assert prune(configs, {"N": 768, "K": 2048, "M_BUCKET": 131072}) == ["first"]

@@ -36,7 +36,7 @@ import triton.language as tl
 from .grouped_gemm import tile_rows as _tile_rows
 from .grouped_gemm import wgrad_tile_offsets
 from .quantize import e8m0_from_scale, quant_groups_cols, quant_groups_rows
-from .tuning import prune_small_problems
+from .tuning import autotune
 
 QTILE_M = 128  # row tile of every quantised grouped GEMM = the token-dim block of the wgrad scales
 DW_CHUNK_Q = 64  # chunk of the top-k weight gradient partial sums (every dSwiGLU BLOCK_N is a multiple)
@@ -160,8 +160,7 @@ def _store_cols_q(q_ptr, s_ptr, x, rows64, row_mask, cols, col_mask, col_off, pi
 #   h is stored in the output dtype when the backward needs it; a is stored in fp8 with 1 x GROUP_K scales along I
 #   (the K of FC2), so FC2 reads it without another pass.
 # ----------------------------------------------------------------------------------------------------------------
-@triton.autotune(configs=quant_configs("fc1"), key=["N", "K", "M_BUCKET", "MX"], cache_results=True,
-                 prune_configs_by={"early_config_prune": prune_small_problems("N", "K", "M_BUCKET")})
+@autotune(quant_configs("fc1"), key=["N", "K", "M_BUCKET", "MX"])
 @triton.jit
 def fp8_fc1_swiglu_kernel(
     xq_ptr, xs_ptr, row_src_ptr, wq_ptr, ws_ptr, h_ptr, aq_ptr, as_ptr,
@@ -219,8 +218,7 @@ def fp8_fc1_swiglu_kernel(
 #   FC2 forward: A = SwiGLU output (fp8 from the FC1 epilogue), B = W2, scale = top-k weight.
 #   FC1 dgrad:   A = d[gate, up] (fp8 from the dSwiGLU epilogue, SEGS = 2), B = W1^T copy.
 # ----------------------------------------------------------------------------------------------------------------
-@triton.autotune(configs=quant_configs("gemm"), key=["N", "K", "SEGS", "M_BUCKET", "MX"], cache_results=True,
-                 prune_configs_by={"early_config_prune": prune_small_problems("N", "K", "M_BUCKET")})
+@autotune(quant_configs("gemm"), key=["N", "K", "SEGS", "M_BUCKET", "MX"])
 @triton.jit
 def fp8_grouped_gemm_kernel(
     aq_ptr, as_ptr, row_src_ptr, bq_ptr, bs_ptr, c_ptr, row_scale_ptr,
@@ -271,8 +269,7 @@ def fp8_grouped_gemm_kernel(
 #   Emits, all in fp8:  dh with row scales (1 x GROUP_K along I, per half: the A of the FC1 dgrad);
 #                       dh and aw with column scales (GROUP_R x 1 along the rows of this tile: the wgrad operands).
 # ----------------------------------------------------------------------------------------------------------------
-@triton.autotune(configs=quant_configs("dswiglu"), key=["N", "K", "M_BUCKET", "MX"], cache_results=True,
-                 prune_configs_by={"early_config_prune": prune_small_problems("N", "K", "M_BUCKET")})
+@autotune(quant_configs("dswiglu"), key=["N", "K", "M_BUCKET", "MX"])
 @triton.jit
 def fp8_fc2_dgrad_dswiglu_kernel(
     dyq_ptr, dys_ptr, row_src_ptr, bq_ptr, bs_ptr, h_ptr, row_weight_ptr,
@@ -377,8 +374,7 @@ def _wgrad_operand(ptr, s_ptr, src_ptr, t, r, r_mask, offs, o_mask, stride_m, st
     return q, s
 
 
-@triton.autotune(configs=quant_configs("wgrad"), key=["M", "N", "M_BUCKET", "MX"], cache_results=True,
-                 prune_configs_by={"early_config_prune": prune_small_problems("M", "N", "M_BUCKET")})
+@autotune(quant_configs("wgrad"), key=["M", "N", "M_BUCKET", "MX"])
 @triton.jit
 def fp8_grouped_wgrad_kernel(
     a_ptr, as_ptr, a_src_ptr, b_ptr, bs_ptr, b_src_ptr, c_ptr,

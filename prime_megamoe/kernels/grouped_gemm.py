@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tuning import autotune_configs, prune_small_problems
+from .tuning import autotune, autotune_configs
 
 
 @triton.jit
@@ -79,8 +79,7 @@ def _fc1_swiglu_tile(
     tl.store(a_ptr + rows64[:, None] * stride_am + cols[None, :], act.to(a_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.autotune(configs=autotune_configs("fc1"), key=["N", "K", "M_BUCKET"], cache_results=True,
-                 prune_configs_by={"early_config_prune": prune_small_problems("N", "K", "M_BUCKET")})
+@autotune(autotune_configs("fc1"), key=["N", "K", "M_BUCKET"])
 @triton.jit
 def fc1_swiglu_kernel(
     x_ptr, row_src_ptr, w_ptr, h_ptr, a_ptr,
@@ -141,8 +140,7 @@ def _gemm_tile(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
-@triton.autotune(configs=autotune_configs("gemm"), key=["N", "K", "M_BUCKET"], cache_results=True,
-                 prune_configs_by={"early_config_prune": prune_small_problems("N", "K", "M_BUCKET")})
+@autotune(autotune_configs("gemm"), key=["N", "K", "M_BUCKET"])
 @triton.jit
 def grouped_gemm_kernel(
     a_ptr, row_src_ptr, b_ptr, c_ptr, row_scale_ptr,
@@ -242,8 +240,7 @@ def _dswiglu_tile(
                       stride_hm, stride_dhm, stride_awm, stride_dwp, BLOCK_M, BLOCK_N, DW_CHUNK)
 
 
-@triton.autotune(configs=autotune_configs("dswiglu"), key=["N", "K", "M_BUCKET"], cache_results=True,
-                 prune_configs_by={"early_config_prune": prune_small_problems("N", "K", "M_BUCKET")})
+@autotune(autotune_configs("dswiglu"), key=["N", "K", "M_BUCKET"])
 @triton.jit
 def fc2_dgrad_dswiglu_kernel(
     dy_ptr, row_src_ptr, w_ptr, h_ptr, row_weight_ptr, dh_ptr, aw_ptr, dw_partial_ptr,
@@ -291,8 +288,7 @@ def wgrad_tile_offsets(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
     return offs_m, offs_n, offs_m < M, offs_n < N
 
 
-@triton.autotune(configs=autotune_configs("wgrad"), key=["M", "N", "M_BUCKET"], cache_results=True,
-                 prune_configs_by={"early_config_prune": prune_small_problems("M", "N", "M_BUCKET")})
+@autotune(autotune_configs("wgrad"), key=["M", "N", "M_BUCKET"])
 @triton.jit
 def grouped_wgrad_kernel(
     a_ptr, a_src_ptr, b_ptr, b_src_ptr, c_ptr, expert_offsets_ptr,

@@ -33,12 +33,16 @@ def dw_chunk() -> int:
 # compiling and timing every candidate takes seconds each and would cost more than any choice saves (a tiny model's
 # first step would take minutes).
 SMALL_PROBLEM = 1 << 30
+_SIZE_KEYS = ("M", "N", "K", "M_BUCKET")
 
 
 def prune_small_problems(*dims: str):
-    """An ``early_config_prune`` keeping only the first candidate when the product of ``dims`` is small."""
+    """An ``early_config_prune`` keeping only the first candidate when the product of ``dims`` is small, or for every
+    problem when PRIME_MEGAMOE_AUTOTUNE=0 (correctness checks: one compiled kernel per shape, nothing timed)."""
 
     def prune(configs, named_args, **kwargs):
+        if os.environ.get("PRIME_MEGAMOE_AUTOTUNE", "1") == "0":
+            return configs[:1]
         size = 1
         for name in dims:
             size *= max(int(named_args[name]), 1)
@@ -47,22 +51,23 @@ def prune_small_problems(*dims: str):
     return prune
 
 
+def autotune(configs: list[triton.Config], key: list[str]):
+    """``triton.autotune`` as every kernel of the package uses it: choices cached on disk, keyed on ``key``, and
+    candidates pruned by ``prune_small_problems`` over the key's size arguments."""
+    dims = [name for name in key if name in _SIZE_KEYS]
+    return triton.autotune(configs=configs, key=key, cache_results=True,
+                           prune_configs_by={"early_config_prune": prune_small_problems(*dims)})
+
+
 def _cfg(bm, bn, bk, warps, stages, **extra):
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, **extra}, num_warps=warps, num_stages=stages)
 
 
 def autotune_configs(kind: str) -> list[triton.Config]:
-    """Candidates for one kernel family; evaluated when the module is imported (TRITON_INTERPRET and
-    PRIME_MEGAMOE_AUTOTUNE are read then). PRIME_MEGAMOE_AUTOTUNE=0 keeps only the first candidate of each family:
-    correctness checks then compile one kernel per shape instead of timing every candidate."""
+    """Candidates for one kernel family; evaluated when the module is imported (TRITON_INTERPRET is read then)."""
     if interpreting():
         extra = {"GROUP_M": 2} if kind == "wgrad" else {"PERSISTENT": True}
         return [_cfg(16, 16, 16, 1, 1, **extra)]
-    configs = _gpu_configs(kind)
-    return configs if os.environ.get("PRIME_MEGAMOE_AUTOTUNE", "1") != "0" else configs[:1]
-
-
-def _gpu_configs(kind: str) -> list[triton.Config]:
     m = tile_m()
     if kind == "fc1":  # two accumulators (gate and up) per tile
         return [
