@@ -31,6 +31,15 @@ def routing_keys_kernel(
 
 
 @triton.jit
+def _rows_of_segments(counts_ptr, num_segments, experts, e_mask, NUM_LOCAL: tl.constexpr):
+    """Local (row, slot) pairs in segments [0, num_segments): the sorted rows those segments take."""
+    total = tl.sum(tl.zeros_like(experts), 0)
+    for s in range(0, num_segments):
+        total += tl.sum(tl.load(counts_ptr + s * NUM_LOCAL + experts, mask=e_mask, other=0), 0)
+    return total
+
+
+@triton.jit
 def routing_plan_kernel(
     order_ptr, weights_ptr, counts_ptr,
     row_src_ptr, row_weight_ptr, pair_pos_ptr, expert_offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
@@ -45,18 +54,14 @@ def routing_plan_kernel(
     experts = tl.arange(0, EXPERT_BLOCK)
     e_mask = experts < NUM_LOCAL
     counts = tl.load(counts_ptr + seg * NUM_LOCAL + experts, mask=e_mask, other=0)
-    seg_base = tl.sum(counts * 0, 0)  # sorted rows of the segments before this one
-    for s in range(0, seg):
-        seg_base += tl.sum(tl.load(counts_ptr + s * NUM_LOCAL + experts, mask=e_mask, other=0), 0)
+    seg_base = _rows_of_segments(counts_ptr, seg, experts, e_mask, NUM_LOCAL)  # rows of the segments before this one
     row_end = tl.cumsum(counts, 0)
     tiles = (counts + TILE_M - 1) // TILE_M
     tile_end = tl.cumsum(tiles, 0)
 
     if seg == 0:
         # Sorted rows: source row, weight, and the inverse map from each pair to its sorted row (-1: not local).
-        total = tl.sum(counts * 0, 0)
-        for s in range(0, num_segments):
-            total += tl.sum(tl.load(counts_ptr + s * NUM_LOCAL + experts, mask=e_mask, other=0), 0)
+        total = _rows_of_segments(counts_ptr, num_segments, experts, e_mask, NUM_LOCAL)
         rows = pid * BLOCK + tl.arange(0, BLOCK)
         in_range = rows < num_pairs
         pair = tl.load(order_ptr + rows, mask=in_range, other=0)
