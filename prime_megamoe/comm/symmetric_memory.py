@@ -35,11 +35,12 @@ import torch
 import torch.distributed as dist
 
 from ..kernels.signals import signal_flag_kernel, wait_flags_kernel
-from .transport import ROW_RESULTS, Transport
+from .transport import PAIR_RESULTS, ROW_RESULTS, Transport
 
 log = logging.getLogger("prime_megamoe")
 
 PUBLISHED, RETURNED = 0, 1  # flag channels
+_RESULT_REGION = {ROW_RESULTS: "row_res", PAIR_RESULTS: "pair_res"}  # where each result kind lands
 _ALIGN = 256
 
 
@@ -51,19 +52,20 @@ class SymmetricWorkspace:
 
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         self.world, self.rank, self.capacity, self.hidden, self.top_k = world, rank, capacity, hidden, top_k
-        item = torch.empty((), dtype=dtype).element_size()
+        self.dtype = dtype
         regions = {
-            "rows": ((capacity, hidden), dtype, capacity * hidden * item),
-            "index": ((capacity, top_k), torch.int32, capacity * top_k * 4),
-            "weights": ((capacity, top_k), torch.float32, capacity * top_k * 4),
-            "row_res": ((world, capacity, hidden), dtype, world * capacity * hidden * item),
-            "pair_res": ((world, capacity, top_k), torch.float32, world * capacity * top_k * 4),
-            "flags": ((2, world), torch.int32, 2 * world * 4),
+            "rows": ((capacity, hidden), dtype),
+            "index": ((capacity, top_k), torch.int32),
+            "weights": ((capacity, top_k), torch.float32),
+            "row_res": ((world, capacity, hidden), dtype),
+            "pair_res": ((world, capacity, top_k), torch.float32),
+            "flags": ((2, world), torch.int32),
         }
-        offsets, total = {}, 0
-        for name, (_, _, size) in regions.items():
-            offsets[name] = total
-            total += math.ceil(size / _ALIGN) * _ALIGN
+        offsets, total = {}, 0  # in elements of each region's dtype, regions aligned to _ALIGN bytes
+        for name, (shape, dt) in regions.items():
+            item = torch.empty((), dtype=dt).element_size()
+            offsets[name] = total // item
+            total += math.ceil(math.prod(shape) * item / _ALIGN) * _ALIGN
         self.nbytes = total
         self.buffer = symm_mem.empty(total, dtype=torch.uint8, device=device)
         self.buffer.zero_()  # flags start at round 0
@@ -72,9 +74,8 @@ class SymmetricWorkspace:
         dist.barrier(group=group)  # no peer signals before every flag is zero
 
         def view(peer: int, name: str) -> torch.Tensor:
-            shape, dt, _ = regions[name]
-            elem = torch.empty((), dtype=dt).element_size()
-            return self.handle.get_buffer(peer, shape, dt, offsets[name] // elem)
+            shape, dt = regions[name]
+            return self.handle.get_buffer(peer, shape, dt, offsets[name])
 
         self.views = [{name: view(peer, name) for name in regions} for peer in range(world)]
         self.local = self.views[rank]
@@ -106,24 +107,18 @@ def workspace_info() -> list[dict]:
     """Every symmetric-memory workspace allocated in this process and its size per rank."""
     return [
         {"ep": ws.world, "max_tokens_per_rank": ws.capacity, "hidden": ws.hidden, "top_k": ws.top_k,
-         "dtype": str(key[4]), "bytes_per_rank": ws.nbytes}
-        for key, ws in _WORKSPACES.items()
+         "dtype": str(ws.dtype), "bytes_per_rank": ws.nbytes}
+        for ws in _WORKSPACES.values()
     ]
 
 
 class SymmetricMemoryTransport(Transport):
     """Per-call transport over the shared workspace of its group and shapes (see the module docstring)."""
 
-    name = "symmetric_memory"
-
     def __init__(self, group, capacity: int, device: torch.device, timeout_s: float):
         super().__init__(group, capacity, timeout_s)
         self.device = device
         self.workspace: SymmetricWorkspace | None = None
-
-    @classmethod
-    def for_group(cls, group, capacity: int, device: torch.device, timeout_s: float) -> "SymmetricMemoryTransport":
-        return cls(group, capacity, device, timeout_s)
 
     def _workspace(self, hidden: int, top_k: int, dtype: torch.dtype) -> SymmetricWorkspace:
         key = (self.group.group_name, self.capacity, hidden, top_k, dtype, self.device.index)
@@ -183,9 +178,7 @@ class SymmetricMemoryTransport(Transport):
         torch.cuda.current_stream(self.device).wait_event(self._arrived[source])
 
     def _slot(self, peer: int, kind: str, source_slot: int) -> torch.Tensor:
-        if kind == ROW_RESULTS:
-            return self.workspace.views[peer]["row_res"][source_slot]
-        return self.workspace.views[peer]["pair_res"][source_slot]
+        return self.workspace.views[peer][_RESULT_REGION[kind]][source_slot]
 
     def partial_buffers(self, source):
         if source == self.rank:
@@ -212,4 +205,4 @@ class SymmetricMemoryTransport(Transport):
         ws.wait(RETURNED, self.round, self.timeout_s)
         compute.wait_stream(ws.comm_stream)  # staging and gathered rows are freed on the compute stream
         self._staging = {}
-        return {kind: ws.local["row_res" if kind == ROW_RESULTS else "pair_res"] for kind in self._kinds}
+        return {kind: ws.local[_RESULT_REGION[kind]] for kind in self._kinds}

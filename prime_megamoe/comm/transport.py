@@ -2,9 +2,9 @@
 
 One exchange round (a forward call, or a backward call) on rank r of W ranks, each block ``capacity`` rows:
 
-1. ``start(block, routing, kinds, top_k)``: publish this rank's block (tokens, or output gradients) and, in the forward, its
-   routing; returns every rank's rows [W*C, H] (block s from rank s, possibly still arriving) and every rank's
-   routing [W*C, k] (ready).
+1. ``start(block, routing, kinds, top_k)``: publish this rank's block (tokens, or output gradients) and, in the
+   forward, its routing; returns every rank's rows [W*C, H] (block s from rank s, possibly still arriving) and
+   every rank's routing [W*C, k] (ready).
 2. For each source rank s, in the order of ``source_order()``: ``wait_rows(s)`` before reading block s; write this
    rank's results for rank s's tokens into ``partial_buffers(s)``; ``send(s)``.
 3. ``finish()``: every rank's results for this rank's tokens, [W, C, ...] per kind (slot q from rank q).
@@ -30,8 +30,6 @@ PAIR_RESULTS = "pairs"
 
 class Transport:
     """Interface of one expert-parallel group's exchange (see the module docstring)."""
-
-    name = "transport"
 
     def __init__(self, group, capacity: int, timeout_s: float | None):
         self.group = group
@@ -66,8 +64,6 @@ class Transport:
 class CollectiveTransport(Transport):
     """torch.distributed collectives (gloo on CPU, NCCL on GPU): all_gather at ``start``, all_to_all at ``finish``.
     Waits are bounded by ``timeout_s`` on gloo (see ``collectives``)."""
-
-    name = "collectives"
 
     def start(self, block, routing, kinds, top_k):
         rows = all_gather_blocks(block, self.group, self.timeout_s, "dispatch of rows")
@@ -115,7 +111,7 @@ def make_transport(name: str, group, capacity: int, device: torch.device, timeou
             )
         from .symmetric_memory import SymmetricMemoryTransport
 
-        return SymmetricMemoryTransport.for_group(group, capacity, device, timeout_s)
+        return SymmetricMemoryTransport(group, capacity, device, timeout_s)
     raise ValueError(
         f"[model.moe.dispatch] transport = {name!r}; allowed: 'auto', 'symmetric_memory', 'collectives'"
     )
