@@ -262,8 +262,9 @@ def format_table(results: list[Result]) -> str:
     for r in results:
         b = base.get((r.shape, r.tokens_per_rank, r.ep))
         ratio = lambda a, c: f"{a / c:6.2f}" if b else "   n/a"  # noqa: E731
+        backend = r.backend + _TRANSPORT_TAG.get(r.transport, "")
         lines.append(
-            f"{r.shape:16} {r.tokens_per_rank:6d} {r.ep:2d} {r.backend + _TRANSPORT_TAG.get(r.transport, ''):12} {r.precision:7} {r.forward_ms:8.3f} "
+            f"{r.shape:16} {r.tokens_per_rank:6d} {r.ep:2d} {backend:12} {r.precision:7} {r.forward_ms:8.3f} "
             f"{r.backward_ms:8.3f} {r.f2b1_ms:8.3f} {r.forward_tflops:7.1f} {r.backward_tflops:7.1f} "
             f"{ratio(b.forward_ms, r.forward_ms) if b else '   n/a'} {ratio(b.backward_ms, r.backward_ms) if b else '   n/a'} "
             f"{ratio(b.f2b1_ms, r.f2b1_ms) if b else '   n/a'} {r.peak_mem_gib:7.2f} {r.host_fwd_ms:7.3f} "

@@ -6,9 +6,9 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import check_group_within_node
+from ..comm.transport import make_transport
 from ..config import DispatchConfig
 from ..kernels.tuning import tile_m
-from ..comm.transport import make_transport
 from ..ops.ep_exchange import combine_rows_across, dispatch_rows
 from ..ops.ep_pipeline import expert_parallel_experts
 from ..ops.expert_compute import routed_experts

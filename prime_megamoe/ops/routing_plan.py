@@ -28,7 +28,8 @@ class RoutingPlan:
     top_k: int
     num_local_experts: int
     tile_m: int
-    expert_offsets: torch.Tensor  # [S*E_local + 1] int32: (segment s, expert e) owns sorted rows [off[sE+e], off[sE+e+1])
+    # [S*E_local + 1] int32: (segment s, expert e) owns sorted rows [off[s*E_local + e], off[s*E_local + e + 1])
+    expert_offsets: torch.Tensor
     row_src: torch.Tensor  # [sorted_rows] int32: source row of each sorted row (over all segments)
     row_weight: torch.Tensor  # [sorted_rows] fp32: top-k weight of each sorted row
     pair_pos: torch.Tensor  # [R, k] int32: sorted row of each (row, slot) pair, -1 where the expert is not local
@@ -55,7 +56,8 @@ class RoutingPlan:
         same sorted-row buffers (``sorted_rows`` long) and the same source rows as the whole plan."""
         if self.num_segments == 1:
             return self
-        rows, experts, tiles = self.num_rows // self.num_segments, self.num_local_experts, self.max_tiles // self.num_segments
+        rows, tiles = self.num_rows // self.num_segments, self.max_tiles // self.num_segments
+        experts = self.num_local_experts
         return RoutingPlan(
             num_rows=rows, top_k=self.top_k, num_local_experts=experts, tile_m=self.tile_m,
             expert_offsets=self.expert_offsets[s * experts : (s + 1) * experts + 1],
