@@ -27,14 +27,15 @@ def combine_rows_kernel(
 
 @triton.jit
 def sum_blocks_kernel(
-    blocks_ptr, out_ptr, num_cols, stride_block, stride_row, stride_out,
-    NUM_BLOCKS: tl.constexpr, BLOCK_C: tl.constexpr,
+    blocks_ptr, out_ptr, num_rows, num_cols, stride_block, stride_row, stride_out,
+    NUM_BLOCKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """out[t] = sum_s blocks[s, t] in fp32, s ascending (rank order): one pass, no fp32 copy of the blocks."""
-    t = tl.program_id(0).to(tl.int64)
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = cols < num_cols
-    acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
+    offs = rows[:, None] * stride_row + cols[None, :]
+    acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
     for s in tl.static_range(NUM_BLOCKS):
-        acc += tl.load(blocks_ptr + s * stride_block + t * stride_row + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        acc += tl.load(blocks_ptr + s * stride_block + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)

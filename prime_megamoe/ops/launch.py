@@ -169,9 +169,11 @@ def sum_blocks(blocks: torch.Tensor, num_rows: int, out_dtype: torch.dtype) -> t
     out = torch.empty(num_rows, cols, dtype=out_dtype, device=blocks.device)
     if num_rows == 0:
         return out
-    block_c = min(triton.next_power_of_2(cols), 64 if tuning.interpreting() else 1024)
-    sum_blocks_kernel[(num_rows, triton.cdiv(cols, block_c))](
-        blocks, out, cols, blocks.stride(0), blocks.stride(1), out.stride(0),
-        NUM_BLOCKS=world, BLOCK_C=block_c, num_warps=4,
+    # A few rows per program: a program per row would mostly pay launch and (in the interpreter) per-program costs.
+    block_c = min(triton.next_power_of_2(cols), 64 if tuning.interpreting() else 512)
+    block_r = max(1, min(32, 4096 // block_c))
+    sum_blocks_kernel[(triton.cdiv(num_rows, block_r), triton.cdiv(cols, block_c))](
+        blocks, out, num_rows, cols, blocks.stride(0), blocks.stride(1), out.stride(0),
+        NUM_BLOCKS=world, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
     )
     return out
