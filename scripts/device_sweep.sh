@@ -3,15 +3,18 @@
 #   bash scripts/device_sweep.sh check      # EP=2 correctness (both transports) + the missing-peer error
 #   bash scripts/device_sweep.sh bench      # Qwen3-30B-A3B EP=2 (both transports, profile) + back-to-back timing
 #   bash scripts/device_sweep.sh train      # configs/tiny.toml and tiny-torch.toml on two GPUs
+#   bash scripts/device_sweep.sh probe      # one-GPU check + fp8 profile (GPU 1) side by side, EP check, EP=2 T=16384
+# Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+LOGS="$OUT/logs"
+mkdir -p "$LOGS"
 step() {  # step NAME SECONDS CMD...: run CMD with a limit, log to $OUT/NAME.log, print its rc and key lines
   local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
   echo "$name rc=$?"
-  grep -E "^(PASS|FAIL|rank|step|done|transfers|symmetric)|timed out|^\{|FAILED" "$OUT/$name.log" | cut -c1-300 | tail -20
+  grep -E "^(PASS|FAIL|rank|step|done|transfers|symmetric)|timed out|^\{|FAILED" "$LOGS/$name.log" | cut -c1-300 | tail -20
 }
 case "${1:-}" in
   check)
@@ -19,14 +22,27 @@ case "${1:-}" in
     (cd scripts && step timeout_check 90 torchrun --nproc-per-node 2 gpu_check_timeout.py) ;;
   bench)
     step bench_30b 420 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 16384 \
-      --transports symmetric_memory collectives --iters 10 --warmup 3 --out "$OUT/bench_30b.json" --profile-dir "$OUT"
+      --transports symmetric_memory collectives --iters 10 --warmup 3 --out "$LOGS/bench_30b.json" --profile-dir "$LOGS"
     step bench_30b_repeat 240 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
-      --transports symmetric_memory --repeat 5 --iters 10 --warmup 3 --out "$OUT/bench_30b_repeat.json" ;;
+      --transports symmetric_memory --repeat 5 --iters 10 --warmup 3 --out "$LOGS/bench_30b_repeat.json" ;;
   train)
     for c in tiny tiny-torch; do
       step "train_$c" 180 torchrun --nproc-per-node 2 -m prime_megamoe.train configs/$c.toml --train.steps 10 \
         --output-dir "/tmp/$c"
-      cp "/tmp/$c/metrics.jsonl" "$OUT/metrics_$c.jsonl"
+      cp "/tmp/$c/metrics.jsonl" "$LOGS/metrics_$c.jsonl"
+    done ;;
+  probe)
+    (cd scripts && CUDA_VISIBLE_DEVICES=0 PRIME_MEGAMOE_AUTOTUNE=0 step check_1gpu 150 python gpu_check.py) &
+    CUDA_VISIBLE_DEVICES=1 PRIME_MEGAMOE_AUTOTUNE=0 step fp8_profile 200 python -m prime_megamoe.bench \
+      --shape qwen3-30b-a3b --tokens 16384 --backends mega_moe --precisions fp8 fp8_bwd --iters 5 --warmup 2 \
+      --out "$LOGS/fp8.json" --profile-dir "$LOGS"
+    wait
+    (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 150 torchrun --nproc-per-node 2 gpu_check_ep.py)
+    for r in 1 5; do
+      step "bench_16k_r$r" 240 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+        --transports symmetric_memory --repeat $r --iters 10 --warmup 3 --out "$LOGS/bench_16k_r$r.json"
+      tail -8 "$LOGS/bench_16k_r$r.log"
     done ;;
   *) echo "usage: $0 check|bench|train" >&2; exit 2 ;;
 esac
+tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -r "$LOGS"

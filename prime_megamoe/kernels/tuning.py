@@ -90,6 +90,8 @@ def autotune_configs(kind: str) -> list[triton.Config]:
             _cfg(m, 64, 64, 8, 4, PERSISTENT=True),
             _cfg(m, 64, 128, 8, 3, PERSISTENT=True),
             _cfg(m, 64, 64, 4, 4, PERSISTENT=False),
+            _cfg(m, 128, 64, 8, 3, PERSISTENT=False),  # 256 columns a program: half the dy re-reads
+            _cfg(m, 128, 64, 8, 3, PERSISTENT=True),
         ]
     if kind == "wgrad":
         return [
@@ -98,5 +100,8 @@ def autotune_configs(kind: str) -> list[triton.Config]:
             _cfg(128, 256, 64, 8, 4, GROUP_M=8),
             _cfg(256, 128, 64, 8, 3, GROUP_M=8),
             _cfg(128, 256, 32, 8, 4, GROUP_M=8),
+            _cfg(128, 256, 64, 8, 3, GROUP_M=8),
+            _cfg(128, 128, 128, 8, 3, GROUP_M=8),
+            _cfg(256, 128, 64, 8, 4, GROUP_M=4),
         ]
     raise ValueError(f"unknown kernel family {kind!r}")
