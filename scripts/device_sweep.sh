@@ -43,6 +43,16 @@ case "${1:-}" in
         --transports symmetric_memory --repeat $r --iters 10 --warmup 3 --out "$LOGS/bench_16k_r$r.json"
       tail -8 "$LOGS/bench_16k_r$r.log"
     done ;;
+  pipeline)  # after a pipeline change: EP check, EP=2 T=16384 timings (profiled) and the wgrad gather probe
+    (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 150 torchrun --nproc-per-node 2 gpu_check_ep.py)
+    CUDA_VISIBLE_DEVICES=0 step wgrad_probe 150 python scripts/wgrad_probe.py
+    tail -5 "$LOGS/wgrad_probe.log"
+    for r in 1 5; do
+      step "bench_16k_r$r" 240 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+        --transports symmetric_memory --backends mega_moe --repeat $r --iters 10 --warmup 3 \
+        --out "$LOGS/bench_16k_r$r.json" $([ $r = 1 ] && echo --profile-dir "$LOGS")
+      tail -3 "$LOGS/bench_16k_r$r.log"
+    done ;;
   *) echo "usage: $0 check|bench|train" >&2; exit 2 ;;
 esac
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -r "$LOGS"

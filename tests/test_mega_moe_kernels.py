@@ -289,6 +289,31 @@ def test_segmented_plan_is_each_segment_planned_alone(segments, base, num_local)
     assert int(plan.num_tiles[-1]) == 0  # the padding block has nothing to compute
 
 
+@pytest.mark.parametrize("segments, num_local, split", [(2, 4, 2), (3, 3, 1), (2, 4, 0), (2, 4, 4)])
+def test_expert_halves_split_each_segments_tiles(segments, num_local, split):
+    # The EP pipeline computes its own block in two expert halves: the halves' tiles must be exactly the segment's
+    # tiles, the lower experts' ones first in the segment's own list, the upper ones compacted in the half list.
+    # Padding blocks, an empty half (split 0 or E_local) and one expert taking most pairs are all covered.
+    rows, k, tile_m = 11, 3, 4
+    ids, weights = _random_ids(rows * segments, k, num_local, seed=segments + split, pad_rows=rows)
+    ids[:rows, 0] = num_local - 1  # the last expert takes a slot of every row of segment 0
+    plan = build_routing_plan(ids, weights, expert_base=0, num_local_experts=num_local, tile_m=tile_m,
+                              num_segments=segments, split_expert=split)
+    for s in range(segments):
+        whole = plan.segment(s)
+        n = int(whole.num_tiles[0])
+        tiles = list(zip(whole.tile_expert[:n].tolist(), whole.tile_row[:n].tolist()))
+        low, high = plan.segment(s, 0), plan.segment(s, 1)
+        n_low, n_high = int(low.num_tiles[0]), int(high.num_tiles[0])
+        got_low = list(zip(low.tile_expert[:n_low].tolist(), low.tile_row[:n_low].tolist()))
+        got_high = list(zip(high.tile_expert[:n_high].tolist(), high.tile_row[:n_high].tolist()))
+        assert got_low == [t for t in tiles if t[0] < split]
+        assert got_high == [t for t in tiles if t[0] >= split]
+        assert torch.equal(low.expert_offsets, whole.expert_offsets) and torch.equal(high.pair_pos, whole.pair_pos)
+    with pytest.raises(ValueError, match="split_expert"):
+        build_routing_plan(ids, weights, expert_base=0, num_local_experts=num_local, tile_m=tile_m).segment(0, 1)
+
+
 def test_weight_gradient_reduces_every_segment():
     # dW[e] = sum over segments, then rows, of A^T B: the wgrad kernel walks expert e's rows segment by segment.
     rows, k, num_local, segments, m, n = 7, 2, 3, 3, 24, 20

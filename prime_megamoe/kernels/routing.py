@@ -43,12 +43,17 @@ def _rows_of_segments(counts_ptr, num_segments, experts, e_mask, NUM_LOCAL: tl.c
 def routing_plan_kernel(
     order_ptr, weights_ptr, counts_ptr,
     row_src_ptr, row_weight_ptr, pair_pos_ptr, expert_offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
-    num_pairs, tiles_per_segment, num_segments,
+    half_tile_expert_ptr, half_tile_row_ptr, half_num_tiles_ptr,
+    num_pairs, tiles_per_segment, num_segments, split_expert,
     TOP_K: tl.constexpr, NUM_LOCAL: tl.constexpr, EXPERT_BLOCK: tl.constexpr, TILE_M: tl.constexpr,
-    BLOCK: tl.constexpr, TILE_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, TILE_BLOCK: tl.constexpr, HALVES: tl.constexpr,
 ):
     """Grid (programs, segments). Sorted rows are segment-major, then expert-major; segment s's tiles fill slots
-    [s * tiles_per_segment, (s + 1) * tiles_per_segment) of the tile list, and num_tiles[s] of them are in use."""
+    [s * tiles_per_segment, (s + 1) * tiles_per_segment) of the tile list, and num_tiles[s] of them are in use.
+
+    HALVES: also split each segment's tiles at expert ``split_expert``: the lower experts' tiles are the first
+    half_num_tiles[s, 0] of the segment's list; the upper experts' half_num_tiles[s, 1] tiles are copied, from slot
+    s * tiles_per_segment on, into the half tile list, so either half can be launched on its own."""
     pid = tl.program_id(0)
     seg = tl.program_id(1)
     experts = tl.arange(0, EXPERT_BLOCK)
@@ -75,6 +80,10 @@ def routing_plan_kernel(
         if seg == 0:
             tl.store(expert_offsets_ptr, 0)
         tl.store(num_tiles_ptr + seg, tl.sum(tiles, 0).to(tl.int32))
+        if HALVES:
+            lower = tl.sum(tl.where(experts < split_expert, tiles, 0), 0)
+            tl.store(half_num_tiles_ptr + 2 * seg, lower.to(tl.int32))
+            tl.store(half_num_tiles_ptr + 2 * seg + 1, (tl.sum(tiles, 0) - lower).to(tl.int32))
 
     # Tile list: tile t belongs to the expert whose tile range holds it; programs share the static tile bound.
     for t0 in range(pid * TILE_BLOCK, tiles_per_segment, tl.num_programs(0) * TILE_BLOCK):
@@ -85,5 +94,13 @@ def routing_plan_kernel(
         first_row = tl.sum(tl.where(before, counts[None, :], 0), 1)
         t_mask = t < tiles_per_segment
         slot = seg * tiles_per_segment + t
+        row = (seg_base + first_row + (t - first_tile) * TILE_M).to(tl.int32)
         tl.store(tile_expert_ptr + slot, expert.to(tl.int32), mask=t_mask)
-        tl.store(tile_row_ptr + slot, (seg_base + first_row + (t - first_tile) * TILE_M).to(tl.int32), mask=t_mask)
+        tl.store(tile_row_ptr + slot, row, mask=t_mask)
+        if HALVES:
+            # Tiles past the segment's count land past the upper half's count too: never read.
+            lower = tl.sum(tl.where(experts < split_expert, tiles, 0), 0)
+            upper = t_mask & (expert >= split_expert)
+            half_slot = slot - lower
+            tl.store(half_tile_expert_ptr + half_slot, expert.to(tl.int32), mask=upper)
+            tl.store(half_tile_row_ptr + half_slot, row, mask=upper)

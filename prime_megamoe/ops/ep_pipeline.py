@@ -2,14 +2,16 @@
 
 Rank r of W holds experts [r*E_l, (r+1)*E_l). Every rank's tokens are padded to ``capacity`` rows (a block); the
 routing plan covers all W blocks, one segment per source rank (``RoutingPlan.segment``), so rank r computes its
-experts' share of each source's tokens segment by segment, its own block first, while the transport brings in the
-next block and carries finished results back:
+experts' share of each source's tokens segment by segment while the transport brings in the next block and carries
+finished results back. The own block is computed in two expert halves (``compute_order``): the first while the
+peers' blocks arrive, the second while the last peer's results travel back, so neither transfer waits alone.
 
-forward   publish x and routing -> plan over all blocks -> per source s: [wait block s] FC1+SwiGLU, FC2, combine
-          into s's result block, send -> each rank sums the W result blocks of its tokens in rank order (fp32)
-backward  publish dy -> per source s: [wait block s] FC2 dgrad+dSwiGLU, FC1 dgrad, combine into s's dx block and
-          its top-k weight gradients, send -> weight gradients over all segments (local, while results travel)
-          -> each rank sums its W dx blocks in rank order
+forward   publish x and routing -> plan over all blocks -> per piece: [wait block s] FC1+SwiGLU, FC2; once a source
+          is complete: combine into s's result block, send -> each rank sums the W result blocks of its tokens in
+          rank order (fp32)
+backward  publish dy -> per piece: [wait block s] FC2 dgrad+dSwiGLU, FC1 dgrad; once a source is complete: combine
+          into s's dx block and its top-k weight gradients, send -> weight gradients over all segments (local, while
+          results travel) -> each rank sums its W dx blocks in rank order
 
 Fixed orders everywhere (rank order for the sums, segment order inside each expert's weight-gradient reduction), so
 outputs and gradients are bitwise repeatable, and the same under every transport. What the forward saves: the
@@ -27,6 +29,15 @@ from .ep_exchange import pad_rows
 from .routing_plan import build_routing_plan
 
 
+def compute_order(transport: Transport):
+    """(source, expert half, first piece of the source, last piece) in the order this rank computes them: the lower
+    half of its local experts on its own block (nothing to wait for, while the peers' blocks arrive), each peer's
+    block whole, then the upper half on its own block, which covers the return of the last peer's results."""
+    own = transport.rank
+    peers = [(s, None, True, True) for s in transport.source_order() if s != own]
+    return [(own, 0, True, False), *peers, (own, 1, False, True)]
+
+
 class ExpertParallelExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, top_k_index, top_k_weights, w1, w2, transport: Transport, tile_m: int):
@@ -37,18 +48,22 @@ class ExpertParallelExperts(torch.autograd.Function):
         routing = (pad_rows(top_k_index.to(torch.int32), capacity, -1), pad_rows(top_k_weights.float(), capacity))
         rows, (index_all, weights_all) = transport.start(block, routing, (ROW_RESULTS,), top_k)
         plan = build_routing_plan(index_all, weights_all, expert_base=transport.rank * num_local,
-                                  num_local_experts=num_local, tile_m=tile_m, num_segments=world)
+                                  num_local_experts=num_local, tile_m=tile_m, num_segments=world,
+                                  split_expert=num_local // 2)
         need_grad = any(ctx.needs_input_grad[i] for i in (0, 2, 3, 4))
         a = x.new_empty(plan.sorted_rows, inter)
         h = x.new_empty(plan.sorted_rows, 2 * inter) if need_grad else None
         y = x.new_empty(plan.sorted_rows, hidden)
-        for s in transport.source_order():
-            transport.wait_rows(s)
-            seg = plan.segment(s)
-            launch.fc1_swiglu(rows, w1, seg, save_h=need_grad, out=(h, a))
-            launch.grouped_gemm(a, w2, seg, transpose_b=True, row_scale=plan.row_weight, out=y)
-            launch.combine_rows(y, seg.pair_pos, x.dtype, out=transport.partial_buffers(s)[ROW_RESULTS])
-            transport.send(s)
+        for s, half, first, last in compute_order(transport):
+            if first:
+                transport.wait_rows(s)
+            piece = plan.segment(s, half)
+            launch.fc1_swiglu(rows, w1, piece, save_h=need_grad, out=(h, a))
+            launch.grouped_gemm(a, w2, piece, transpose_b=True, row_scale=plan.row_weight, out=y)
+            if last:
+                launch.combine_rows(y, plan.segment(s).pair_pos, x.dtype,
+                                    out=transport.partial_buffers(s)[ROW_RESULTS])
+                transport.send(s)
         out = launch.sum_blocks(transport.finish()[ROW_RESULTS], num_tokens, x.dtype)
         if need_grad:
             ctx.save_for_backward(rows, w1, w2, h)
@@ -65,15 +80,17 @@ class ExpertParallelExperts(torch.autograd.Function):
         dy, _ = transport.start(pad_rows(grad_out.to(rows.dtype), transport.capacity), None, kinds, plan.top_k)
         dh, aw, dw_partial = launch.dswiglu_buffers(dy, w2, plan)
         dx_sorted = dy.new_empty(plan.sorted_rows, dy.shape[1])
-        for s in transport.source_order():
-            transport.wait_rows(s)
-            seg = plan.segment(s)
-            _, _, dw_row = launch.fc2_dgrad_dswiglu(dy, w2, h, seg, out=(dh, aw, dw_partial))
-            results = transport.partial_buffers(s)
-            launch.grouped_gemm(dh, w1, seg, transpose_b=False, out=dx_sorted)
-            launch.combine_rows(dx_sorted, seg.pair_pos, rows.dtype, out=results[ROW_RESULTS])
-            results[PAIR_RESULTS].copy_(seg.pair_values(dw_row, torch.float32))
-            transport.send(s)
+        for s, half, first, last in compute_order(transport):
+            if first:
+                transport.wait_rows(s)
+            piece = plan.segment(s, half)
+            launch.fc2_dgrad_dswiglu(dy, w2, h, piece, out=(dh, aw, dw_partial))
+            launch.grouped_gemm(dh, w1, piece, transpose_b=False, out=dx_sorted)
+            if last:
+                seg, results = plan.segment(s), transport.partial_buffers(s)
+                launch.combine_rows(dx_sorted, seg.pair_pos, rows.dtype, out=results[ROW_RESULTS])
+                results[PAIR_RESULTS].copy_(seg.pair_values(dw_partial.sum(0), torch.float32))
+                transport.send(s)
         # Weight gradients stay local; they run while the last result blocks travel.
         grad_w1 = grad_w2 = None
         if ctx.needs_input_grad[3]:

@@ -108,7 +108,8 @@ def dswiglu_buffers(dy: torch.Tensor, w2: torch.Tensor, plan: RoutingPlan):
 
 def fc2_dgrad_dswiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, out=None):
     """From dy [R, H] (source rows): (dh [P, 2I], aw [P, I] = w * a, dw_row [P] = <dy W2, a>) in sorted order.
-    ``out``: buffers from ``dswiglu_buffers`` shared by all segments (dw_row then sums every segment run so far)."""
+    ``out``: buffers from ``dswiglu_buffers`` shared by all segments, filled in place; then nothing is returned
+    (``dw_partial.sum(0)`` is dw_row of every segment run so far)."""
     hidden, inter = w2.shape[1], w2.shape[2]
     num_pairs = plan.num_pairs
     chunk = tuning.dw_chunk()
@@ -121,7 +122,8 @@ def fc2_dgrad_dswiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, plan:
         dw_partial.stride(0),
         DW_CHUNK=chunk, **_flags(dy),
     )
-    return dh, aw, dw_partial.sum(0)
+    if out is None:
+        return dh, aw, dw_partial.sum(0)
 
 
 def grouped_wgrad(

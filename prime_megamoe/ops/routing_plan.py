@@ -38,6 +38,12 @@ class RoutingPlan:
     num_tiles: torch.Tensor  # [S] int32: tiles in use per segment
     num_segments: int = 1
     sorted_rows: int = -1  # rows of every sorted-order buffer (all segments' pairs); num_pairs when -1
+    # Expert halves (``build_routing_plan(split_expert=...)``): the upper experts' tiles of each segment, compacted
+    # (same layout as tile_expert / tile_row), and [S, 2] tiles in use per (segment, half).
+    split_expert: int | None = None
+    half_tile_expert: torch.Tensor | None = None
+    half_tile_row: torch.Tensor | None = None
+    half_num_tiles: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.sorted_rows < 0:
@@ -51,21 +57,30 @@ class RoutingPlan:
     def max_tiles(self) -> int:
         return self.tile_expert.numel()
 
-    def segment(self, s: int) -> "RoutingPlan":
+    def segment(self, s: int, half: int | None = None) -> "RoutingPlan":
         """The plan of segment ``s`` alone, for the tile-list kernels: its tiles and experts' row ranges, indexing the
-        same sorted-row buffers (``sorted_rows`` long) and the same source rows as the whole plan."""
-        if self.num_segments == 1:
+        same sorted-row buffers (``sorted_rows`` long) and the same source rows as the whole plan. ``half`` = 0 or 1
+        keeps only the tiles of the experts below or from ``split_expert`` (the plan must have been built with it);
+        the two halves' results together are the segment's."""
+        if half is not None and self.split_expert is None:
+            raise ValueError("segment(s, half): the plan was built without split_expert")
+        if self.num_segments == 1 and half is None:
             return self
         rows, tiles = self.num_rows // self.num_segments, self.max_tiles // self.num_segments
         experts = self.num_local_experts
+        tile_expert, tile_row, num_tiles = self.tile_expert, self.tile_row, self.num_tiles[s : s + 1]
+        if half is not None:
+            num_tiles = self.half_num_tiles[s, half : half + 1]
+            if half == 1:
+                tile_expert, tile_row = self.half_tile_expert, self.half_tile_row
         return RoutingPlan(
             num_rows=rows, top_k=self.top_k, num_local_experts=experts, tile_m=self.tile_m,
             expert_offsets=self.expert_offsets[s * experts : (s + 1) * experts + 1],
             row_src=self.row_src, row_weight=self.row_weight,
             pair_pos=self.pair_pos[s * rows : (s + 1) * rows],
-            tile_expert=self.tile_expert[s * tiles : (s + 1) * tiles],
-            tile_row=self.tile_row[s * tiles : (s + 1) * tiles],
-            num_tiles=self.num_tiles[s : s + 1],
+            tile_expert=tile_expert[s * tiles : (s + 1) * tiles],
+            tile_row=tile_row[s * tiles : (s + 1) * tiles],
+            num_tiles=num_tiles,
             num_segments=1, sorted_rows=self.sorted_rows,
         )
 
@@ -83,13 +98,17 @@ def build_routing_plan(
     num_local_experts: int,
     tile_m: int,
     num_segments: int = 1,
+    split_expert: int | None = None,
 ) -> RoutingPlan:
     """Plan for source rows with global expert ids ``top_k_index`` [R, k] (ids outside
     [expert_base, expert_base + E_local), including -1 for padding rows, are other ranks' and skipped), split into
-    ``num_segments`` equal blocks of rows (R must divide)."""
+    ``num_segments`` equal blocks of rows (R must divide). ``split_expert``: also list each segment's tiles of local
+    experts [0, split) and [split, E_local) apart (``RoutingPlan.segment(s, half)``)."""
     num_rows, top_k = top_k_index.shape
     if num_rows % num_segments:
         raise ValueError(f"{num_rows} source rows do not split into {num_segments} equal segments")
+    if split_expert is not None and not 0 <= split_expert <= num_local_experts:
+        raise ValueError(f"split_expert = {split_expert} is outside [0, {num_local_experts}]")
     device = top_k_index.device
     num_pairs = num_rows * top_k
     seg_pairs = num_pairs // num_segments
@@ -123,11 +142,20 @@ def build_routing_plan(
         num_tiles=torch.empty(num_segments, dtype=torch.int32, device=device),
         num_segments=num_segments,
     )
+    halves = split_expert is not None
+    if halves:
+        plan.split_expert = split_expert
+        plan.half_tile_expert = torch.empty_like(plan.tile_expert)
+        plan.half_tile_row = torch.empty_like(plan.tile_row)
+        plan.half_num_tiles = torch.empty(num_segments, 2, dtype=torch.int32, device=device)
     routing_plan_kernel[(grid[0], num_segments)](
         order, weights, counts,
         plan.row_src, plan.row_weight, plan.pair_pos, plan.expert_offsets, plan.tile_expert, plan.tile_row,
-        plan.num_tiles, num_pairs, tiles_per_segment, num_segments,
+        plan.num_tiles,
+        plan.half_tile_expert if halves else plan.tile_expert, plan.half_tile_row if halves else plan.tile_row,
+        plan.half_num_tiles if halves else plan.num_tiles,
+        num_pairs, tiles_per_segment, num_segments, split_expert if halves else num_local_experts,
         TOP_K=top_k, NUM_LOCAL=num_local_experts, EXPERT_BLOCK=triton.next_power_of_2(num_local_experts),
-        TILE_M=tile_m, BLOCK=block, TILE_BLOCK=32,
+        TILE_M=tile_m, BLOCK=block, TILE_BLOCK=32, HALVES=halves,
     )
     return plan
