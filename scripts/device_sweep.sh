@@ -45,8 +45,10 @@ case "${1:-}" in
     done ;;
   pipeline)  # after a pipeline change: EP check, EP=2 T=16384 timings (profiled) and the wgrad gather probe
     (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 150 torchrun --nproc-per-node 2 gpu_check_ep.py)
-    CUDA_VISIBLE_DEVICES=0 step wgrad_probe 150 python scripts/wgrad_probe.py
-    tail -5 "$LOGS/wgrad_probe.log"
+    CUDA_VISIBLE_DEVICES=0 step wgrad_probe 200 python scripts/wgrad_probe.py --segments 2 &
+    CUDA_VISIBLE_DEVICES=1 step wgrad_probe_ep1 200 python scripts/wgrad_probe.py --segments 1
+    wait
+    cat "$LOGS/wgrad_probe.log" "$LOGS/wgrad_probe_ep1.log"
     for r in 1 5; do
       step "bench_16k_r$r" 240 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
         --transports symmetric_memory --backends mega_moe --repeat $r --iters 10 --warmup 3 \
