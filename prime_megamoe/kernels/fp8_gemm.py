@@ -15,9 +15,12 @@ Two scale formats, picked by the constexpr ``MX``:
   (upcasts the operands to bf16 with the scale applied, then a bf16 MMA): mxfp8 on Hopper is an emulation with
   MX numerics and bf16 speed.
 
-Every B operand is a weight stored K-major: ``B[e][k, n] = bq[e, n, k]`` with scales ``bs[e, n // B_GROUP_N, kg]``.
-The forward uses the weight as it is stored (``W1 [E, 2I, H]``, ``W2 [E, H, I]``), the dgrads use a transposed copy
-(``W1^T [E, H, 2I]``, ``W2^T [E, I, H]``), made once per optimizer step by the weight cache.
+Every B operand of the row-tiled GEMMs is a weight stored K-major: ``B[e][k, n] = bq[e, n, k]`` with scales
+``bs[e, n // B_GROUP_N, kg]``. The forward uses the weight as it is stored (``W1 [E, 2I, H]``, ``W2 [E, H, I]``), the
+dgrads use a transposed copy (``W1^T [E, H, 2I]``, ``W2^T [E, I, H]``), made once per optimizer step by the weight
+cache. The weight gradients reduce over rows: both their operands are activations stored transposed, rows
+contiguous (K-major too), in the tile-space "cols_t" layout of ``quantize.py``, written by the dSwiGLU epilogue
+(dh^T, (w * a)^T) and by ``gather_quantize_cols_t_kernel`` (x^T, dy^T of the gathered source rows).
 
 A reduction dim made of two halves (``2I`` = gate and up) is treated as ``SEGS`` = 2 segments of length K, each
 blocked from its own start, so I need not be a multiple of the block size. Any K is allowed: loads past K are
@@ -35,7 +38,7 @@ import triton.language as tl
 
 from .grouped_gemm import tile_rows as _tile_rows
 from .grouped_gemm import wgrad_tile_offsets
-from .quantize import e8m0_from_scale, quant_groups_cols, quant_groups_rows
+from .quantize import e8m0_from_scale, quant_groups_rows, store_cols_t
 from .tuning import autotune
 
 QTILE_M = 128  # row tile of every quantised grouped GEMM = the token-dim block of the wgrad scales
@@ -63,7 +66,9 @@ def _candidates(kind: str) -> list[triton.Config]:
     if kind == "wgrad":  # BLOCK_K is the row tile (QTILE_M); BLOCK_M / BLOCK_N tile the weight
         return [
             _cfg(128, QTILE_M, 8, 3, bm=128, GROUP_M=8),
+            _cfg(128, QTILE_M, 8, 4, bm=128, GROUP_M=8),
             _cfg(256, QTILE_M, 8, 3, bm=128, GROUP_M=8),
+            _cfg(128, QTILE_M, 8, 3, bm=256, GROUP_M=8),
             _cfg(128, QTILE_M, 4, 4, bm=64, GROUP_M=8),
         ]
     raise ValueError(f"unknown kernel family {kind!r}")
@@ -136,23 +141,6 @@ def _store_rows_q(q_ptr, s_ptr, x, rows64, row_mask, cols, col_mask, col_off, sg
         tl.store(s_ptrs, e8m0_from_scale(s), mask=s_mask)
     else:
         tl.store(s_ptrs, s, mask=s_mask)
-
-
-@triton.jit
-def _store_cols_q(q_ptr, s_ptr, x, rows64, row_mask, cols, col_mask, col_off, pid_m,
-                  stride_qm, stride_sr, MX: tl.constexpr, POW2: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_R: tl.constexpr):
-    """Quantise x [BLOCK_M, BLOCK_N] (one row tile) in GROUP_R x 1 blocks along the rows: values at columns
-    col_off + cols, scales at row-block pid_m * (BLOCK_M // GROUP_R) + j, column col_off + cols."""
-    q, s = quant_groups_cols(x, BLOCK_M, BLOCK_N, GROUP_R, POW2 or MX)
-    tl.store(q_ptr + rows64[:, None] * stride_qm + (col_off + cols)[None, :], q,
-             mask=row_mask[:, None] & col_mask[None, :])
-    blk = (pid_m * (BLOCK_M // GROUP_R) + tl.arange(0, BLOCK_M // GROUP_R)).to(tl.int64)
-    s_ptrs = s_ptr + blk[:, None] * stride_sr + (col_off + cols)[None, :]
-    if MX:
-        tl.store(s_ptrs, e8m0_from_scale(s), mask=col_mask[None, :])
-    else:
-        tl.store(s_ptrs, s, mask=col_mask[None, :])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -267,17 +255,18 @@ def fp8_grouped_gemm_kernel(
 # FC2 dgrad + dSwiGLU:  g_a = dy[src] @ W2[e]  (dy fp8 with 1 x GROUP_K scales along H, W2^T copy)
 #   dw partial[chunk, r] = sum_n g_a * a;  da = w * g_a;  dh = [da * u * silu'(g), da * silu(g)];  aw = w * a
 #   Emits, all in fp8:  dh with row scales (1 x GROUP_K along I, per half: the A of the FC1 dgrad);
-#                       dh and aw with column scales (GROUP_R x 1 along the rows of this tile: the wgrad operands).
+#                       dh^T and aw^T with column scales (GROUP_R x 1 along the rows of this tile), transposed in
+#                       the cols_t layout of quantize.py (the wgrads' K-major operands).
 # ----------------------------------------------------------------------------------------------------------------
 @autotune(quant_configs("dswiglu"), key=["N", "K", "M_BUCKET", "MX"])
 @triton.jit
 def fp8_fc2_dgrad_dswiglu_kernel(
     dyq_ptr, dys_ptr, row_src_ptr, bq_ptr, bs_ptr, h_ptr, row_weight_ptr,
-    dhq_ptr, dhs_ptr, dhcq_ptr, dhcs_ptr, awq_ptr, aws_ptr, dw_partial_ptr,
+    dhq_ptr, dhs_ptr, dhtq_ptr, dhts_ptr, awtq_ptr, awts_ptr, dw_partial_ptr,
     tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
     N, K, NKG, NG_OUT, M_BUCKET,
     stride_dym, stride_dysm, stride_be, stride_bn, stride_bse, stride_bsn, stride_hm,
-    stride_dhm, stride_dhsm, stride_dhcm, stride_dhcsr, stride_awm, stride_awsr, stride_dwp,
+    stride_dhm, stride_dhsm, stride_dhtk, stride_dhtsr, stride_awtk, stride_awtsr, stride_dwp,
     DW_CHUNK: tl.constexpr, MX: tl.constexpr, POW2: tl.constexpr, GROUP_K: tl.constexpr, B_GROUP_N: tl.constexpr,
     GROUP_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -327,78 +316,62 @@ def fp8_fc2_dgrad_dswiglu_kernel(
                   pid_n, MX, POW2, BLOCK_M, BLOCK_N, GROUP_K)
     _store_rows_q(dhq_ptr, dhs_ptr, du, rows64, row_mask, cols, col_mask, N, NG_OUT, NG_OUT, stride_dhm, stride_dhsm,
                   pid_n, MX, POW2, BLOCK_M, BLOCK_N, GROUP_K)
-    # Column-scaled dh and w * a for the weight gradients (their reduction runs over these rows).
-    _store_cols_q(dhcq_ptr, dhcs_ptr, dg, rows64, row_mask, cols, col_mask, 0, pid_m, stride_dhcm, stride_dhcsr,
-                  MX, POW2, BLOCK_M, BLOCK_N, GROUP_R)
-    _store_cols_q(dhcq_ptr, dhcs_ptr, du, rows64, row_mask, cols, col_mask, N, pid_m, stride_dhcm, stride_dhcsr,
-                  MX, POW2, BLOCK_M, BLOCK_N, GROUP_R)
-    _store_cols_q(awq_ptr, aws_ptr, act * w, rows64, row_mask, cols, col_mask, 0, pid_m, stride_awm, stride_awsr,
-                  MX, POW2, BLOCK_M, BLOCK_N, GROUP_R)
+    # Column-scaled dh^T and (w * a)^T for the weight gradients (their reduction runs over these rows). Rows past
+    # the expert's end are zeros here (masked loads), which is what the tile-space layout wants stored there.
+    cols64 = cols.to(tl.int64)
+    store_cols_t(dhtq_ptr, dhts_ptr, dg, pid_m, cols64, col_mask, stride_dhtk, stride_dhtsr, POW2, MX,
+                 BLOCK_M, BLOCK_N, GROUP_R)
+    store_cols_t(dhtq_ptr, dhts_ptr, du, pid_m, cols64 + N, col_mask, stride_dhtk, stride_dhtsr, POW2, MX,
+                 BLOCK_M, BLOCK_N, GROUP_R)
+    store_cols_t(awtq_ptr, awts_ptr, act * w, pid_m, cols64, col_mask, stride_awtk, stride_awtsr, POW2, MX,
+                 BLOCK_M, BLOCK_N, GROUP_R)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Weight gradient:  C[e] = A[rows of e]^T @ B[rows of e] in fp8, the reduction over each expert's row tiles.
-#   Operands need scales along the rows (the reduction dim): GROUP_R x 1 blocks inside each 128-row tile.
-#   A_FP8 / B_FP8: the operand arrives quantised that way (dh, w * a from the dSwiGLU epilogue; scales indexed by
-#   tile id). Otherwise it arrives in high precision (x, dy: source rows, gathered) and is quantised here, per tile
-#   and column, exactly as a separate pass would, without writing a gathered fp8 copy.
-#   dW1[e] = dh^T @ x[src];  dW2[e] = dy[src]^T @ (w * a). Experts with no rows get zeros.
+# Weight gradient:  C[e] = A_T[:, rows of e] @ B_T[:, rows of e]^T in fp8, the reduction over each expert's row tiles.
+#   Both operands arrive in the cols_t layout of quantize.py: [M or N, max_tiles * 128] fp8, the reduction (rows)
+#   contiguous (K-major, as Hopper's fp8 wgmma needs both operands), tile t at columns [128 t, 128 t + 128) with zeros
+#   past its expert's end, scales [max_tiles * (128 // GROUP_R), M or N] along the rows.
+#   dW1[e] = dh^T x[src]  (A = dh^T from the dSwiGLU epilogue, B = x^T from gather_quantize_cols_t_kernel);
+#   dW2[e] = dy[src]^T aw (A = dy^T from gather_quantize_cols_t_kernel, B = aw^T from the dSwiGLU epilogue).
+#   One K step per row tile (BLOCK_K = 128): its fp8 product is promoted to the fp32 accumulator with its scales.
+#   Experts with no rows get zeros.
 # ----------------------------------------------------------------------------------------------------------------
-@triton.jit
-def _wgrad_operand(ptr, s_ptr, src_ptr, t, r, r_mask, offs, o_mask, stride_m, stride_sr,
-                   IS_FP8: tl.constexpr, GATHER: tl.constexpr, MX: tl.constexpr, POW2: tl.constexpr,
-                   GROUP_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr):
-    """One [BLOCK_K rows, BLOCK] operand tile in fp8 and its scales: fp8 [BLOCK] fp32, MX [BLOCK, BLOCK_K // 32]."""
-    G: tl.constexpr = BLOCK_K // GROUP_R
-    if GATHER:
-        rr = tl.load(src_ptr + r, mask=r_mask, other=0).to(tl.int64)
-    else:
-        rr = r.to(tl.int64)
-    ptrs = ptr + rr[:, None] * stride_m + offs[None, :]
-    mask = r_mask[:, None] & o_mask[None, :]
-    if IS_FP8:
-        q = tl.load(ptrs, mask=mask, other=0.0)
-        blk = (t * G + tl.arange(0, G)).to(tl.int64)
-        s_ptrs = s_ptr + blk[:, None] * stride_sr + offs[None, :]
-        if MX:
-            s = tl.trans(tl.load(s_ptrs, mask=o_mask[None, :], other=127))
-        else:
-            s = tl.reshape(tl.load(s_ptrs, mask=o_mask[None, :], other=0.0), (BLOCK,))
-    else:
-        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        q, s = quant_groups_cols(x, BLOCK_K, BLOCK, GROUP_R, POW2 or MX)
-        if MX:
-            s = tl.trans(e8m0_from_scale(s))
-        else:
-            s = tl.reshape(s, (BLOCK,))
-    return q, s
-
-
 @autotune(quant_configs("wgrad"), key=["M", "N", "M_BUCKET", "MX"])
 @triton.jit
 def fp8_grouped_wgrad_kernel(
-    a_ptr, as_ptr, a_src_ptr, b_ptr, bs_ptr, b_src_ptr, c_ptr,
-    expert_offsets_ptr, expert_tiles_ptr, tile_row_ptr,
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, expert_tiles_ptr,
     M, N, M_BUCKET,
-    stride_am, stride_asr, stride_bm, stride_bsr, stride_ce, stride_cm, stride_cn,
-    A_FP8: tl.constexpr, B_FP8: tl.constexpr, GATHER_A: tl.constexpr, GATHER_B: tl.constexpr,
-    MX: tl.constexpr, POW2: tl.constexpr, GROUP_R: tl.constexpr,
+    stride_am, stride_asr, stride_bn, stride_bsr, stride_ce, stride_cm, stride_cn,
+    MX: tl.constexpr, GROUP_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
+    tl.static_assert(BLOCK_K % GROUP_R == 0)
+    tl.static_assert(MX or GROUP_R == BLOCK_K)  # fp8: one fp32 scale per column and tile
+    G: tl.constexpr = BLOCK_K // GROUP_R
     expert = tl.program_id(1)
     offs_m, offs_n, m_mask, n_mask = wgrad_tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    end = tl.load(expert_offsets_ptr + expert + 1)
     t_begin = tl.load(expert_tiles_ptr + expert)
     t_end = tl.load(expert_tiles_ptr + expert + 1)
-    ks = tl.arange(0, BLOCK_K)
+    k0 = t_begin.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + k0[None, :]
+    b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + k0[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for t in range(t_begin, t_end):
-        r = tl.load(tile_row_ptr + t) + ks
-        r_mask = r < end
-        a, sa = _wgrad_operand(a_ptr, as_ptr, a_src_ptr, t, r, r_mask, offs_m, m_mask, stride_am, stride_asr,
-                               A_FP8, GATHER_A, MX, POW2, GROUP_R, BLOCK_K, BLOCK_M)
-        b, sb = _wgrad_operand(b_ptr, bs_ptr, b_src_ptr, t, r, r_mask, offs_n, n_mask, stride_bm, stride_bsr,
-                               B_FP8, GATHER_B, MX, POW2, GROUP_R, BLOCK_K, BLOCK_N)
-        acc = _scaled_mma(acc, tl.trans(a), sa, b, sb, MX)
+        # Padding rows of the tile are zeros in memory: no row mask.
+        a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+        b = tl.load(b_ptrs, mask=n_mask[:, None], other=0.0)
+        if MX:
+            blk = t * G + tl.arange(0, G)
+            sa = tl.trans(tl.load(as_ptr + blk[:, None] * stride_asr + offs_m[None, :], mask=m_mask[None, :],
+                                  other=127))
+            sb = tl.trans(tl.load(bs_ptr + blk[:, None] * stride_bsr + offs_n[None, :], mask=n_mask[None, :],
+                                  other=127))
+        else:
+            sa = tl.load(as_ptr + t * stride_asr + offs_m, mask=m_mask, other=0.0)
+            sb = tl.load(bs_ptr + t * stride_bsr + offs_n, mask=n_mask, other=0.0)
+        acc = _scaled_mma(acc, a, sa, tl.trans(b), sb, MX)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
     c_ptrs = c_ptr + expert.to(tl.int64) * stride_ce + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])

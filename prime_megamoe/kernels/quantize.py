@@ -13,9 +13,18 @@ In both formats ``x ~= q * scale`` with ``q = clamp(x / scale, -448, 448)`` roun
 gets scale 1. Values that are representable (``x = q * s`` with e4m3 ``q`` and the block's own scale ``s``) survive a
 quantise / dequantise round trip exactly.
 
-The ``@triton.jit`` helpers (``scale_from_amax``, ``quant_groups_rows``, ``quant_groups_cols``) are shared with the
-GEMM epilogues in ``fp8_gemm.py``, so a GEMM that emits fp8 activations computes bitwise the same values and scales
-as the standalone kernel below. Kernels only: host launchers live in ``prime_megamoe.ops.fp8_launch``.
+The ``@triton.jit`` helpers (``scale_from_amax``, ``quant_groups_rows``, ``quant_groups_cols``,
+``store_cols_t``) are shared with the GEMM epilogues in ``fp8_gemm.py``, so a GEMM that emits fp8 activations computes
+bitwise the same values and scales as the standalone kernels below. Kernels only: host launchers live in
+``prime_megamoe.ops.fp8_launch``.
+
+Weight-gradient operands ("cols_t" layout). The wgrads reduce over an expert's sorted rows, so their operands are
+scaled along the rows (one scale per column for every GROUP_R-row block of a 128-row tile of the routing plan) and
+stored transposed, reduction dim contiguous (K-major, as Hopper's fp8 wgmma wants both operands), in *tile space*:
+``data [K, max_tiles * TILE]`` holds sorted row ``tile_row[t] + j`` of tile t at column ``t * TILE + j``, and zeros
+where that row is past the end of the tile's expert; ``scale [max_tiles * (TILE // GROUP_R), K]``. Tile space (not
+the [K, P] sorted-row space) puts every tile at a 128-aligned column, so the wgrad loads aligned, unmasked K-tiles
+(expert boundaries are arbitrary rows), at the cost of up to one tile of padding per expert.
 """
 
 from __future__ import annotations
@@ -93,6 +102,49 @@ def quant_groups_cols(x, BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr
     s = scale_from_amax(amax, POW2)
     q = tl.reshape(_to_e4m3(x3, (1.0 / s)[:, None, :]), (BM, BN))
     return q, s
+
+
+@triton.jit
+def store_cols_t(q_ptr, s_ptr, x, t, cols, col_mask, stride_qk, stride_sr, POW2: tl.constexpr, E8M0: tl.constexpr,
+                 TILE: tl.constexpr, BN: tl.constexpr, GROUP_R: tl.constexpr):
+    """x [TILE, BN] fp32 = row tile t of the sorted rows (zeros past its expert's end) at columns ``cols`` (int64):
+    quantise in GROUP_R x 1 blocks and store the cols_t layout: q[cols, t * TILE + j], scales
+    s[t * (TILE // GROUP_R) + b, cols]."""
+    q, s = quant_groups_cols(x, TILE, BN, GROUP_R, POW2 or E8M0)
+    pos = t.to(tl.int64) * TILE + tl.arange(0, TILE)
+    tl.store(q_ptr + cols[None, :] * stride_qk + pos[:, None], q, mask=col_mask[None, :])
+    blk = t.to(tl.int64) * (TILE // GROUP_R) + tl.arange(0, TILE // GROUP_R)
+    s_ptrs = s_ptr + blk[:, None] * stride_sr + cols[None, :]
+    if E8M0:
+        tl.store(s_ptrs, e8m0_from_scale(s), mask=col_mask[None, :])
+    else:
+        tl.store(s_ptrs, s, mask=col_mask[None, :])
+
+
+@triton.jit
+def gather_quantize_cols_t_kernel(
+    x_ptr, row_src_ptr, q_ptr, s_ptr,
+    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
+    K, stride_xm, stride_qk, stride_sr,
+    POW2: tl.constexpr, E8M0: tl.constexpr, GROUP_R: tl.constexpr, TILE: tl.constexpr, BK: tl.constexpr,
+):
+    """Program (pid_k, t): the sorted rows of tile t gathered from the source rows (x[row_src[r]], x [R, K] with
+    contiguous rows), columns [pid_k * BK, +BK), quantised into the cols_t layout. Written once, read by every
+    wgrad program of the tile's expert. Tiles past the device-side tile count are left alone (nothing reads them)."""
+    pid_k = tl.program_id(0)
+    t = tl.program_id(1)
+    if t >= tl.load(num_tiles_ptr):
+        return
+    expert = tl.load(tile_expert_ptr + t)
+    end = tl.load(expert_offsets_ptr + expert + 1)
+    rows = tl.load(tile_row_ptr + t) + tl.arange(0, TILE)
+    row_mask = rows < end
+    src = tl.load(row_src_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    cols = (pid_k * BK + tl.arange(0, BK)).to(tl.int64)
+    col_mask = cols < K
+    x = tl.load(x_ptr + src[:, None] * stride_xm + cols[None, :], mask=row_mask[:, None] & col_mask[None, :],
+                other=0.0).to(tl.float32)
+    store_cols_t(q_ptr, s_ptr, x, t, cols, col_mask, stride_qk, stride_sr, POW2, E8M0, TILE, BK, GROUP_R)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -9,8 +9,10 @@ A quantised GEMM operand is a ``QTensor`` (values in ``torch.float8_e4m3fn`` and
   as ``[gate | up]`` keep one group range per segment: ``[R, 2 * cdiv(I, G)]``);
 - weights, stored K-major for the GEMM that uses them: ``data [E, N, K]``, ``scale [E, n_blocks(N), n_groups(K)]``
   with 128-row blocks for fp8 and one row per block for mx; a dim made of gate and up halves is blocked per half;
-- column-scaled activations (the wgrad operands, reduction along the rows): ``data [P, N]``,
-  ``scale [max_tiles * (128 // G_rows), N]``: one scale per column for every G_rows-row block of every row tile.
+- column-scaled activations (the wgrad operands, reduction along the sorted rows), "cols_t": stored transposed and
+  K-major in tile space, ``data [N, max_tiles * 128]`` (row j of the plan's row tile t at column ``128 t + j``,
+  zeros past the end of the tile's expert), ``scale [max_tiles * (128 // G_rows), N]``: one scale per column for
+  every G_rows-row block of every row tile (see ``kernels/quantize.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from ..kernels.fp8_gemm import (
     fp8_grouped_gemm_kernel,
     fp8_grouped_wgrad_kernel,
 )
-from ..kernels.quantize import dequantize_blocks_kernel, quantize_blocks_kernel
+from ..kernels.quantize import dequantize_blocks_kernel, gather_quantize_cols_t_kernel, quantize_blocks_kernel
 from .routing_plan import RoutingPlan
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -220,11 +222,50 @@ def quantize_w2_bwd(w2: torch.Tensor, fmt: QFormat) -> QTensor:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Grouped GEMMs
+# Weight-gradient operands: column-scaled, transposed, in tile space ("cols_t")
 # ----------------------------------------------------------------------------------------------------------------
 def _check_plan(plan: RoutingPlan) -> None:
     if plan.tile_m != QTILE_M:
         raise ValueError(f"quantised grouped GEMMs need a routing plan with tile_m = {QTILE_M}, got {plan.tile_m}")
+
+
+def _check_tile_space_plan(plan: RoutingPlan) -> None:
+    # cols_t operands and the wgrad index the plan's tiles, and each expert's tiles must be consecutive.
+    _check_plan(plan)
+    if plan.num_segments != 1:
+        raise ValueError(f"the quantised weight gradients take a one-segment routing plan, got {plan.num_segments}")
+
+
+def empty_cols_t(n: int, plan: RoutingPlan, fmt: QFormat, device) -> QTensor:
+    """Uninitialised cols_t operand of n columns: data [n, max_tiles * 128], scale [max_tiles * 128 / G, n]."""
+    return QTensor(
+        torch.empty(n, plan.max_tiles * QTILE_M, dtype=FP8_DTYPE, device=device),
+        torch.empty(plan.max_tiles * (QTILE_M // fmt.group), n, dtype=fmt.scale_dtype, device=device),
+    )
+
+
+def quantize_sorted_cols_t(x: torch.Tensor, plan: RoutingPlan, fmt: QFormat) -> QTensor:
+    """Source rows x [R, K] -> the wgrad operand of the sorted rows x[row_src] in the cols_t layout (K-major
+    [K, max_tiles * 128], one scale per column for every ``fmt.group`` rows of each 128-row tile): gathered and
+    quantised in one pass, with exactly the numerics of the in-epilogue column quantiser."""
+    _check_tile_space_plan(plan)
+    if x.dim() != 2 or x.shape[0] != plan.num_rows:
+        raise ValueError(f"x must be [{plan.num_rows}, K] (the plan's source rows), got {list(x.shape)}")
+    x = x.contiguous()
+    k = x.shape[1]
+    out = empty_cols_t(k, plan, fmt, x.device)
+    block_k = 64  # a 128 x 64 tile per program (~8K elements)
+    gather_quantize_cols_t_kernel[(triton.cdiv(k, block_k), plan.max_tiles)](
+        x, plan.row_src, out.data, out.scale, *_tile_args(plan),
+        k, x.stride(0), out.data.stride(0), out.scale.stride(0),
+        POW2=fmt.pow2, E8M0=fmt.mx, GROUP_R=fmt.group, TILE=QTILE_M, BK=block_k, num_warps=4,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Grouped GEMMs
+# ----------------------------------------------------------------------------------------------------------------
 
 
 def _tile_grid(plan: RoutingPlan, n: int):
@@ -281,39 +322,38 @@ def fp8_grouped_gemm(aq: QTensor, bq: QTensor, plan: RoutingPlan, fmt: QFormat, 
 
 @dataclass
 class DSwiGLUOut:
-    dh_rows: QTensor  # [P, 2I], row scales [P, 2 * cdiv(I, G)]: A of the FC1 dgrad
-    dh_cols: QTensor  # [P, 2I], column scales [tiles * 128 / G_rows, 2I]: A of the W1 wgrad
-    aw_cols: QTensor  # [P, I] = w * a, column scales: B of the W2 wgrad
+    dh_rows: QTensor | None  # [P, 2I], row scales [P, 2 * cdiv(I, G)]: A of the FC1 dgrad
+    dh_t: QTensor | None  # dh^T in cols_t layout [2I, max_tiles * 128]: A of the W1 wgrad
+    aw_t: QTensor | None  # (w * a)^T in cols_t layout [I, max_tiles * 128]: B of the W2 wgrad
     dw_row: torch.Tensor  # [P] fp32: <dy W2, a> per sorted row (the top-k weight gradient)
 
 
 def fp8_fc2_dgrad_dswiglu(dyq: QTensor, w2q_bwd: QTensor, h: torch.Tensor, plan: RoutingPlan,
                           fmt: QFormat) -> DSwiGLUOut:
     """From dyq [R, H] (row-scaled source rows) and w2q_bwd = quantize_w2_bwd(W2) [E, I, H]."""
-    _check_plan(plan)
+    _check_tile_space_plan(plan)
     inter, hidden = w2q_bwd.data.shape[1], w2q_bwd.data.shape[2]
     num_pairs, device = plan.num_pairs, h.device
     ng = triton.cdiv(inter, fmt.group)
-    col_blocks = plan.max_tiles * (QTILE_M // fmt.group)
     num_chunks = triton.cdiv(inter, DW_CHUNK_Q) + 256 // DW_CHUNK_Q
     f8 = {"dtype": FP8_DTYPE, "device": device}
     sc = {"dtype": fmt.scale_dtype, "device": device}
     dh_rows = QTensor(torch.empty(num_pairs, 2 * inter, **f8), torch.empty(num_pairs, 2 * ng, **sc))
-    dh_cols = QTensor(torch.empty(num_pairs, 2 * inter, **f8), torch.empty(col_blocks, 2 * inter, **sc))
-    aw_cols = QTensor(torch.empty(num_pairs, inter, **f8), torch.empty(col_blocks, inter, **sc))
+    dh_t = empty_cols_t(2 * inter, plan, fmt, device)
+    aw_t = empty_cols_t(inter, plan, fmt, device)
     dw_partial = torch.zeros(num_chunks, num_pairs, dtype=torch.float32, device=device)
     fp8_fc2_dgrad_dswiglu_kernel[_tile_grid(plan, inter)](
         dyq.data, dyq.scale, plan.row_src, w2q_bwd.data, w2q_bwd.scale, h, plan.row_weight,
-        dh_rows.data, dh_rows.scale, dh_cols.data, dh_cols.scale, aw_cols.data, aw_cols.scale, dw_partial,
+        dh_rows.data, dh_rows.scale, dh_t.data, dh_t.scale, aw_t.data, aw_t.scale, dw_partial,
         *_tile_args(plan),
         inter, hidden, triton.cdiv(hidden, fmt.group), ng, num_pairs,
         dyq.data.stride(0), dyq.scale.stride(0), w2q_bwd.data.stride(0), w2q_bwd.data.stride(1),
         w2q_bwd.scale.stride(0), w2q_bwd.scale.stride(1), h.stride(0),
-        dh_rows.data.stride(0), dh_rows.scale.stride(0), dh_cols.data.stride(0), dh_cols.scale.stride(0),
-        aw_cols.data.stride(0), aw_cols.scale.stride(0), dw_partial.stride(0),
+        dh_rows.data.stride(0), dh_rows.scale.stride(0), dh_t.data.stride(0), dh_t.scale.stride(0),
+        aw_t.data.stride(0), aw_t.scale.stride(0), dw_partial.stride(0),
         DW_CHUNK=DW_CHUNK_Q, POW2=fmt.pow2, GROUP_R=fmt.group, **_fmt_args(fmt),
     )
-    return DSwiGLUOut(dh_rows, dh_cols, aw_cols, dw_partial.sum(0))
+    return DSwiGLUOut(dh_rows, dh_t, aw_t, dw_partial.sum(0))
 
 
 def expert_tile_offsets(plan: RoutingPlan) -> torch.Tensor:
@@ -325,32 +365,40 @@ def expert_tile_offsets(plan: RoutingPlan) -> torch.Tensor:
     return out.to(torch.int32)
 
 
-def fp8_grouped_wgrad(a, b, plan: RoutingPlan, fmt: QFormat, out: torch.Tensor, *, expert_tiles: torch.Tensor,
-                      gather_a: bool = False, gather_b: bool = False) -> torch.Tensor:
-    """out[e] = A[rows of e]^T @ B[rows of e] in fp8, out [E, M, N]. Each operand is either a column-scaled QTensor
-    (from the dSwiGLU epilogue) or a high-precision tensor (quantised per row tile inside the kernel; ``gather_*``
-    indexes it by the source row of each sorted row)."""
-    _check_plan(plan)
-    a_q, b_q = isinstance(a, QTensor), isinstance(b, QTensor)
-    a_data, a_scale = (a.data, a.scale) if a_q else (a, a)
-    b_data, b_scale = (b.data, b.scale) if b_q else (b, b)
-    m, n = a_data.shape[1], b_data.shape[1]
+def fp8_grouped_wgrad(a_t: QTensor, b_t: QTensor, plan: RoutingPlan, fmt: QFormat, out: torch.Tensor, *,
+                      expert_tiles: torch.Tensor) -> torch.Tensor:
+    """out[e] = A[rows of e]^T @ B[rows of e] in fp8 with fp32 accumulation, out [E, M, N] (any dtype and strides).
+    Both operands come in the cols_t layout (``quantize_sorted_cols_t`` or the dSwiGLU epilogue): a_t [M, T128],
+    b_t [N, T128], T128 = max_tiles * 128; ``expert_tiles`` = ``expert_tile_offsets(plan)``."""
+    _check_tile_space_plan(plan)
+    m, n = a_t.data.shape[0], b_t.data.shape[0]
+    width = plan.max_tiles * QTILE_M
+    blocks = plan.max_tiles * (QTILE_M // fmt.group)
+    for name, op, cols in (("a_t", a_t, m), ("b_t", b_t, n)):
+        if op.data.shape != (cols, width) or op.data.stride(1) != 1 or op.scale.shape != (blocks, cols) \
+                or op.scale.stride(1) != 1 or op.scale.dtype != fmt.scale_dtype:
+            raise ValueError(
+                f"{name} is not a cols_t operand of this plan and format: data {list(op.data.shape)} (want "
+                f"[{cols}, {width}], rows contiguous), scale {list(op.scale.shape)} {op.scale.dtype} (want "
+                f"[{blocks}, {cols}] {fmt.scale_dtype})"
+            )
+    if out.shape != (plan.num_local_experts, m, n):
+        raise ValueError(f"out must be [{plan.num_local_experts}, {m}, {n}], got {list(out.shape)}")
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), plan.num_local_experts)
     fp8_grouped_wgrad_kernel[grid](
-        a_data, a_scale, plan.row_src, b_data, b_scale, plan.row_src, out,
-        plan.expert_offsets, expert_tiles, plan.tile_row,
+        a_t.data, a_t.scale, b_t.data, b_t.scale, out, expert_tiles,
         m, n, plan.num_pairs,
-        a_data.stride(0), a_scale.stride(0), b_data.stride(0), b_scale.stride(0),
+        a_t.data.stride(0), a_t.scale.stride(0), b_t.data.stride(0), b_t.scale.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
-        A_FP8=a_q, B_FP8=b_q, GATHER_A=gather_a, GATHER_B=gather_b,
-        MX=fmt.mx, POW2=fmt.pow2, GROUP_R=fmt.group,
+        MX=fmt.mx, GROUP_R=fmt.group,
     )
     return out
 
 
 __all__ = [
     "FP8_DTYPE", "MX_FORMAT", "QFormat", "QTensor", "DSwiGLUOut", "fp8_format", "tuning",
-    "quantize_rows", "dequantize_rows", "quantize_weight", "dequantize_weight",
+    "quantize_rows", "dequantize_rows", "quantize_weight", "dequantize_weight", "empty_cols_t",
+    "quantize_sorted_cols_t",
     "quantize_w1_fwd", "quantize_w1_bwd", "quantize_w2_fwd", "quantize_w2_bwd",
     "fp8_fc1_swiglu", "fp8_grouped_gemm", "fp8_fc2_dgrad_dswiglu", "fp8_grouped_wgrad", "expert_tile_offsets",
 ]

@@ -24,18 +24,23 @@ What each GEMM quantises, and the scale layout its operands need (scales always 
   128x128 blocks / 1x32 along I. Output in the input dtype, then the deterministic combine.
 - FC2 dgrad + dSwiGLU epilogue (reduction H): A = dy [T, H] row-scaled along H, gathered; B = the transposed copy
   W2^T [E, I, H] (K-major, as Hopper's fp8 wgmma wants), blocks / groups along H. The epilogue emits dh = [dg | du]
-  twice in fp8: row-scaled per half (for the FC1 dgrad) and column-scaled (for the W1 wgrad), plus w * a
-  column-scaled (for the W2 wgrad) and the top-k weight gradient <dy W2, a>.
+  twice in fp8: row-scaled per half [P, 2I] (for the FC1 dgrad) and column-scaled, stored transposed as dh^T (for
+  the W1 wgrad), plus (w * a)^T column-scaled (for the W2 wgrad) and the top-k weight gradient <dy W2, a>.
 - FC1 dgrad (reduction 2I, two halves): A = dh [P, 2I] row-scaled per half; B = the copy W1^T [E, H, 2I].
-- W1 wgrad, dW1[e] = dh^T x (reduction over the expert's rows): A = dh column-scaled; B = x gathered, quantised per
-  tile and column inside the kernel from the high-precision rows (no [P, H] gathered copy is written).
-- W2 wgrad, dW2[e] = dy^T (w * a): A = dy gathered, quantised in-kernel per tile and column; B = w * a
-  column-scaled.
+- W1 wgrad, dW1[e] = dh^T x (reduction over the expert's rows): A = dh^T from the epilogue; B = x^T: the source rows
+  gathered in sorted order and quantised per tile and column by one pass (``fl.quantize_sorted_cols_t``), written
+  once and read by every output tile of the expert.
+- W2 wgrad, dW2[e] = dy^T (w * a): A = dy^T, gathered and quantised by the same pass; B = (w * a)^T from the
+  epilogue.
 
 The wgrads reduce over tokens, so their operands carry scales along the token dim: one per column for every block
 of 128 (fp8) or 32 (mx) rows of a 128-row tile. Tiles start at each expert's first row (the routing plan's tile
 list), so a scale block never mixes two experts. That is why the quantised path always plans with 128-row tiles,
-whatever ``tile_m`` the caller uses for the bf16 kernels.
+whatever ``tile_m`` the caller uses for the bf16 kernels. Both wgrad operands are stored transposed, the rows
+contiguous (K-major: Hopper's fp8 wgmma takes no other operand order), in tile space: tile t's rows at columns
+[128 t, 128 t + 128), zeros past its expert's end, so every K step of the wgrad is one aligned, unmasked 128-row
+tile ([N, max_tiles * 128] with max_tiles = cdiv(P, 128) + E: at most one padding tile per expert, +12.5% at the
+shape below).
 
 Weights are quantised once per optimizer step, not per call: both orientations (the forward's and the dgrad's
 transposed, K-major copy) are cached, keyed on the parameter's identity and its ``_version`` counter (in-place
@@ -50,8 +55,10 @@ I = 768, k = 8 (P = 131072): h = P * 2I * 2 B = 402.7 MB per layer, the plan ~1.
 not taken: h in fp8 with 1x128 scales (208 MB, but the SwiGLU derivative then sees e4m3 noise in g and u), or only
 the 34 MB fp8 copy of x and an FC1 recompute in the backward (+1/3 of the forward's FLOPs). Trainers checkpoint
 activations, which keeps one layer's h alive at a time. Transients at that shape: forward x fp8 34 MB, a fp8 101 MB
-(+3 MB scales), the FC2 output before the combine 537 MB (as in bf16); backward dy fp8 34 MB, dh twice (row- and
-column-scaled) 2 x 201 MB, w * a 101 MB, scales ~17 MB, the FC1 dgrad output before the combine 537 MB.
+(+3 MB scales), the FC2 output before the combine 537 MB (as in bf16); backward (max_tiles * 128 = 147456 tile-space
+rows) dy fp8 34 MB (freed after the dSwiGLU GEMM), dh row-scaled 201 MB (freed after the FC1 dgrad), dh^T 226 MB
+(freed after dW1), (w * a)^T 113 MB, the K-major copies x^T then dy^T 302 MB each (one at a time, each freed after
+its wgrad), scales ~27 MB, the FC1 dgrad output before the combine 537 MB.
 
 ``fp8_bwd`` runs the bf16 forward kernels (``ops.launch``) and the same fp8 backward as ``fp8``.
 
@@ -243,22 +250,29 @@ class QuantizedRoutedExperts(torch.autograd.Function):
         dyq = fl.quantize_rows(grad_out, fmt)
         w2q = cached_weight_operand(w2, "w2_bwd", fmt)
         d = fl.fp8_fc2_dgrad_dswiglu(dyq, w2q, h, plan, fmt)
+        del dyq
 
         grad_rows = grad_weights = grad_w1 = grad_w2 = None
         if ctx.needs_input_grad[0]:
             w1q = cached_weight_operand(w1, "w1_bwd", fmt)
             dx_sorted = fl.fp8_grouped_gemm(d.dh_rows, w1q, plan, fmt, out_dtype=rows.dtype, segments=2)
             grad_rows = launch.combine_rows(dx_sorted, plan.pair_pos, rows.dtype)
+            del dx_sorted
+        d.dh_rows = None
         if ctx.needs_input_grad[2]:
             grad_weights = plan.pair_values(d.dw_row, ctx.weights_dtype)
+        # Weight gradients from K-major fp8 operands; the gathered [H, tiles * 128] copies of x and dy are made one
+        # at a time, each freed after its GEMM.
         if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
             tiles = fl.expert_tile_offsets(plan)
             if ctx.needs_input_grad[3]:
-                grad_w1 = fl.fp8_grouped_wgrad(d.dh_cols, rows, plan, fmt, torch.empty_like(w1), expert_tiles=tiles,
-                                               gather_b=True)
+                x_t = fl.quantize_sorted_cols_t(rows, plan, fmt)
+                grad_w1 = fl.fp8_grouped_wgrad(d.dh_t, x_t, plan, fmt, torch.empty_like(w1), expert_tiles=tiles)
+                del x_t
+            d.dh_t = None
             if ctx.needs_input_grad[4]:
-                grad_w2 = fl.fp8_grouped_wgrad(grad_out, d.aw_cols, plan, fmt, torch.empty_like(w2),
-                                               expert_tiles=tiles, gather_a=True)
+                dy_t = fl.quantize_sorted_cols_t(grad_out, plan, fmt)
+                grad_w2 = fl.fp8_grouped_wgrad(dy_t, d.aw_t, plan, fmt, torch.empty_like(w2), expert_tiles=tiles)
         return grad_rows, None, grad_weights, grad_w1, grad_w2, None, None, None, None
 
 
