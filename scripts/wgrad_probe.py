@@ -46,7 +46,6 @@ def main():
     dh = torch.randn(plan.sorted_rows, w1.shape[1], device="cuda", dtype=torch.bfloat16)
     aw = torch.randn(plan.sorted_rows, w2.shape[2], device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     cases = {  # name: (a, b, gather_a, gather_b, reference)
         "dW1": (dh, x, False, True, reference(dh, x[src], plan, num_experts)),
         "dW2": (dy, aw, True, False, reference(dy[src], aw, plan, num_experts)),
@@ -58,16 +57,14 @@ def main():
         for cfg in grouped_wgrad_kernel.configs:
             kw = cfg.kwargs
             out = torch.full((num_experts, m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-            grid = (num_sms, 1) if kw["PERSISTENT"] else (
-                triton.cdiv(m, kw["BLOCK_M"]) * triton.cdiv(n, kw["BLOCK_N"]), num_experts)
+            grid = (triton.cdiv(m, kw["BLOCK_M"]) * triton.cdiv(n, kw["BLOCK_N"]), num_experts)
 
             def run():
                 grouped_wgrad_kernel.fn[grid](
                     a, plan.row_src, b, plan.row_src, out, plan.expert_offsets,
-                    m, n, plan.num_pairs, plan.num_segments, num_experts, num_sms,
+                    m, n, plan.num_pairs, plan.num_segments, num_experts,
                     a.stride(0), b.stride(0), out.stride(0), out.stride(1), out.stride(2),
                     GATHER_A=gather_a, GATHER_B=gather_b, CAST_F32=False, IEEE=False,
-                    SEG_BLOCK=max(2, triton.next_power_of_2(plan.num_segments)),
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, **kw,
                 )
 

@@ -272,92 +272,53 @@ def fc2_dgrad_dswiglu_kernel(
 # be gathered). dW1[e] = dh^T @ x[src];  dW2[e] = dy[src]^T @ aw. Experts with no rows get zeros.
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
-def grouped_tile_offsets(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """Output tile number ``tile`` of an [M, N] result, numbered GROUP_M row blocks at a time so that neighbouring
-    tiles share A and B panels: (row offsets, column offsets, row mask, column mask)."""
+def wgrad_tile_offsets(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Output tile of a weight-gradient program: an expert's tiles are consecutive programs, grouped GROUP_M row
+    blocks at a time so that neighbouring programs share A and B panels."""
+    pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     group_size = GROUP_M * num_n
-    first_m = (tile // group_size) * GROUP_M
+    first_m = (pid // group_size) * GROUP_M
     rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % group_size) % rows_in_group
-    pid_n = (tile % group_size) // rows_in_group
+    pid_m = first_m + (pid % group_size) % rows_in_group
+    pid_n = (pid % group_size) // rows_in_group
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     return offs_m, offs_n, offs_m < M, offs_n < N
-
-
-@triton.jit
-def wgrad_tile_offsets(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """``grouped_tile_offsets`` of this program's tile (axis 0 of the grid)."""
-    return grouped_tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-
-
-@triton.jit
-def _wgrad_tile(
-    a_ptr, a_src_ptr, b_ptr, b_src_ptr, c_ptr, expert_offsets_ptr, expert, tile,
-    M, N, num_segments, experts_per_segment, stride_am, stride_bm, stride_ce, stride_cm, stride_cn,
-    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SEG_BLOCK: tl.constexpr,
-):
-    offs_m, offs_n, m_mask, n_mask = grouped_tile_offsets(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    # The expert's rows of every segment (source rank) as one range of "virtual" rows [0, total), segment after
-    # segment: one loop with full BLOCK_K steps across segment boundaries, and a fixed reduction order.
-    segs = tl.arange(0, SEG_BLOCK)
-    seg_mask = segs < num_segments
-    seg_start = tl.load(expert_offsets_ptr + segs * experts_per_segment + expert, mask=seg_mask, other=0)
-    seg_end = tl.load(expert_offsets_ptr + segs * experts_per_segment + expert + 1, mask=seg_mask, other=0)
-    count = seg_end - seg_start
-    v_end = tl.cumsum(count, 0)
-    v_start = v_end - count
-    shift = seg_start - v_start  # sorted row = virtual row + shift of its segment
-    total = tl.sum(count, 0)
-    ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for v0 in range(0, total, BLOCK_K):
-        v = v0 + ks
-        v_mask = v < total
-        in_seg = (v[:, None] >= v_start[None, :]) & (v[:, None] < v_end[None, :])  # one segment per valid row
-        r = v + tl.sum(tl.where(in_seg, shift[None, :], 0), 1)
-        if GATHER_A:
-            ra = tl.load(a_src_ptr + r, mask=v_mask, other=0).to(tl.int64)
-        else:
-            ra = r.to(tl.int64)
-        if GATHER_B:
-            rb = tl.load(b_src_ptr + r, mask=v_mask, other=0).to(tl.int64)
-        else:
-            rb = r.to(tl.int64)
-        a = tl.load(a_ptr + ra[:, None] * stride_am + offs_m[None, :], mask=v_mask[:, None] & m_mask[None, :],
-                    other=0.0)
-        b = tl.load(b_ptr + rb[:, None] * stride_bm + offs_n[None, :], mask=v_mask[:, None] & n_mask[None, :],
-                    other=0.0)
-        acc = _dot(tl.trans(a), b, acc, CAST_F32, IEEE)
-    c_ptrs = c_ptr + expert.to(tl.int64) * stride_ce + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @autotune(autotune_configs("wgrad"), key=["M", "N", "M_BUCKET"])
 @triton.jit
 def grouped_wgrad_kernel(
     a_ptr, a_src_ptr, b_ptr, b_src_ptr, c_ptr, expert_offsets_ptr,
-    M, N, M_BUCKET, num_segments, experts_per_segment, NUM_SMS,
+    M, N, M_BUCKET, num_segments, experts_per_segment,
     stride_am, stride_bm, stride_ce, stride_cm, stride_cn,
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
-    SEG_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PERSISTENT: tl.constexpr,
 ):
-    if PERSISTENT:
-        # NUM_SMS programs walk (expert, output tile) expert by expert; the flattened loop overlaps one tile's
-        # epilogue with the next tile's first loads (an expert's reduction is short: ~1-2k rows).
-        tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        for work in tl.range(tl.program_id(0), tiles * experts_per_segment, NUM_SMS, flatten=True):
-            _wgrad_tile(a_ptr, a_src_ptr, b_ptr, b_src_ptr, c_ptr, expert_offsets_ptr, work // tiles, work % tiles,
-                        M, N, num_segments, experts_per_segment, stride_am, stride_bm, stride_ce, stride_cm,
-                        stride_cn, GATHER_A, GATHER_B, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SEG_BLOCK)
-    else:
-        _wgrad_tile(a_ptr, a_src_ptr, b_ptr, b_src_ptr, c_ptr, expert_offsets_ptr, tl.program_id(1),
-                    tl.program_id(0), M, N, num_segments, experts_per_segment, stride_am, stride_bm, stride_ce,
-                    stride_cm, stride_cn, GATHER_A, GATHER_B, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                    SEG_BLOCK)
+    expert = tl.program_id(1)
+    offs_m, offs_n, m_mask, n_mask = wgrad_tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for seg in range(0, num_segments):  # the expert's rows of each segment (source rank), in a fixed order
+        start = tl.load(expert_offsets_ptr + seg * experts_per_segment + expert)
+        end = tl.load(expert_offsets_ptr + seg * experts_per_segment + expert + 1)
+        for k0 in range(start, end, BLOCK_K):
+            r = k0 + ks
+            r_mask = r < end
+            if GATHER_A:
+                ra = tl.load(a_src_ptr + r, mask=r_mask, other=0).to(tl.int64)
+            else:
+                ra = r.to(tl.int64)
+            if GATHER_B:
+                rb = tl.load(b_src_ptr + r, mask=r_mask, other=0).to(tl.int64)
+            else:
+                rb = r.to(tl.int64)
+            a = tl.load(a_ptr + ra[:, None] * stride_am + offs_m[None, :], mask=r_mask[:, None] & m_mask[None, :],
+                        other=0.0)
+            b = tl.load(b_ptr + rb[:, None] * stride_bm + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :],
+                        other=0.0)
+            acc = _dot(tl.trans(a), b, acc, CAST_F32, IEEE)
+    c_ptrs = c_ptr + expert.to(tl.int64) * stride_ce + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])

@@ -138,19 +138,12 @@ def grouped_wgrad(
     """out[e] = A[rows of e]^T @ B[rows of e] with A [*, M], B [*, N], out [E, M, N]; gathered operands are
     indexed by the source row of each sorted row. Expert e's rows of every segment are reduced, in segment order."""
     m, n = a.shape[1], b.shape[1]
-    num_sms = _num_sms(a.device)
-
-    def grid(meta):
-        if meta["PERSISTENT"]:
-            return (num_sms, 1)
-        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), plan.num_local_experts)
-
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), plan.num_local_experts)
     grouped_wgrad_kernel[grid](
         a, plan.row_src, b, plan.row_src, out, plan.expert_offsets,
-        m, n, plan.num_pairs, plan.num_segments, plan.num_local_experts, num_sms,
+        m, n, plan.num_pairs, plan.num_segments, plan.num_local_experts,
         a.stride(0), b.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        GATHER_A=gather_a, GATHER_B=gather_b, SEG_BLOCK=max(2, triton.next_power_of_2(plan.num_segments)),
-        **_flags(a),
+        GATHER_A=gather_a, GATHER_B=gather_b, **_flags(a),
     )
     return out
 
