@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from prime_megamoe.kernels import tuning
+from prime_megamoe.ops import fp8_launch as fl
 from prime_megamoe.ops import quantized_experts as qe
 from prime_megamoe.ops.quantized_experts import (
     check_precision_supported,
@@ -22,6 +23,7 @@ from prime_megamoe.ops.quantized_experts import (
     routed_experts_quantized,
     weight_cache_info,
 )
+from prime_megamoe.ops.routing_plan import build_routing_plan
 from tests.oracle import oracle_with_grads, ragged_routing, rel_err
 
 ORACLE_TOL = 8e-2
@@ -139,6 +141,19 @@ def test_against_oracle_and_emulation(precision, pow2):
     _check(got, oracle, _emulate(precision, *problem, pow2=pow2), f"{precision}{' pow2' if pow2 else ''}")
 
 
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8"])
+def test_multi_tile_expert_against_oracle_and_emulation(precision):
+    """An expert with more than one 128-row tile and a ragged last tile (the wgrads' K loop runs over several tiles,
+    each with its own scales), next to an empty expert and single-tile ones; H = 160 spans two wgrad column blocks."""
+    problem = _problem(tokens=160, hidden=160, inter=64, experts=4, top_k=2, seed=12, hot_fraction=0.9)
+    x, index, weights, w1, w2, grad_out = problem
+    counts = torch.bincount(index.reshape(-1), minlength=4)
+    assert counts[0] == 0 and 128 < counts[1] < 256 and counts[1] % 128 != 0
+    got = _run(precision, *problem)
+    oracle = oracle_with_grads(x, index, weights, w1, w2, grad_out)
+    _check(got, oracle, _emulate(precision, *problem), f"{precision} multi-tile")
+
+
 def test_expert_parallel_slice_and_padding_rows():
     """Rank 1 of 2 (experts 4..7 of 8): slots routed elsewhere and padding rows (-1) contribute nothing."""
     tokens, hidden, inter, experts, top_k = 40, 128, 128, 8, 2
@@ -176,17 +191,17 @@ def test_weight_cache_reuse_and_invalidation():
     _version moves) or invalidate_weight_cache(), and dropped with the parameter."""
     x, index, weights, w1, w2, _ = _problem(tokens=16, hidden=128, inter=64, experts=2, top_k=1, seed=7,
                                             empty_expert=None, hot_expert=None)
-    w1 = torch.nn.Parameter(w1)
-    w2 = torch.nn.Parameter(w2)
+    params = {"w1": torch.nn.Parameter(w1), "w2": torch.nn.Parameter(w2)}
     kw = dict(expert_base=0, tile_m=tuning.tile_m(), precision="fp8", pow2_scales=False)
 
     def forward():
         with torch.no_grad():
-            return routed_experts_quantized(x, index, weights, w1, w2, **kw)
+            return routed_experts_quantized(x, index, weights, params["w1"], params["w2"], **kw)
 
     def uncached():  # fresh tensors with the same values: never served from another tensor's entry
         with torch.no_grad():
-            return routed_experts_quantized(x, index, weights, w1.detach().clone(), w2.detach().clone(), **kw)
+            return routed_experts_quantized(x, index, weights, params["w1"].detach().clone(),
+                                            params["w2"].detach().clone(), **kw)
 
     invalidate_weight_cache()
     before = weight_cache_info()
@@ -198,7 +213,7 @@ def test_weight_cache_reuse_and_invalidation():
     assert torch.equal(out0, out1)
 
     with torch.no_grad():  # an optimizer step: in place, bumps w1._version
-        w1.mul_(0.5).add_(0.01)
+        params["w1"].mul_(0.5).add_(0.01)
     info = weight_cache_info()
     out2 = forward()
     after = weight_cache_info()
@@ -213,7 +228,7 @@ def test_weight_cache_reuse_and_invalidation():
     assert weight_cache_info()["misses"] - info["misses"] == 2
 
     count = weight_cache_info()["weights"]
-    del w1
+    del params["w1"]
     assert weight_cache_info()["weights"] == count - 1  # evicted with its parameter
 
 
@@ -226,6 +241,67 @@ def test_forward_without_grad_matches():
         plain = routed_experts_quantized(x, index, weights, w1, w2, **kw)
     trained = routed_experts_quantized(x.clone().requires_grad_(), index, weights, w1, w2, **kw)
     assert torch.equal(plain, trained.detach())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The weight-gradient kernel alone: K-major (cols_t) operands against float64 GEMMs of the same quantised values
+# ----------------------------------------------------------------------------------------------------------------
+def _dequant_cols_t(qt, fmt):
+    """cols_t operand [N, T * 128] -> float64 values, each scaled by its column's scale for its row block."""
+    s = qt.scale.double() if not fmt.mx else torch.exp2(qt.scale.double() - 127)
+    return qt.data.double() * s.T.repeat_interleave(fmt.group, 1)
+
+
+@pytest.mark.parametrize("fmt", [fl.fp8_format(), fl.fp8_format(pow2=True), fl.MX_FORMAT],
+                         ids=["fp8", "fp8_pow2", "mx"])
+def test_wgrad_kernel_against_float64_recipe(fmt):
+    """out[e] = sum over e's tiles of A_t @ B_t^T with scales promoted per tile (fp32 accumulation) matches the
+    float64 GEMM of the dequantised operands, and the operands match the emulated recipe (per-tile column
+    quantisation of the gathered rows). Ragged routing: an empty expert (zeros, every element written), a two-tile
+    expert with a ragged tail; M = 96 and N = 200 leave partial output blocks."""
+    tokens, experts, top_k, m, n = 150, 4, 2, 96, 200
+    index, weights = ragged_routing(tokens, experts, top_k, seed=13, hot_fraction=0.9)
+    counts = torch.bincount(index.reshape(-1), minlength=experts)
+    assert counts[0] == 0 and 128 < counts[1] < 256 and counts[1] % 128 != 0
+    plan = build_routing_plan(index, weights, expert_base=0, num_local_experts=experts, tile_m=128)
+    gen = torch.Generator().manual_seed(13)
+    scale_rows = torch.exp2(torch.randint(-4, 4, (tokens, 1), generator=gen).float())  # per-row ranges differ
+    a_src = (torch.randn(tokens, m, generator=gen) * scale_rows).bfloat16()
+    b_src = torch.randn(tokens, n, generator=gen) * scale_rows
+    a_t, b_t = fl.quantize_sorted_cols_t(a_src, plan, fmt), fl.quantize_sorted_cols_t(b_src, plan, fmt)
+    tiles = fl.expert_tile_offsets(plan)
+    out = torch.full((experts, m, n), float("nan"))
+    fl.fp8_grouped_wgrad(a_t, b_t, plan, fmt, out, expert_tiles=tiles)
+
+    a_deq, b_deq = _dequant_cols_t(a_t, fmt), _dequant_cols_t(b_t, fmt)
+    bounds = tiles.tolist()
+    ref = torch.stack([a_deq[:, 128 * bounds[e]:128 * bounds[e + 1]] @ b_deq[:, 128 * bounds[e]:128 * bounds[e + 1]].T
+                       for e in range(experts)])
+    assert torch.equal(out[0], torch.zeros(m, n))
+    for e in range(1, experts):
+        err = rel_err(out[e].double(), ref[e])
+        assert err < 1e-6, f"expert {e}: {err:.2e} vs the float64 GEMM of the same operands"
+
+    # The operands are the recipe: per tile, the gathered rows fake-quantised in g x 1 blocks (zero rows pad it).
+    g_k, pow2 = (32, True) if fmt.mx else (128, fmt.pow2)
+    src, offsets = plan.row_src.long(), plan.expert_offsets.tolist()
+    for t in range(int(plan.num_tiles[0])):
+        e, r0 = int(plan.tile_expert[t]), int(plan.tile_row[t])
+        rows = src[r0:min(r0 + 128, offsets[e + 1])]
+        for deq, x in ((a_deq, a_src), (b_deq, b_src)):
+            tile = torch.zeros(128, x.shape[1])
+            tile[: len(rows)] = x[rows].float()
+            assert torch.equal(deq[:, 128 * t:128 * (t + 1)], _fake_quant(tile.T.contiguous(), 1, g_k, pow2)), t
+
+
+def test_wgrad_rejects_row_major_operands():
+    index, weights = ragged_routing(16, 2, 1, seed=0, empty_expert=None)
+    plan = build_routing_plan(index, weights, expert_base=0, num_local_experts=2, tile_m=128)
+    fmt = fl.fp8_format()
+    b_t = fl.quantize_sorted_cols_t(torch.randn(16, 64), plan, fmt)
+    rows = fl.quantize_rows(torch.randn(16, 32), fmt)  # [P, N] row-scaled: not a wgrad operand
+    with pytest.raises(ValueError, match="not a cols_t operand"):
+        fl.fp8_grouped_wgrad(rows, b_t, plan, fmt, torch.empty(2, 32, 64), expert_tiles=fl.expert_tile_offsets(plan))
 
 
 def test_unsupported_devices_raise_clear_errors(monkeypatch):

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from prime_megamoe.ops import fp8_launch as fl
+from prime_megamoe.ops.routing_plan import build_routing_plan
+from tests.oracle import ragged_routing
 
 FP8 = torch.float8_e4m3fn
 
@@ -169,3 +171,68 @@ def test_weight_operands_match_reference(fmt):
     for qt, kw, expected in cases:
         assert qt.scale.dtype == fmt.scale_dtype
         assert torch.equal(fl.dequantize_weight(qt, fmt, **kw), torch.stack(expected))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Weight-gradient operands: gathered sorted rows, column-scaled per 128-row tile, stored transposed in tile space
+# ----------------------------------------------------------------------------------------------------------------
+def _ragged_plan(tokens, experts, top_k, seed):
+    """Routing with expert 0 empty and expert 1 taking most rows (more than one 128-row tile, not a multiple of 128)."""
+    index, weights = ragged_routing(tokens, experts, top_k, seed=seed, hot_fraction=0.9)
+    plan = build_routing_plan(index, weights, expert_base=0, num_local_experts=experts, tile_m=128)
+    counts = torch.bincount(index.reshape(-1), minlength=experts)
+    assert counts[0] == 0 and counts[1] > 128 and counts[1] % 128 != 0 and counts[1] == counts.max()
+    return plan
+
+
+def _ref_cols_t(x, plan, fmt):
+    """Per tile of the plan: (tile id, q^T [K, 128] e4m3, scales [128 // G, K] fp32), from a plain torch quantiser."""
+    offsets, row_src = plan.expert_offsets.tolist(), plan.row_src.long()
+    g = fmt.group
+    for t in range(int(plan.num_tiles[0])):
+        e, r0 = int(plan.tile_expert[t]), int(plan.tile_row[t])
+        r1 = min(r0 + 128, offsets[e + 1])
+        tile = torch.zeros(128, x.shape[1])
+        tile[: r1 - r0] = x[row_src[r0:r1]].float()
+        s = _ref_scales(tile, g, 1, fmt.pow2)
+        q = (tile * (1.0 / _expand(s, g, 1, *tile.shape))).clamp(-448, 448).to(FP8)
+        yield t, q.T, s
+
+
+@pytest.mark.parametrize("fmt,dtype", [(fl.fp8_format(), torch.float32), (fl.fp8_format(pow2=True), torch.bfloat16),
+                                       (fl.MX_FORMAT, torch.bfloat16)], ids=["fp8", "fp8_pow2_bf16", "mx_bf16"])
+def test_sorted_cols_t_matches_reference(fmt, dtype):
+    """quantize_sorted_cols_t: x[row_src] gathered per tile, one scale per column and G-row block, values transposed
+    at columns 128 t + j, zeros past each expert's end; exact bits against torch."""
+    tokens, experts, top_k, hidden = 150, 4, 2, 200
+    plan = _ragged_plan(tokens, experts, top_k, seed=6)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(tokens, hidden, generator=gen) * torch.exp2(torch.randint(-6, 6, (tokens, 1), generator=gen))
+    x[:, 5] = 0.0  # an all-zero column: scale 1
+    x = x.to(dtype)
+    qt = fl.quantize_sorted_cols_t(x, plan, fmt)
+    blocks = 128 // fmt.group
+    assert qt.data.shape == (hidden, plan.max_tiles * 128) and qt.data.dtype == FP8
+    assert qt.scale.shape == (plan.max_tiles * blocks, hidden) and qt.scale.dtype == fmt.scale_dtype
+    tiles = 0
+    for t, q_ref, s_ref in _ref_cols_t(x, plan, fmt):
+        q = qt.data[:, t * 128:(t + 1) * 128]
+        s = qt.scale[t * blocks:(t + 1) * blocks]
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), f"tile {t} values"
+        if fmt.mx:
+            assert torch.equal(s.long(), torch.frexp(s_ref)[1].long() - 1 + 127), f"tile {t} scales"
+        else:
+            assert torch.equal(s, s_ref), f"tile {t} scales"
+        tiles += 1
+    assert tiles == 4  # expert 1 in two tiles, experts 2 and 3 in one each; the empty expert in none
+
+
+def test_sorted_cols_t_rejects_other_plans():
+    index, weights = ragged_routing(8, 4, 2, seed=0)
+    x = torch.randn(8, 64)
+    with pytest.raises(ValueError, match="tile_m = 128"):
+        fl.quantize_sorted_cols_t(x, build_routing_plan(index, weights, expert_base=0, num_local_experts=4,
+                                                        tile_m=16), fl.fp8_format())
+    plan = build_routing_plan(index, weights, expert_base=0, num_local_experts=4, tile_m=128)
+    with pytest.raises(ValueError, match="source rows"):
+        fl.quantize_sorted_cols_t(x[:4], plan, fl.fp8_format())

@@ -72,7 +72,9 @@ def _round_to_e4m3_grid(y):
     # Normal range: keep 3 of the 23 mantissa bits; an integer add carries into the exponent as it should.
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
     # Subnormal range (|y| < 2**-6): multiples of 2**-9; adding 1.5 * 2**14 (ulp 2**-9) rounds to nearest even.
-    sub = (y + 24576.0) - 24576.0
+    # Rounded on |y| with the sign put back, so that tiny negatives become -0 as in the hardware conversion.
+    sub = (tl.abs(y) + 24576.0) - 24576.0
+    sub = tl.where(bits < 0, -sub, sub)
     return tl.where(tl.abs(y) < 0.015625, sub, normal)
 
 
