@@ -108,3 +108,12 @@ class _AllToAllVariable(torch.autograd.Function):
 def all_to_all_variable(inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     """Differentiable all_to_all of rows with split sizes given on the host."""
     return _AllToAllVariable.apply(inp, out_splits, in_splits, group)
+
+
+def pad_rows(t: torch.Tensor, capacity: int, fill=0) -> torch.Tensor:
+    """t [T, ...] -> [capacity, ...]: the rows of t, then ``fill``."""
+    if t.shape[0] == capacity:
+        return t.contiguous()
+    out = t.new_full((capacity, *t.shape[1:]), fill)
+    out[: t.shape[0]] = t
+    return out

@@ -12,10 +12,10 @@ rank). Each rank's part, with W ranks and capacity C:
     flags      [2, W]      int32  channel 0: "rank q published round n", channel 1: "rank q wrote its slot, round n"
 
 A round on rank r (see ``comm.transport``), with streams `compute` (the caller's) and `comm` (a side stream):
-- start: copy the block (and routing) into the workspace; flag channel 0 on every peer. Forward: wait for every
-  peer's flag and read their routing (a few kB) on compute, since the routing plan needs it. Then `comm` copies
-  each peer's block into a local [W*C, H] buffer (copy engines, no SMs), recording an event per block, while compute
-  starts on its own block.
+- start: copy the block (and routing) into the workspace; flag channel 0 on every peer. `comm` waits for every
+  peer's flag, then copies the own block and each peer's into a local [W*C, H] buffer (copy engines, no SMs),
+  recording an event per block. Forward: compute waits for the flags too and reads every rank's routing (a few kB),
+  since the routing plan needs it, then starts on its own block while the peers' blocks arrive.
 - send(s): results for rank s's tokens go straight into rank r's own slot when s = r; otherwise into a staging
   buffer that `comm` copies into rank s's slot r, then flags channel 1 on rank s.
 - finish: wait (compute) for channel 1 from every peer, then return the slots; the caller sums them in rank order.
@@ -130,7 +130,7 @@ class SymmetricMemoryTransport(Transport):
     def start(self, block, routing, kinds, top_k):
         if self.workspace is None:
             self.workspace = self._workspace(block.shape[1], top_k, block.dtype)
-        ws, c, rank = self.workspace, self.capacity, self.rank
+        ws, c, rank, num_rows = self.workspace, self.capacity, self.rank, block.shape[0]
         ws.round += 1
         self.round = ws.round
         compute, comm = torch.cuda.current_stream(self.device), ws.comm_stream
@@ -139,34 +139,36 @@ class SymmetricMemoryTransport(Transport):
             # peers may write them again (they do once this round's block is published).
             compute.wait_stream(ws.last_stream)
         ws.last_stream = compute
-        ws.local["rows"].copy_(block)
+        # Rows past num_rows stay as they are: no routing entry points at them (their ids are -1).
+        ws.local["rows"][:num_rows].copy_(block)
         if routing is not None:
-            ws.local["index"].copy_(routing[0])
-            ws.local["weights"].copy_(routing[1])
+            ws.local["index"][:num_rows].copy_(routing[0])  # copy_ converts to int32 / fp32
+            ws.local["weights"][:num_rows].copy_(routing[1])
+            if num_rows < c:
+                ws.local["index"][num_rows:].fill_(-1)
         for peer in self._peers():
             ws.signal(peer, PUBLISHED, self.round)
         rows = block.new_empty(self.world * c, block.shape[1])
         self._arrived = {}
         comm.wait_stream(compute)
-        with torch.cuda.stream(comm):  # this rank's own block, while compute waits for the peers and plans
-            rows[rank * c : (rank + 1) * c].copy_(block)
-            self._arrived[rank] = torch.cuda.Event()
-            self._arrived[rank].record(comm)
+        # On the side stream: wait for every peer's block, then copy this rank's block and the peers' into rows
+        # (copy engines, no SMs), one event per block, while compute plans and starts on its own block.
+        with torch.cuda.stream(comm):
+            ws.wait(PUBLISHED, self.round, self.timeout_s)
+            published = torch.cuda.Event()
+            published.record(comm)
+            for source in self.source_order():
+                if source == rank:
+                    rows[rank * c : rank * c + num_rows].copy_(block)
+                else:
+                    rows[source * c : (source + 1) * c].copy_(ws.views[source]["rows"])
+                self._arrived[source] = torch.cuda.Event()
+                self._arrived[source].record(comm)
         gathered = None
         if routing is not None:
-            # The routing plan needs every rank's routing before any GEMM: read it now, on the compute stream.
-            ws.wait(PUBLISHED, self.round, self.timeout_s)
+            # The routing plan needs every rank's routing before any GEMM (a few kB, read on the compute stream).
+            compute.wait_event(published)
             gathered = tuple(torch.cat([ws.views[q][name] for q in range(self.world)]) for name in ("index", "weights"))
-            comm.wait_stream(compute)
-        else:
-            comm.wait_stream(compute)
-            with torch.cuda.stream(comm):
-                ws.wait(PUBLISHED, self.round, self.timeout_s)
-        with torch.cuda.stream(comm):
-            for peer in self._peers():
-                rows[peer * c : (peer + 1) * c].copy_(ws.views[peer]["rows"])
-                self._arrived[peer] = torch.cuda.Event()
-                self._arrived[peer].record(comm)
         self._kinds = kinds
         self._staging = {}
         return rows, gathered

@@ -2,9 +2,10 @@
 
 One exchange round (a forward call, or a backward call) on rank r of W ranks, each block ``capacity`` rows:
 
-1. ``start(block, routing, kinds, top_k)``: publish this rank's block (tokens, or output gradients) and, in the
-   forward, its routing; returns every rank's rows [W*C, H] (block s from rank s, possibly still arriving) and
-   every rank's routing [W*C, k] (ready).
+1. ``start(block, routing, kinds, top_k)``: publish this rank's block (its T <= C tokens, or output gradients) and,
+   in the forward, its routing; returns every rank's rows [W*C, H] (block s from rank s at rows [s*C, s*C + T_s),
+   possibly still arriving; rows past T_s are padding that no routing entry points at) and every rank's routing
+   [W*C, k] int32 / fp32 (ready; id -1 on padding rows).
 2. For each source rank s, in the order of ``source_order()``: ``wait_rows(s)`` before reading block s; write this
    rank's results for rank s's tokens into ``partial_buffers(s)``; ``send(s)``.
 3. ``finish()``: every rank's results for this rank's tokens, [W, C, ...] per kind (slot q from rank q).
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather_blocks, exchange_blocks
+from .collectives import all_gather_blocks, exchange_blocks, pad_rows
 
 # Result kinds a round returns to the source ranks: "rows" [C, H] in the rows' dtype (the layer output, or the
 # token gradient), "pairs" [C, k] fp32 (the top-k weight gradient, backward only).
@@ -44,8 +45,9 @@ class Transport:
 
     def start(self, block: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None, kinds: tuple[str, ...],
               top_k: int):
-        """block [C, H]; routing (ids [C, k] int32, weights [C, k] fp32) or None; kinds: the result kinds this
-        round returns. -> (rows [W*C, H], (ids [W*C, k], weights [W*C, k]) or None)."""
+        """block [T, H] (T <= C); routing (global ids [T, k], weights [T, k], any int / float dtypes) or None; kinds:
+        the result kinds this round returns. -> (rows [W*C, H], (ids [W*C, k] int32, weights [W*C, k] fp32) or
+        None)."""
         raise NotImplementedError
 
     def wait_rows(self, source: int) -> None:
@@ -66,11 +68,13 @@ class CollectiveTransport(Transport):
     Waits are bounded by ``timeout_s`` on gloo (see ``collectives``)."""
 
     def start(self, block, routing, kinds, top_k):
-        rows = all_gather_blocks(block, self.group, self.timeout_s, "dispatch of rows")
+        c = self.capacity
+        rows = all_gather_blocks(pad_rows(block, c), self.group, self.timeout_s, "dispatch of rows")
         gathered = None
         if routing is not None:
-            gathered = tuple(all_gather_blocks(t, self.group, self.timeout_s, "dispatch of routing") for t in routing)
-        c, w = self.capacity, self.world
+            padded = (pad_rows(routing[0].to(torch.int32), c, -1), pad_rows(routing[1].float(), c))
+            gathered = tuple(all_gather_blocks(t, self.group, self.timeout_s, "dispatch of routing") for t in padded)
+        w = self.world
         self._staging = {}
         for kind in kinds:
             if kind == ROW_RESULTS:

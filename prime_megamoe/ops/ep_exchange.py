@@ -14,17 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ..comm.collectives import all_gather_blocks, exchange_blocks
+from ..comm.collectives import all_gather_blocks, exchange_blocks, pad_rows
 from . import launch
-
-
-def pad_rows(t: torch.Tensor, capacity: int, fill=0) -> torch.Tensor:
-    """t [T, ...] -> [capacity, ...]: the rows of t, then ``fill``."""
-    if t.shape[0] == capacity:
-        return t.contiguous()
-    out = t.new_full((capacity, *t.shape[1:]), fill)
-    out[: t.shape[0]] = t
-    return out
 
 
 def _sum_partials(blocks: torch.Tensor, world: int, num_tokens: int, dtype) -> torch.Tensor:

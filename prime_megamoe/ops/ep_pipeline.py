@@ -25,7 +25,6 @@ import torch
 
 from ..comm.transport import PAIR_RESULTS, ROW_RESULTS, Transport
 from . import launch
-from .ep_exchange import pad_rows
 from .routing_plan import build_routing_plan
 
 
@@ -42,11 +41,9 @@ class ExpertParallelExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, top_k_index, top_k_weights, w1, w2, transport: Transport, tile_m: int):
         num_tokens, top_k = top_k_index.shape
-        capacity, world = transport.capacity, transport.world
+        world = transport.world
         num_local, inter, hidden = w1.shape[0], w1.shape[1] // 2, w1.shape[2]
-        block = pad_rows(x, capacity)
-        routing = (pad_rows(top_k_index.to(torch.int32), capacity, -1), pad_rows(top_k_weights.float(), capacity))
-        rows, (index_all, weights_all) = transport.start(block, routing, (ROW_RESULTS,), top_k)
+        rows, (index_all, weights_all) = transport.start(x, (top_k_index, top_k_weights), (ROW_RESULTS,), top_k)
         plan = build_routing_plan(index_all, weights_all, expert_base=transport.rank * num_local,
                                   num_local_experts=num_local, tile_m=tile_m, num_segments=world,
                                   split_expert=num_local // 2)
@@ -77,7 +74,7 @@ class ExpertParallelExperts(torch.autograd.Function):
         plan, transport = ctx.plan, ctx.transport
         num_tokens = grad_out.shape[0]
         kinds = (ROW_RESULTS, PAIR_RESULTS)
-        dy, _ = transport.start(pad_rows(grad_out.to(rows.dtype), transport.capacity), None, kinds, plan.top_k)
+        dy, _ = transport.start(grad_out.to(rows.dtype), None, kinds, plan.top_k)
         dh, aw, dw_partial = launch.dswiglu_buffers(dy, w2, plan)
         dx_sorted = dy.new_empty(plan.sorted_rows, dy.shape[1])
         for s, half, first, last in compute_order(transport):

@@ -6,7 +6,7 @@ spends little time issuing it, and the layer can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -44,6 +44,7 @@ class RoutingPlan:
     half_tile_expert: torch.Tensor | None = None
     half_tile_row: torch.Tensor | None = None
     half_num_tiles: torch.Tensor | None = None
+    _views: dict = field(default_factory=dict, repr=False, compare=False)  # segment views made so far
 
     def __post_init__(self):
         if self.sorted_rows < 0:
@@ -66,6 +67,12 @@ class RoutingPlan:
             raise ValueError("segment(s, half): the plan was built without split_expert")
         if self.num_segments == 1 and half is None:
             return self
+        view = self._views.get((s, half))
+        if view is None:  # the forward and the backward ask for the same views: build each once
+            view = self._views[(s, half)] = self._segment_view(s, half)
+        return view
+
+    def _segment_view(self, s: int, half: int | None) -> "RoutingPlan":
         rows, tiles = self.num_rows // self.num_segments, self.max_tiles // self.num_segments
         experts = self.num_local_experts
         tile_expert, tile_row, num_tiles = self.tile_expert, self.tile_row, self.num_tiles[s : s + 1]
