@@ -12,7 +12,12 @@ export TRITON_CACHE_DIR=/tmp/triton_cache
 mkdir -p $TRITON_CACHE_DIR
 if [ -f .cache/triton.tgz ]; then tar -xzf .cache/triton.tgz -C $TRITON_CACHE_DIR; fi
 save_triton_cache() { tar -czf "$OUT/triton.tgz" -C $TRITON_CACHE_DIR . ; }
-# Archives over 15 MB are split (the device tool returns files up to 16 MB).
-save_triton_cache() { tar -cJf - -C $TRITON_CACHE_DIR . | split -b 15m - "$OUT/triton.txz." ; }
-restore_triton_cache() { if ls .cache/triton.txz.* >/dev/null 2>&1; then cat .cache/triton.txz.* | tar -xJf - -C $TRITON_CACHE_DIR; fi; }
+# Archives over 15 MB are split (the device tool returns files up to 16 MB); gzip -1 (xz took minutes).
+save_triton_cache() { tar -cf - -C $TRITON_CACHE_DIR . | gzip -1 | split -b 15m - "$OUT/triton.tgz." ; }
+restore_triton_cache() {
+  if ls .cache/triton.txz.* >/dev/null 2>&1; then cat .cache/triton.txz.* | tar -xJf - -C $TRITON_CACHE_DIR; fi
+  if ls .cache/triton.tgz.* >/dev/null 2>&1; then cat .cache/triton.tgz.* | tar -xzf - -C $TRITON_CACHE_DIR; fi
+}
+# Test-only pure-Python packages (pytest, hypothesis) carried in .pylib/ where the machine lacks them.
+if [ -d .pylib ]; then export PYTHONPATH=$PYTHONPATH:$PWD/.pylib; fi
 restore_triton_cache

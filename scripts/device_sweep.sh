@@ -55,6 +55,20 @@ case "${1:-}" in
         --out "$LOGS/bench_16k_r$r.json" $([ $r = 1 ] && echo --profile-dir "$LOGS")
       tail -3 "$LOGS/bench_16k_r$r.log"
     done ;;
+  final)  # GPU tests, then the benchmark record: fp8 (one GPU), 30B EP=2 both transports, back-to-back, 235B
+    CUDA_VISIBLE_DEVICES=0 step pytest_gpu 240 python -m pytest -q -m gpu tests &
+    CUDA_VISIBLE_DEVICES=1 step fp8_bench 300 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+      --backends mega_moe --precisions fp8 fp8_bwd --iters 5 --warmup 2 --out "$LOGS/fp8.json" --profile-dir "$LOGS"
+    wait
+    tail -3 "$LOGS/pytest_gpu.log"; tail -4 "$LOGS/fp8_bench.log"
+    step pytest_multigpu 300 python -m pytest -q -m multigpu tests
+    tail -3 "$LOGS/pytest_multigpu.log"
+    step bench_30b 420 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 16384 \
+      --transports symmetric_memory collectives --iters 10 --warmup 3 --out "$LOGS/bench_30b.json" --profile-dir "$LOGS"
+    tail -8 "$LOGS/bench_30b.log"
+    step bench_30b_r5 200 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 16384 \
+      --transports symmetric_memory --backends mega_moe --repeat 5 --iters 10 --warmup 3 --out "$LOGS/bench_30b_r5.json"
+    tail -3 "$LOGS/bench_30b_r5.log" ;;
   *) echo "usage: $0 check|bench|train" >&2; exit 2 ;;
 esac
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -r "$LOGS"
