@@ -3,6 +3,9 @@
 #   bash scripts/device_sweep.sh check      # EP=2 correctness (both transports) + the missing-peer error
 #   bash scripts/device_sweep.sh bench      # Qwen3-30B-A3B EP=2 (both transports, profile) + back-to-back timing
 #   bash scripts/device_sweep.sh train      # configs/tiny.toml and tiny-torch.toml on two GPUs
+#   bash scripts/device_sweep.sh final      # GPU tests, fp8 (one GPU) and 30B EP=2 benchmark record
+#   bash scripts/device_sweep.sh record     # GPU tests, Qwen3-235B-A22B EP=2, tiny trainer with default autotuning
+#   bash scripts/device_sweep.sh pipeline   # EP check, wgrad probe, 30B EP=2 T=16384 (profiled, back-to-back)
 #   bash scripts/device_sweep.sh probe      # one-GPU check + fp8 profile (GPU 1) side by side, EP check, EP=2 T=16384
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
@@ -69,6 +72,16 @@ case "${1:-}" in
     step bench_30b_r5 200 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 16384 \
       --transports symmetric_memory --backends mega_moe --repeat 5 --iters 10 --warmup 3 --out "$LOGS/bench_30b_r5.json"
     tail -3 "$LOGS/bench_30b_r5.log" ;;
-  *) echo "usage: $0 check|bench|train" >&2; exit 2 ;;
+  record)  # GPU tests (both GPUs), Qwen3-235B-A22B EP=2, the tiny trainer with default autotuning
+    step pytest_gpu 420 python -m pytest -q -m "gpu or multigpu" tests/test_fp8_experts.py tests/test_mega_moe_gpu.py \
+      tests/test_mega_moe_ep_gpu.py
+    tail -4 "$LOGS/pytest_gpu.log"
+    step bench_235b 300 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-235b-a22b --tokens 4096 16384 \
+      --transports symmetric_memory --iters 5 --warmup 2 --out "$LOGS/bench_235b.json"
+    tail -5 "$LOGS/bench_235b.log"
+    step train_tiny 200 torchrun --nproc-per-node 2 -m prime_megamoe.train configs/tiny.toml --train.steps 10 \
+      --output-dir /tmp/tiny
+    cp /tmp/tiny/metrics.jsonl "$LOGS/metrics_tiny.jsonl" ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record" >&2; exit 2 ;;
 esac
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -r "$LOGS"

@@ -1,9 +1,12 @@
-"""References for the expert layer: a plain loop, and transformers' Qwen3MoeExperts (the oracle), in float64."""
+"""References for the expert layer (a plain loop, and transformers' Qwen3MoeExperts: the oracle, in float64) and the
+checks the layer tests share."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from prime_megamoe import fused_experts
 
 
 def loop_reference(x, top_k_index, top_k_weights, gate_up_proj, down_proj):
@@ -71,3 +74,25 @@ def ragged_routing(num_tokens: int, num_experts: int, top_k: int, *, seed: int, 
     probs = torch.softmax(logits, dim=-1)
     weights, index = probs.topk(top_k, dim=-1)
     return index, weights / weights.sum(-1, keepdim=True)
+
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+NAMES = ("out", "d_hidden_states", "d_top_k_weights", "d_gate_up_proj", "d_down_proj")
+
+
+def run_mega_moe(x, index, weights, w1, w2, grad_out, dispatch="mega_moe"):
+    leaves = [t.detach().clone().requires_grad_() for t in (x, weights, w1, w2)]
+    out = fused_experts(leaves[0], index, leaves[1], leaves[2], leaves[3], dispatch=dispatch, group=None)
+    out.backward(grad_out)
+    return (out.detach(), *(t.grad for t in leaves))
+
+
+def assert_matches_oracle(got, x, index, weights, w1, w2, grad_out, tol):
+    ref = oracle_with_grads(x, index, weights, w1, w2, grad_out)
+    inputs = (x, x, weights, w1, w2)
+    for name, a, b, like in zip(NAMES, got, ref, inputs):
+        assert a is not None, f"{name}: no gradient"
+        assert a.shape == like.shape and a.dtype == like.dtype, f"{name}: {a.shape}/{a.dtype}"
+        assert torch.isfinite(a).all(), f"{name}: non-finite values"
+        err = rel_err(a, b)
+        assert err <= tol, f"{name}: relative error {err:.3e} > {tol:.0e}"

@@ -18,11 +18,9 @@ from prime_megamoe.kernels.tuning import interpreting
 from prime_megamoe.ops.launch import combine_rows, grouped_wgrad, sum_blocks
 from prime_megamoe.ops.routing_plan import build_routing_plan
 
-from .oracle import oracle_with_grads, ragged_routing, rel_err
+from .oracle import NAMES, TOL, assert_matches_oracle, oracle_with_grads, ragged_routing, rel_err, run_mega_moe
 
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-NAMES = ("out", "d_hidden_states", "d_top_k_weights", "d_gate_up_proj", "d_down_proj")
 
 
 def make_problem(num_tokens, hidden, inter, experts, top_k, dtype, *, seed, routing="uniform", hot_fraction=0.7,
@@ -42,24 +40,6 @@ def make_problem(num_tokens, hidden, inter, experts, top_k, dtype, *, seed, rout
         raise ValueError(routing)
     x, weights, w1, w2, grad_out = (t.to(device=device, dtype=dtype) for t in (x, weights, w1, w2, grad_out))
     return x, index.to(device), weights, w1, w2, grad_out
-
-
-def run_mega_moe(x, index, weights, w1, w2, grad_out, dispatch="mega_moe"):
-    leaves = [t.detach().clone().requires_grad_() for t in (x, weights, w1, w2)]
-    out = fused_experts(leaves[0], index, leaves[1], leaves[2], leaves[3], dispatch=dispatch, group=None)
-    out.backward(grad_out)
-    return (out.detach(), *(t.grad for t in leaves))
-
-
-def assert_matches_oracle(got, x, index, weights, w1, w2, grad_out, tol):
-    ref = oracle_with_grads(x, index, weights, w1, w2, grad_out)
-    inputs = (x, x, weights, w1, w2)
-    for name, a, b, like in zip(NAMES, got, ref, inputs):
-        assert a is not None, f"{name}: no gradient"
-        assert a.shape == like.shape and a.dtype == like.dtype, f"{name}: {a.shape}/{a.dtype}"
-        assert torch.isfinite(a).all(), f"{name}: non-finite values"
-        err = rel_err(a, b)
-        assert err <= tol, f"{name}: relative error {err:.3e} > {tol:.0e}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -414,42 +394,6 @@ def test_combine_rows_strided_source_and_no_rows():
     assert torch.equal(out, combine_reference(src.contiguous(), pair_pos, torch.float32))
     empty = combine_rows(src, pair_pos[:0], torch.float32)
     assert empty.shape == (0, 30)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# On a GPU: the Qwen3-30B-A3B layer shape (skipped without CUDA)
-
-
-@pytest.mark.gpu
-class TestQwen3ShapeOnGPU:
-    T, H, I, E, K = 4096, 2048, 768, 128, 8
-
-    def _problem(self, seed):
-        gen = torch.Generator().manual_seed(seed)
-        x = torch.randn(self.T, self.H, generator=gen)
-        logits = torch.randn(self.T, self.E, generator=gen)
-        w1 = torch.randn(self.E, 2 * self.I, self.H, generator=gen) * self.H**-0.5
-        w2 = torch.randn(self.E, self.H, self.I, generator=gen) * self.I**-0.5
-        g = torch.randn(self.T, self.H, generator=gen)
-        weights, index = torch.softmax(logits, -1).topk(self.K, dim=-1)
-        weights = weights / weights.sum(-1, keepdim=True)
-        dev = torch.device("cuda")
-        x, weights, w1, w2, g = (t.to(dev, torch.bfloat16) for t in (x, weights, w1, w2, g))
-        return x, index.to(dev), weights, w1, w2, g
-
-    def test_matches_float64_oracle_bf16(self):
-        x, index, weights, w1, w2, g = self._problem(0)
-        got = run_mega_moe(x, index, weights, w1, w2, g)
-        torch.cuda.synchronize()
-        # transformers' experts in float64 on the GPU (the oracle loops over experts, so memory stays small).
-        assert_matches_oracle(got, x, index, weights, w1, w2, g, TOL[torch.bfloat16])
-
-    def test_bitwise_deterministic(self):
-        x, index, weights, w1, w2, g = self._problem(1)
-        first = run_mega_moe(x, index, weights, w1, w2, g)
-        second = run_mega_moe(x, index, weights, w1, w2, g)
-        for name, a, b in zip(NAMES, first, second):
-            assert torch.equal(a, b), f"{name} differs between two identical calls"
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
