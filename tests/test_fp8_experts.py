@@ -13,8 +13,10 @@ Two references, two tolerances:
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
-from prime_megamoe.kernels import tuning
+from prime_megamoe.kernels import fp8_gemm, tuning
+from prime_megamoe.kernels.fp8_gemm import QTILE_M
 from prime_megamoe.ops import fp8_launch as fl
 from prime_megamoe.ops import quantized_experts as qe
 from prime_megamoe.ops.quantized_experts import (
@@ -334,4 +336,23 @@ def test_gpu_against_oracle(precision):
     oracle = oracle_with_grads(x, index, weights, w1, w2, grad_out)
     for n, a, b in zip(NAMES, got, oracle):
         assert rel_err(a.cpu(), b) < ORACLE_TOL, n
+    qe.invalidate_weight_cache()
+
+
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8"])
+def test_half_tile_programs_compute_the_same(monkeypatch, precision):
+    # FC1 and the plain grouped GEMM may run 64-row programs (half a 128-row tile): the output and every gradient
+    # must be bitwise what whole-tile programs give. 300 tokens x 4 slots over 6 experts: tiles end mid-way.
+    problem = _problem(300, 64, 32, 6, 4, seed=9)
+    whole = _run(precision, *problem)
+    qe.invalidate_weight_cache()
+    for kernel in (fp8_gemm.fp8_fc1_swiglu_kernel, fp8_gemm.fp8_grouped_gemm_kernel):
+        first = kernel.configs[0]
+        half = triton.Config({**first.kwargs, "BLOCK_M": QTILE_M // 2}, num_warps=first.num_warps,
+                             num_stages=first.num_stages)
+        monkeypatch.setattr(kernel, "configs", [half])
+        monkeypatch.setattr(kernel, "cache", {})
+    parts = _run(precision, *problem)
+    for name, a, b in zip(NAMES, whole, parts):
+        assert torch.equal(a, b), f"{precision} {name} differs with 64-row programs"
     qe.invalidate_weight_cache()

@@ -56,11 +56,15 @@ def _cfg(bn, bk, warps, stages, bm=QTILE_M, **extra):
 def _candidates(kind: str) -> list[triton.Config]:
     if _interpreting():
         extra = {"GROUP_M": 1} if kind == "wgrad" else {}
-        return [_cfg(128, 128, 1, 1, **extra)]
+        return [_cfg(128, 128, 1, 1, **extra)]  # (tests launch the half-tile path explicitly)
+    # bm=64: half a row tile per program; each fp8 step needs a fresh dot tile next to the accumulators, and at 128
+    # rows FC1's four 128 x 128 fp32 tiles do not fit in the registers of 8 warps.
     if kind == "fc1":  # two accumulators (gate and up)
-        return [_cfg(128, 128, 8, 3), _cfg(128, 128, 8, 4), _cfg(128, 64, 8, 4)]
+        return [_cfg(128, 128, 8, 3), _cfg(128, 128, 8, 4), _cfg(128, 64, 8, 4),
+                _cfg(128, 128, 4, 3, bm=64), _cfg(128, 128, 4, 4, bm=64), _cfg(128, 128, 8, 3, bm=64)]
     if kind == "gemm":
-        return [_cfg(128, 128, 8, 3), _cfg(256, 128, 8, 3), _cfg(128, 128, 4, 4), _cfg(128, 64, 8, 4)]
+        return [_cfg(128, 128, 8, 3), _cfg(256, 128, 8, 3), _cfg(128, 128, 4, 4), _cfg(128, 64, 8, 4),
+                _cfg(128, 128, 4, 3, bm=64), _cfg(256, 128, 8, 3, bm=64), _cfg(128, 128, 4, 4, bm=64)]
     if kind == "dswiglu":
         return [_cfg(128, 128, 8, 3), _cfg(128, 128, 8, 4), _cfg(128, 64, 8, 4)]
     if kind == "wgrad":  # BLOCK_K is the row tile (QTILE_M); BLOCK_M / BLOCK_N tile the weight
@@ -76,15 +80,17 @@ def _candidates(kind: str) -> list[triton.Config]:
 
 def quant_configs(kind: str) -> list[triton.Config]:
     """Autotuning candidates (evaluated at import). Constraints: BLOCK_K divides 128 (one fp32 scale per step) and
-    is a multiple of 32 (MX groups); the row tile is QTILE_M; FC1 and dSwiGLU emit 1x128-scaled fp8, so their
-    BLOCK_N is a multiple of 128 (and of DW_CHUNK_Q). Untuned on hardware so far: starting points for a sweep."""
+    is a multiple of 32 (MX groups); BLOCK_M divides the row tile QTILE_M (the dSwiGLU takes whole tiles); FC1 and
+    dSwiGLU emit 1x128-scaled fp8, so their BLOCK_N is a multiple of 128 (and of DW_CHUNK_Q)."""
     configs = _candidates(kind)
     for c in configs:
         kw = c.kwargs
         if kind == "wgrad":
             ok = kw["BLOCK_K"] == QTILE_M
         else:
-            ok = kw["BLOCK_M"] == QTILE_M and 128 % kw["BLOCK_K"] == 0 and kw["BLOCK_K"] % 32 == 0
+            ok = QTILE_M % kw["BLOCK_M"] == 0 and 128 % kw["BLOCK_K"] == 0 and kw["BLOCK_K"] % 32 == 0
+            if kind == "dswiglu":
+                ok = ok and kw["BLOCK_M"] == QTILE_M
             if kind in ("fc1", "dswiglu"):
                 ok = ok and kw["BLOCK_N"] % 128 == 0 and kw["BLOCK_N"] % DW_CHUNK_Q == 0
         if not ok:
@@ -156,13 +162,13 @@ def fp8_fc1_swiglu_kernel(
     N, K, NKG, NG_OUT, UP_SCALE_OFF, M_BUCKET,
     stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_hm, stride_am, stride_asm,
     SAVE_H: tl.constexpr, MX: tl.constexpr, POW2: tl.constexpr, GROUP_K: tl.constexpr, B_GROUP_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    if pid_m >= tl.load(num_tiles_ptr):
+    pid_m = tl.program_id(1)  # a BLOCK_M part of a TILE_M tile (see grouped_gemm.tile_rows)
+    if pid_m >= tl.load(num_tiles_ptr) * (TILE_M // BLOCK_M):
         return
-    expert, rows, row_mask = _tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M)
+    expert, rows, row_mask = _tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M, TILE_M)
     src = tl.load(row_src_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -215,13 +221,13 @@ def fp8_grouped_gemm_kernel(
     stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
     SEGS: tl.constexpr, GATHER_A: tl.constexpr, SCALE_ROWS: tl.constexpr, MX: tl.constexpr,
     GROUP_K: tl.constexpr, B_GROUP_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    if pid_m >= tl.load(num_tiles_ptr):
+    pid_m = tl.program_id(1)  # a BLOCK_M part of a TILE_M tile (see grouped_gemm.tile_rows)
+    if pid_m >= tl.load(num_tiles_ptr) * (TILE_M // BLOCK_M):
         return
-    expert, rows, row_mask = _tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M)
+    expert, rows, row_mask = _tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M, TILE_M)
     if GATHER_A:
         src = tl.load(row_src_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     else:
@@ -268,13 +274,16 @@ def fp8_fc2_dgrad_dswiglu_kernel(
     stride_dym, stride_dysm, stride_be, stride_bn, stride_bse, stride_bsn, stride_hm,
     stride_dhm, stride_dhsm, stride_dhtk, stride_dhtsr, stride_awtk, stride_awtsr, stride_dwp,
     DW_CHUNK: tl.constexpr, MX: tl.constexpr, POW2: tl.constexpr, GROUP_K: tl.constexpr, B_GROUP_N: tl.constexpr,
-    GROUP_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_R: tl.constexpr, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
+    # Whole tiles: the column-scaled outputs take one scale per column over each tile's rows.
+    tl.static_assert(BLOCK_M == TILE_M)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     if pid_m >= tl.load(num_tiles_ptr):
         return
-    expert, rows, row_mask = _tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M)
+    expert, rows, row_mask = _tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M, TILE_M)
     src = tl.load(row_src_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N

@@ -1,9 +1,9 @@
 """Grouped GEMMs over variable rows per expert, with the MoE's gathers and epilogues fused in.
 
 Rows are in expert-sorted order: expert e owns rows [expert_offsets[e], expert_offsets[e+1]). A tile list built on
-the device (see ``prime_megamoe.ops.routing_plan``) names, for each BLOCK_M tile of rows, its expert and first row; a
-launch covers the static upper bound of tiles and programs past the device-side tile count return at once, so no
-host ever reads a count.
+the device (see ``prime_megamoe.ops.routing_plan``) names, for each TILE_M tile of rows, its expert and first row (a
+program takes a tile, or a BLOCK_M part of one); a launch covers the static upper bound of tiles and programs past
+the device-side tile count return at once, so no host ever reads a count.
 
 Kernels only: they know nothing of autograd or configs.
 """
@@ -29,10 +29,15 @@ def _dot(a, b, acc, CAST_F32: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M: tl.constexpr):
-    """Expert, row indices and row mask of row tile ``pid_m`` from the device-side tile list."""
-    expert = tl.load(tile_expert_ptr + pid_m)
-    row_start = tl.load(tile_row_ptr + pid_m)
+def tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr):
+    """Expert, row indices and row mask of row block ``pid_m``. The tile list has TILE_M-row tiles; a program may
+    take BLOCK_M rows of one (BLOCK_M divides TILE_M): block ``pid_m`` is part ``pid_m % (TILE_M // BLOCK_M)`` of
+    tile ``pid_m // (TILE_M // BLOCK_M)``. Smaller blocks hold fewer accumulators, for configs that need the room."""
+    tl.static_assert(TILE_M % BLOCK_M == 0)
+    PARTS: tl.constexpr = TILE_M // BLOCK_M
+    tile = pid_m // PARTS
+    expert = tl.load(tile_expert_ptr + tile)
+    row_start = tl.load(tile_row_ptr + tile) + (pid_m % PARTS) * BLOCK_M
     row_end = tl.load(expert_offsets_ptr + expert + 1)
     rows = row_start + tl.arange(0, BLOCK_M)
     return expert, rows, rows < row_end
@@ -46,9 +51,9 @@ def _fc1_swiglu_tile(
     x_ptr, row_src_ptr, w_ptr, h_ptr, a_ptr, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, pid_n,
     N, K, stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_am,
     SAVE_H: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_M: tl.constexpr,
 ):
-    expert, rows, row_mask = tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M)
+    expert, rows, row_mask = tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M, TILE_M)
     src = tl.load(row_src_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -87,21 +92,22 @@ def fc1_swiglu_kernel(
     N, K, M_BUCKET, NUM_SMS,
     stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_am,
     SAVE_H: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
+    TILE_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
     if PERSISTENT:
         num_n = tl.cdiv(N, BLOCK_N)
-        total = tl.load(num_tiles_ptr) * num_n
+        total = tl.load(num_tiles_ptr) * (TILE_M // BLOCK_M) * num_n
         for work in tl.range(tl.program_id(0), total, NUM_SMS, flatten=True):
             _fc1_swiglu_tile(x_ptr, row_src_ptr, w_ptr, h_ptr, a_ptr, tile_expert_ptr, tile_row_ptr,
                              expert_offsets_ptr, work // num_n, work % num_n, N, K, stride_xm, stride_we, stride_wn,
-                             stride_wk, stride_hm, stride_am, SAVE_H, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+                             stride_wk, stride_hm, stride_am, SAVE_H, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, TILE_M)
     else:
         pid_m = tl.program_id(1)
-        if pid_m < tl.load(num_tiles_ptr):
+        if pid_m < tl.load(num_tiles_ptr) * (TILE_M // BLOCK_M):
             _fc1_swiglu_tile(x_ptr, row_src_ptr, w_ptr, h_ptr, a_ptr, tile_expert_ptr, tile_row_ptr,
                              expert_offsets_ptr, pid_m, tl.program_id(0), N, K, stride_xm, stride_we, stride_wn,
-                             stride_wk, stride_hm, stride_am, SAVE_H, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+                             stride_wk, stride_hm, stride_am, SAVE_H, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, TILE_M)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -114,9 +120,9 @@ def _gemm_tile(
     a_ptr, row_src_ptr, b_ptr, c_ptr, row_scale_ptr, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
     pid_m, pid_n, N, K, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
     GATHER_A: tl.constexpr, SCALE_ROWS: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_M: tl.constexpr,
 ):
-    expert, rows, row_mask = tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M)
+    expert, rows, row_mask = tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M, TILE_M)
     if GATHER_A:
         src = tl.load(row_src_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     else:
@@ -148,25 +154,26 @@ def grouped_gemm_kernel(
     N, K, M_BUCKET, NUM_SMS,
     stride_am, stride_be, stride_bk, stride_bn, stride_cm,
     GATHER_A: tl.constexpr, SCALE_ROWS: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
+    TILE_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
     if PERSISTENT:
         # NUM_SMS programs walk the (row tile, column block) work list; the flattened loop lets one tile's epilogue
         # overlap the next tile's first loads.
         num_n = tl.cdiv(N, BLOCK_N)
-        total = tl.load(num_tiles_ptr) * num_n
+        total = tl.load(num_tiles_ptr) * (TILE_M // BLOCK_M) * num_n
         for work in tl.range(tl.program_id(0), total, NUM_SMS, flatten=True):
             _gemm_tile(a_ptr, row_src_ptr, b_ptr, c_ptr, row_scale_ptr, tile_expert_ptr, tile_row_ptr,
                        expert_offsets_ptr, work // num_n, work % num_n, N, K,
                        stride_am, stride_be, stride_bk, stride_bn, stride_cm,
-                       GATHER_A, SCALE_ROWS, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+                       GATHER_A, SCALE_ROWS, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, TILE_M)
     else:
         pid_m = tl.program_id(1)
-        if pid_m < tl.load(num_tiles_ptr):
+        if pid_m < tl.load(num_tiles_ptr) * (TILE_M // BLOCK_M):
             _gemm_tile(a_ptr, row_src_ptr, b_ptr, c_ptr, row_scale_ptr, tile_expert_ptr, tile_row_ptr,
                        expert_offsets_ptr, pid_m, tl.program_id(0), N, K,
                        stride_am, stride_be, stride_bk, stride_bn, stride_cm,
-                       GATHER_A, SCALE_ROWS, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+                       GATHER_A, SCALE_ROWS, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, TILE_M)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -211,9 +218,9 @@ def _dswiglu_tile(
     tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, pid_n, N, K,
     stride_dym, stride_we, stride_wk, stride_wn, stride_hm, stride_dhm, stride_awm, stride_dwp,
     DW_CHUNK: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_M: tl.constexpr,
 ):
-    expert, rows, row_mask = tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M)
+    expert, rows, row_mask = tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M, TILE_M)
     src = tl.load(row_src_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     cols_lo = pid_n * (2 * BLOCK_N) + tl.arange(0, BLOCK_N)
     cols_hi = cols_lo + BLOCK_N
@@ -248,23 +255,24 @@ def fc2_dgrad_dswiglu_kernel(
     N, K, M_BUCKET, NUM_SMS,
     stride_dym, stride_we, stride_wk, stride_wn, stride_hm, stride_dhm, stride_awm, stride_dwp,
     DW_CHUNK: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
+    TILE_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
     if PERSISTENT:
         num_n = tl.cdiv(N, 2 * BLOCK_N)
-        total = tl.load(num_tiles_ptr) * num_n
+        total = tl.load(num_tiles_ptr) * (TILE_M // BLOCK_M) * num_n
         for work in tl.range(tl.program_id(0), total, NUM_SMS, flatten=True):
             _dswiglu_tile(dy_ptr, row_src_ptr, w_ptr, h_ptr, row_weight_ptr, dh_ptr, aw_ptr, dw_partial_ptr,
                           tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, work // num_n, work % num_n, N, K,
                           stride_dym, stride_we, stride_wk, stride_wn, stride_hm, stride_dhm, stride_awm, stride_dwp,
-                          DW_CHUNK, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+                          DW_CHUNK, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, TILE_M)
     else:
         pid_m = tl.program_id(1)
-        if pid_m < tl.load(num_tiles_ptr):
+        if pid_m < tl.load(num_tiles_ptr) * (TILE_M // BLOCK_M):
             _dswiglu_tile(dy_ptr, row_src_ptr, w_ptr, h_ptr, row_weight_ptr, dh_ptr, aw_ptr, dw_partial_ptr,
                           tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, tl.program_id(0), N, K,
                           stride_dym, stride_we, stride_wk, stride_wn, stride_hm, stride_dhm, stride_awm, stride_dwp,
-                          DW_CHUNK, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+                          DW_CHUNK, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, TILE_M)
 
 
 # ----------------------------------------------------------------------------------------------------------------

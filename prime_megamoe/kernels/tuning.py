@@ -69,12 +69,15 @@ def autotune_configs(kind: str) -> list[triton.Config]:
         extra = {"GROUP_M": 2} if kind == "wgrad" else {"PERSISTENT": True}
         return [_cfg(16, 16, 16, 1, 1, **extra)]
     m = tile_m()
+    h = m // 2  # half-tile programs (grouped_gemm.tile_rows): fewer accumulator registers, wider column blocks
     if kind == "fc1":  # two accumulators (gate and up) per tile
         return [
             _cfg(m, 128, 64, 8, 3, PERSISTENT=False),
             _cfg(m, 128, 64, 8, 3, PERSISTENT=True),
             _cfg(m, 128, 64, 8, 4, PERSISTENT=True),
             _cfg(m, 64, 64, 8, 4, PERSISTENT=False),
+            _cfg(h, 256, 64, 8, 3, PERSISTENT=False),
+            _cfg(h, 128, 64, 4, 4, PERSISTENT=False),
         ]
     if kind == "gemm":
         return [
@@ -83,15 +86,17 @@ def autotune_configs(kind: str) -> list[triton.Config]:
             _cfg(m, 128, 64, 8, 4, PERSISTENT=True),
             _cfg(m, 256, 64, 8, 3, PERSISTENT=True),
             _cfg(m, 64, 64, 4, 5, PERSISTENT=False),
+            _cfg(h, 256, 64, 4, 4, PERSISTENT=False),
         ]
     if kind == "dswiglu":  # two accumulators: a program covers 2 * BLOCK_N columns
+        # Persistent variants measured 15-27x slower on an H200 (benchmarks/results/
+        # autotune_dswiglu_wgrad_T16384_ep2.txt): not candidates.
         return [
             _cfg(m, 64, 64, 8, 4, PERSISTENT=False),
-            _cfg(m, 64, 64, 8, 4, PERSISTENT=True),
-            _cfg(m, 64, 128, 8, 3, PERSISTENT=True),
             _cfg(m, 64, 64, 4, 4, PERSISTENT=False),
             _cfg(m, 128, 64, 8, 3, PERSISTENT=False),  # 256 columns a program: half the dy re-reads
-            _cfg(m, 128, 64, 8, 3, PERSISTENT=True),
+            _cfg(h, 128, 64, 8, 3, PERSISTENT=False),
+            _cfg(h, 128, 64, 4, 4, PERSISTENT=False),
         ]
     if kind == "wgrad":
         # Measured at Qwen3-30B-A3B, T = 16384 (scripts/wgrad_probe.py): 128 x 128 x 64 leads; wider tiles and

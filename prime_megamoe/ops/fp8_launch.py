@@ -269,7 +269,7 @@ def quantize_sorted_cols_t(x: torch.Tensor, plan: RoutingPlan, fmt: QFormat) -> 
 
 
 def _tile_grid(plan: RoutingPlan, n: int):
-    return lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), plan.max_tiles)
+    return lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), plan.max_tiles * (QTILE_M // meta["BLOCK_M"]))
 
 
 def _tile_args(plan: RoutingPlan):
@@ -297,7 +297,7 @@ def fp8_fc1_swiglu(xq: QTensor, w1q: QTensor, plan: RoutingPlan, fmt: QFormat, *
         inter, hidden, triton.cdiv(hidden, fmt.group), ng_out, up_scale_off, num_pairs,
         xq.data.stride(0), xq.scale.stride(0), w1q.data.stride(0), w1q.data.stride(1),
         w1q.scale.stride(0), w1q.scale.stride(1), h.stride(0), aq.stride(0), a_s.stride(0),
-        SAVE_H=save_h, POW2=fmt.pow2, **_fmt_args(fmt),
+        SAVE_H=save_h, POW2=fmt.pow2, TILE_M=QTILE_M, **_fmt_args(fmt),
     )
     return (h if save_h else None), QTensor(aq, a_s)
 
@@ -315,7 +315,7 @@ def fp8_grouped_gemm(aq: QTensor, bq: QTensor, plan: RoutingPlan, fmt: QFormat, 
         n, k, triton.cdiv(k, fmt.group), plan.num_pairs,
         aq.data.stride(0), aq.scale.stride(0), bq.data.stride(0), bq.data.stride(1),
         bq.scale.stride(0), bq.scale.stride(1), c.stride(0),
-        SEGS=segments, GATHER_A=gather, SCALE_ROWS=row_scale is not None, **_fmt_args(fmt),
+        SEGS=segments, GATHER_A=gather, SCALE_ROWS=row_scale is not None, TILE_M=QTILE_M, **_fmt_args(fmt),
     )
     return c
 
@@ -351,7 +351,7 @@ def fp8_fc2_dgrad_dswiglu(dyq: QTensor, w2q_bwd: QTensor, h: torch.Tensor, plan:
         w2q_bwd.scale.stride(0), w2q_bwd.scale.stride(1), h.stride(0),
         dh_rows.data.stride(0), dh_rows.scale.stride(0), dh_t.data.stride(0), dh_t.scale.stride(0),
         aw_t.data.stride(0), aw_t.scale.stride(0), dw_partial.stride(0),
-        DW_CHUNK=DW_CHUNK_Q, POW2=fmt.pow2, GROUP_R=fmt.group, **_fmt_args(fmt),
+        DW_CHUNK=DW_CHUNK_Q, POW2=fmt.pow2, GROUP_R=fmt.group, TILE_M=QTILE_M, **_fmt_args(fmt),
     )
     return DSwiGLUOut(dh_rows, dh_t, aw_t, dw_partial.sum(0))
 

@@ -34,12 +34,13 @@ def _flags(t: torch.Tensor) -> dict:
 
 
 def _tile_grid(plan: RoutingPlan, n: int, num_sms: int, cols_per_program: int = 1):
-    """Grid of a tile-list kernel: one program per (column block, row tile), or one per SM when persistent."""
+    """Grid of a tile-list kernel: one program per (column block, row block: a tile or a BLOCK_M part of one), or
+    one per SM when persistent."""
 
     def grid(meta):
         if meta["PERSISTENT"]:
             return (num_sms, 1)
-        return (triton.cdiv(n, cols_per_program * meta["BLOCK_N"]), plan.max_tiles)
+        return (triton.cdiv(n, cols_per_program * meta["BLOCK_N"]), plan.max_tiles * (plan.tile_m // meta["BLOCK_M"]))
 
     return grid
 
@@ -63,7 +64,7 @@ def fc1_swiglu(x: torch.Tensor, w1: torch.Tensor, plan: RoutingPlan, save_h: boo
         x, plan.row_src, w1, h, a, *_tile_args(plan),
         inter, hidden, num_pairs, num_sms,
         x.stride(0), w1.stride(0), w1.stride(1), w1.stride(2), h.stride(0), a.stride(0),
-        SAVE_H=save_h, **_flags(x),
+        SAVE_H=save_h, TILE_M=plan.tile_m, **_flags(x),
     )
     return (h if save_h else None), a
 
@@ -91,7 +92,7 @@ def grouped_gemm(
         a, plan.row_src, b, c, row_scale if row_scale is not None else plan.row_weight, *_tile_args(plan),
         n, k, plan.num_pairs, num_sms,
         a.stride(0), b.stride(0), stride_bk, stride_bn, c.stride(0),
-        GATHER_A=gather, SCALE_ROWS=row_scale is not None, **_flags(a),
+        GATHER_A=gather, SCALE_ROWS=row_scale is not None, TILE_M=plan.tile_m, **_flags(a),
     )
     return c
 
@@ -120,7 +121,7 @@ def fc2_dgrad_dswiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, plan:
         inter, hidden, num_pairs, num_sms,
         dy.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), h.stride(0), dh.stride(0), aw.stride(0),
         dw_partial.stride(0),
-        DW_CHUNK=chunk, **_flags(dy),
+        DW_CHUNK=chunk, TILE_M=plan.tile_m, **_flags(dy),
     )
     if out is None:
         return dh, aw, dw_partial.sum(0)
