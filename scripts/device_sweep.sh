@@ -4,6 +4,7 @@
 #   bash scripts/device_sweep.sh bench      # Qwen3-30B-A3B EP=2 (both transports, profile) + back-to-back timing
 #   bash scripts/device_sweep.sh train      # configs/tiny.toml and tiny-torch.toml on two GPUs
 #   bash scripts/device_sweep.sh final      # GPU tests, fp8 (one GPU) and 30B EP=2 benchmark record
+#   bash scripts/device_sweep.sh last       # half-tile configs checked on GPU, fp8 + 30B EP=2 record (after tuning)
 #   bash scripts/device_sweep.sh record     # GPU tests, Qwen3-235B-A22B EP=2, tiny trainer with default autotuning
 #   bash scripts/device_sweep.sh pipeline   # EP check, wgrad probe, 30B EP=2 T=16384 (profiled, back-to-back)
 #   bash scripts/device_sweep.sh probe      # one-GPU check + fp8 profile (GPU 1) side by side, EP check, EP=2 T=16384
@@ -82,6 +83,21 @@ case "${1:-}" in
     step train_tiny 200 torchrun --nproc-per-node 2 -m prime_megamoe.train configs/tiny.toml --train.steps 10 \
       --output-dir /tmp/tiny
     cp /tmp/tiny/metrics.jsonl "$LOGS/metrics_tiny.jsonl" ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record" >&2; exit 2 ;;
+  last)  # half-tile programs checked on the GPU, fp8 (GPU 1) beside them, then the 30B EP=2 record
+    CUDA_VISIBLE_DEVICES=0 step pytest_gpu 240 python -m pytest -q tests/test_tile_blocks.py tests/test_fp8_experts.py tests/test_mega_moe_gpu.py \
+      -k "half_tile or gpu" -rA &
+    CUDA_VISIBLE_DEVICES=1 step fp8_bench 300 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+      --backends torch mega_moe --precisions fp8 fp8_bwd --iters 5 --warmup 2 --out "$LOGS/fp8.json" \
+      --profile-dir "$LOGS"
+    wait
+    tail -8 "$LOGS/pytest_gpu.log"; tail -4 "$LOGS/fp8_bench.log"
+    step bench_30b 300 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 16384 \
+      --transports symmetric_memory collectives --iters 10 --warmup 3 --out "$LOGS/bench_30b.json" --profile-dir "$LOGS" \
+      --profile-backends mega_moe
+    tail -8 "$LOGS/bench_30b.log"
+    step bench_30b_r5 150 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 16384 \
+      --transports symmetric_memory --backends mega_moe --repeat 5 --iters 10 --warmup 3 --out "$LOGS/bench_30b_r5.json"
+    tail -3 "$LOGS/bench_30b_r5.log" ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last" >&2; exit 2 ;;
 esac
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -r "$LOGS"

@@ -96,3 +96,22 @@ def assert_matches_oracle(got, x, index, weights, w1, w2, grad_out, tol):
         assert torch.isfinite(a).all(), f"{name}: non-finite values"
         err = rel_err(a, b)
         assert err <= tol, f"{name}: relative error {err:.3e} > {tol:.0e}"
+
+
+def make_problem(num_tokens, hidden, inter, experts, top_k, dtype, *, seed, routing="uniform", hot_fraction=0.7,
+                 device="cpu"):
+    """Random inputs in ``dtype``: tokens, router-like routing, weights at a unit-variance scale, upstream grad."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w1 = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5
+    grad_out = torch.randn(num_tokens, hidden, generator=gen)
+    route_seed = seed * 7919 + 1
+    if routing == "uniform":
+        index, weights = ragged_routing(num_tokens, experts, top_k, seed=route_seed, empty_expert=None, hot_expert=None)
+    elif routing == "ragged":  # expert 0 never chosen, expert 1 chosen by most tokens
+        index, weights = ragged_routing(num_tokens, experts, top_k, seed=route_seed, hot_fraction=hot_fraction)
+    else:
+        raise ValueError(routing)
+    x, weights, w1, w2, grad_out = (t.to(device=device, dtype=dtype) for t in (x, weights, w1, w2, grad_out))
+    return x, index.to(device), weights, w1, w2, grad_out

@@ -10,39 +10,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prime_megamoe import DispatchConfig, fused_experts
-from prime_megamoe.kernels import tuning
-from prime_megamoe.kernels.grouped_gemm import fc1_swiglu_kernel, fc2_dgrad_dswiglu_kernel, grouped_gemm_kernel
 from prime_megamoe.kernels.tuning import interpreting
 from prime_megamoe.ops.launch import combine_rows, grouped_wgrad, sum_blocks
 from prime_megamoe.ops.routing_plan import build_routing_plan
 
-from .oracle import NAMES, TOL, assert_matches_oracle, oracle_with_grads, ragged_routing, rel_err, run_mega_moe
+from .oracle import (
+    NAMES, TOL, assert_matches_oracle, make_problem, oracle_with_grads, ragged_routing, rel_err, run_mega_moe,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def make_problem(num_tokens, hidden, inter, experts, top_k, dtype, *, seed, routing="uniform", hot_fraction=0.7,
-                 device="cpu"):
-    """Random inputs in ``dtype``: tokens, router-like routing, weights at a unit-variance scale, upstream grad."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, hidden, generator=gen)
-    w1 = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
-    w2 = torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5
-    grad_out = torch.randn(num_tokens, hidden, generator=gen)
-    route_seed = seed * 7919 + 1
-    if routing == "uniform":
-        index, weights = ragged_routing(num_tokens, experts, top_k, seed=route_seed, empty_expert=None, hot_expert=None)
-    elif routing == "ragged":  # expert 0 never chosen, expert 1 chosen by most tokens
-        index, weights = ragged_routing(num_tokens, experts, top_k, seed=route_seed, hot_fraction=hot_fraction)
-    else:
-        raise ValueError(routing)
-    x, weights, w1, w2, grad_out = (t.to(device=device, dtype=dtype) for t in (x, weights, w1, w2, grad_out))
-    return x, index.to(device), weights, w1, w2, grad_out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -431,25 +411,3 @@ def test_small_problems_skip_autotuning(monkeypatch):
     monkeypatch.setenv("PRIME_MEGAMOE_AUTOTUNE", "0")  # checks: never time candidates
     assert prune(configs, {"N": 768, "K": 2048, "M_BUCKET": 131072}) == ["first"]
 
-
-def _only_config(monkeypatch, kernel, **changes):
-    """Make an autotuned kernel run its first candidate with ``changes`` (e.g. a smaller BLOCK_M)."""
-    first = kernel.configs[0]
-    config = triton.Config({**first.kwargs, **changes}, num_warps=first.num_warps, num_stages=first.num_stages)
-    monkeypatch.setattr(kernel, "configs", [config])
-    monkeypatch.setattr(kernel, "cache", {})
-
-
-def test_half_tile_programs_compute_the_same(monkeypatch):
-    # Configs may give a program BLOCK_M = half a routing tile (two programs a tile): the layer's output and every
-    # gradient must be bitwise what whole-tile programs give, with ragged routing (tiles end mid-way, an expert
-    # has no rows).
-    x, index, weights, w1, w2, g = make_problem(45, 32, 16, 4, 2, torch.float32, seed=3, routing="ragged")
-    whole = run_mega_moe(x, index, weights, w1, w2, g)
-    half = tuning.tile_m() // 2
-    for persistent in (False, True):
-        for kernel in (fc1_swiglu_kernel, grouped_gemm_kernel, fc2_dgrad_dswiglu_kernel):
-            _only_config(monkeypatch, kernel, BLOCK_M=half, PERSISTENT=persistent)
-        parts = run_mega_moe(x, index, weights, w1, w2, g)
-        for name, a, b in zip(NAMES, whole, parts):
-            assert torch.equal(a, b), f"{name} differs with {half}-row programs (persistent={persistent})"
