@@ -14,6 +14,9 @@ set -u
 OUT=${OUT:-/tmp/out}
 LOGS="$OUT/logs"
 mkdir -p "$LOGS"
+pack() { [ -d "$LOGS" ] && tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -r "$LOGS"; }
+trap pack EXIT  # also when an outer time limit stops the sweep (TERM is trapped below)
+trap 'exit 124' TERM
 step() {  # step NAME SECONDS CMD...: run CMD with a limit, log to $OUT/NAME.log, print its rc and key lines
   local name=$1 limit=$2; shift 2
   timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
@@ -84,20 +87,19 @@ case "${1:-}" in
       --output-dir /tmp/tiny
     cp /tmp/tiny/metrics.jsonl "$LOGS/metrics_tiny.jsonl" ;;
   last)  # half-tile programs checked on the GPU, fp8 (GPU 1) beside them, then the 30B EP=2 record
-    CUDA_VISIBLE_DEVICES=0 step pytest_gpu 240 python -m pytest -q tests/test_tile_blocks.py tests/test_fp8_experts.py tests/test_mega_moe_gpu.py \
+    CUDA_VISIBLE_DEVICES=0 step pytest_gpu 200 python -m pytest -q tests/test_tile_blocks.py tests/test_fp8_experts.py tests/test_mega_moe_gpu.py \
       -k "half_tile or gpu" -rA &
-    CUDA_VISIBLE_DEVICES=1 step fp8_bench 300 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+    CUDA_VISIBLE_DEVICES=1 step fp8_bench 220 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
       --backends torch mega_moe --precisions fp8 fp8_bwd --iters 5 --warmup 2 --out "$LOGS/fp8.json" \
       --profile-dir "$LOGS"
     wait
     tail -8 "$LOGS/pytest_gpu.log"; tail -4 "$LOGS/fp8_bench.log"
-    step bench_30b 300 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 16384 \
+    step bench_30b 200 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 16384 \
       --transports symmetric_memory collectives --iters 10 --warmup 3 --out "$LOGS/bench_30b.json" --profile-dir "$LOGS" \
       --profile-backends mega_moe
     tail -8 "$LOGS/bench_30b.log"
-    step bench_30b_r5 150 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 16384 \
+    step bench_30b_r5 100 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 16384 \
       --transports symmetric_memory --backends mega_moe --repeat 5 --iters 10 --warmup 3 --out "$LOGS/bench_30b_r5.json"
     tail -3 "$LOGS/bench_30b_r5.log" ;;
   *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last" >&2; exit 2 ;;
 esac
-tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -r "$LOGS"
