@@ -342,8 +342,13 @@ def test_gpu_against_oracle(precision):
 @pytest.mark.parametrize("precision", ["fp8", "mxfp8"])
 def test_half_tile_programs_compute_the_same(monkeypatch, precision):
     # FC1 and the plain grouped GEMM may run 64-row programs (half a 128-row tile): the output and every gradient
-    # must be bitwise what whole-tile programs give. 300 tokens x 4 slots over 6 experts: tiles end mid-way.
+    # must be what whole-tile programs give. 300 tokens x 4 slots over 6 experts: tiles end mid-way. The interpreter
+    # must match bitwise; compiled configs may order the fp32 sums differently, and a last-bit change can move an
+    # fp8 rounding of an intermediate, so on a GPU the two may differ by a fraction of one e4m3 step.
+    on_gpu = torch.cuda.is_available()
     problem = _problem(300, 64, 32, 6, 4, seed=9)
+    if on_gpu:
+        problem = [t.cuda() for t in problem]
     whole = _run(precision, *problem)
     qe.invalidate_weight_cache()
     for kernel in (fp8_gemm.fp8_fc1_swiglu_kernel, fp8_gemm.fp8_grouped_gemm_kernel):
@@ -354,5 +359,8 @@ def test_half_tile_programs_compute_the_same(monkeypatch, precision):
         monkeypatch.setattr(kernel, "cache", {})
     parts = _run(precision, *problem)
     for name, a, b in zip(NAMES, whole, parts):
-        assert torch.equal(a, b), f"{precision} {name} differs with 64-row programs"
+        if on_gpu:
+            assert rel_err(a.cpu(), b.cpu()) < 5e-3, f"{precision} {name} differs with 64-row programs"
+        else:
+            assert torch.equal(a, b), f"{precision} {name} differs with 64-row programs"
     qe.invalidate_weight_cache()
