@@ -99,12 +99,13 @@ def autotune_configs(kind: str) -> list[triton.Config]:
             _cfg(h, 128, 64, 4, 4, PERSISTENT=False),
         ]
     if kind == "wgrad":
-        # Measured at Qwen3-30B-A3B, T = 16384 (scripts/wgrad_probe.py): 128 x 128 x 64 leads; wider tiles and
-        # persistent programs walking every (expert, tile) were 10-40% slower.
+        # At Qwen3-30B-A3B, T = 16384, 128 x 128 x 64 leads (scripts/wgrad_probe.py; a persistent variant and one
+        # loop over all segments' rows were 10-40% slower); the wider tiles stay for the larger shapes.
         return [
             _cfg(128, 128, 64, 8, 3, GROUP_M=8),
             _cfg(128, 128, 32, 4, 4, GROUP_M=8),
-            _cfg(128, 256, 64, 8, 3, GROUP_M=8),
-            _cfg(256, 128, 64, 8, 4, GROUP_M=4),
+            _cfg(128, 256, 64, 8, 4, GROUP_M=8),
+            _cfg(256, 128, 64, 8, 3, GROUP_M=8),
+            _cfg(128, 256, 32, 8, 4, GROUP_M=8),
         ]
     raise ValueError(f"unknown kernel family {kind!r}")
