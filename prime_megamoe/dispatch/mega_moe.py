@@ -12,7 +12,12 @@ from ..kernels.tuning import tile_m
 from ..ops.ep_exchange import combine_rows_across, dispatch_rows
 from ..ops.ep_pipeline import expert_parallel_experts
 from ..ops.expert_compute import routed_experts
-from ..ops.quantized_experts import QUANTIZED_PRECISIONS, check_precision_supported, routed_experts_quantized
+from ..ops.quantized_experts import (
+    QUANTIZED_PRECISIONS,
+    check_precision_supported,
+    routed_experts_quantized,
+    token_format,
+)
 from .registry import register_backend
 
 
@@ -59,10 +64,12 @@ def mega_moe_experts(
             f"symmetric-memory pipeline is bf16-only so far. Set [model.moe.dispatch] transport = 'collectives' or "
             f"'auto', or precision = 'bf16'"
         )
-    # Quantised precisions: every rank sees all ranks' tokens (padded to capacity), computes its experts' share of
-    # each, and sends each share back to the token's rank, which sums the shares in rank order.
+    # Quantised precisions: every rank sees all ranks' tokens (padded to capacity; fp8 on the wire when the forward
+    # quantises them anyway), computes its experts' share of each, and sends each share back to the token's rank,
+    # which sums the shares in rank order.
     rank = dist.get_rank(group)
-    rows = dispatch_rows(hidden_states, capacity, group, timeout_s=timeout)
+    rows = dispatch_rows(hidden_states, capacity, group, timeout_s=timeout,
+                         fmt=token_format(precision, options.fp8_pow2_scales))
     index = dispatch_rows(top_k_index, capacity, group, fill=-1, timeout_s=timeout)
     weights = dispatch_rows(top_k_weights, capacity, group, timeout_s=timeout)
     num_local = gate_up_proj.shape[0]

@@ -8,6 +8,11 @@ source rank, which sums the W partial rows in rank order (fixed order: determini
 
 dispatch and combine are each other's adjoint: the backward of dispatch is a combine, and the backward of combine
 is a dispatch.
+
+Tokens of the quantised forwards (fp8, mxfp8) travel quantised: each rank quantises its block per row the way the
+experts' FC1 reads it and sends the fp8 values and scales (about half the bytes of bf16); the receivers dequantise,
+and the experts' own quantisation maps those rows back onto exactly the values sent. The gradient passes straight
+through the rounding, as it does through the experts' own quantisation.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..comm.collectives import all_gather_blocks, exchange_blocks, pad_rows
+from . import fp8_launch as fl
 from . import launch
 
 
@@ -23,18 +29,25 @@ def _sum_partials(blocks: torch.Tensor, world: int, num_tokens: int, dtype) -> t
 
 
 class DispatchRows(torch.autograd.Function):
-    """x [T, C...] on each rank -> [W*capacity, C...] on every rank (padding rows filled with ``fill``)."""
+    """x [T, C...] on each rank -> [W*capacity, C...] on every rank (padding rows filled with ``fill``). With a
+    quantised format ``fmt``, x [T, H] travels as fp8 rows with their scales and arrives dequantised."""
 
     @staticmethod
-    def forward(ctx, x, capacity: int, group, fill, timeout_s):
+    def forward(ctx, x, capacity: int, group, fill, timeout_s, fmt):
         ctx.group, ctx.num_tokens, ctx.dtype, ctx.timeout_s = group, x.shape[0], x.dtype, timeout_s
-        return all_gather_blocks(pad_rows(x, capacity, fill), group, timeout_s, "dispatch of tokens")
+        block = pad_rows(x, capacity, fill)
+        if fmt is None:
+            return all_gather_blocks(block, group, timeout_s, "dispatch of tokens")
+        q = fl.quantize_rows(block, fmt)
+        data = all_gather_blocks(q.data, group, timeout_s, "dispatch of tokens (fp8)")
+        scale = all_gather_blocks(q.scale, group, timeout_s, "dispatch of token scales")
+        return fl.dequantize_rows(fl.QTensor(data, scale), fmt, dtype=x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         world = torch.distributed.get_world_size(ctx.group)
         back = exchange_blocks(grad.contiguous(), ctx.group, ctx.timeout_s, "return of token gradients")
-        return _sum_partials(back, world, ctx.num_tokens, ctx.dtype), None, None, None, None
+        return _sum_partials(back, world, ctx.num_tokens, ctx.dtype), None, None, None, None, None
 
 
 class CombineRows(torch.autograd.Function):
@@ -54,9 +67,11 @@ class CombineRows(torch.autograd.Function):
         return out, None, None, None
 
 
-def dispatch_rows(x: torch.Tensor, capacity: int, group, fill=0, timeout_s: float | None = None) -> torch.Tensor:
+def dispatch_rows(x: torch.Tensor, capacity: int, group, fill=0, timeout_s: float | None = None,
+                  fmt: fl.QFormat | None = None) -> torch.Tensor:
+    """Every rank's rows, padded to ``capacity`` each; ``fmt``: send them quantised in that format (tokens [T, H])."""
     if x.requires_grad or x.is_floating_point():
-        return DispatchRows.apply(x, capacity, group, fill, timeout_s)
+        return DispatchRows.apply(x, capacity, group, fill, timeout_s, fmt)
     return all_gather_blocks(pad_rows(x, capacity, fill), group, timeout_s, "dispatch of routing")
 
 

@@ -60,6 +60,12 @@ rows) dy fp8 34 MB (freed after the dSwiGLU GEMM), dh row-scaled 201 MB (freed a
 (freed after dW1), (w * a)^T 113 MB, the K-major copies x^T then dy^T 302 MB each (one at a time, each freed after
 its wgrad), scales ~27 MB, the FC1 dgrad output before the combine 537 MB.
 
+Expert parallelism (``ops.ep_exchange``, over collectives): fp8 and mxfp8 send each rank's tokens as the rows
+FC1 reads, fp8 with their row scales, about half the bytes of bf16; the receivers dequantise them, and FC1's own
+quantisation maps those rows back onto exactly the values sent. The W1 weight gradient then reads these rounded
+tokens instead of the originals (its column-scaled operand is a second rounding of them), the one numerical
+difference from EP = 1. fp8_bwd sends bf16 tokens (its forward is bf16).
+
 ``fp8_bwd`` runs the bf16 forward kernels (``ops.launch``) and the same fp8 backward as ``fp8``.
 
 Accuracy (CPU interpreter, tests/test_fp8_experts.py, H = 192, I = 96, ragged routing): against the float64
@@ -115,6 +121,16 @@ def check_precision_supported(precision: str, device: torch.device) -> None:
 
 def _format(precision: str, pow2_scales: bool) -> fl.QFormat:
     return fl.MX_FORMAT if precision == "mxfp8" else fl.fp8_format(pow2_scales)
+
+
+def token_format(precision: str, pow2_scales: bool) -> fl.QFormat | None:
+    """The format tokens travel in between expert-parallel ranks: the quantised forwards (fp8, mxfp8) quantise them
+    per row for FC1 anyway, so they are sent that way; fp8_bwd's forward is bf16 (None: sent as they are)."""
+    if precision not in QUANTIZED_PRECISIONS:
+        raise ValueError(
+            f"precision = {precision!r} is not a quantised precision; allowed: {list(QUANTIZED_PRECISIONS)}"
+        )
+    return None if precision == "fp8_bwd" else _format(precision, pow2_scales)
 
 
 # ----------------------------------------------------------------------------------------------------------------
