@@ -62,7 +62,7 @@ its wgrad), scales ~27 MB, the FC1 dgrad output before the combine 537 MB.
 
 Expert parallelism (``ops.ep_exchange``, over collectives): fp8 and mxfp8 send each rank's tokens as the rows
 FC1 reads, fp8 with their row scales, about half the bytes of bf16; the receivers dequantise them, and FC1's own
-quantisation maps those rows back onto exactly the values sent. The W1 weight gradient then reads these rounded
+quantisation maps those rows back onto the values sent (to within an fp32 rounding of a scale). The W1 weight gradient then reads these rounded
 tokens instead of the originals (its column-scaled operand is a second rounding of them), the one numerical
 difference from EP = 1. fp8_bwd sends bf16 tokens (its forward is bf16).
 
