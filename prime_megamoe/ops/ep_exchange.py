@@ -11,9 +11,8 @@ is a dispatch.
 
 Tokens of the quantised forwards (fp8, mxfp8) travel quantised: each rank quantises its block per row the way the
 experts' FC1 reads it and sends the fp8 values and scales (about half the bytes of bf16); the receivers dequantise,
-and the experts' own quantisation maps those rows back onto the values sent (to within an fp32
-rounding of a scale). The gradient passes straight
-through the rounding, as it does through the experts' own quantisation.
+and the experts' own quantisation maps those rows back onto the values sent (to within an fp32 rounding of a
+scale). The gradient passes straight through the rounding, as it does through the experts' own quantisation.
 """
 
 from __future__ import annotations
