@@ -273,6 +273,17 @@ def format_table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def torchrun_group():
+    """Under torchrun with several ranks: bind this process to its GPU (LOCAL_RANK) and join the NCCL group; returns
+    the world group, or None in a single process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    return dist.group.WORLD
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", nargs="+", default=["qwen3-30b-a3b"], choices=sorted(SHAPES))
@@ -294,12 +305,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if not torch.cuda.is_available():
         raise SystemExit("the benchmark needs a CUDA GPU")
-    group = None
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        local = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-        group = dist.group.WORLD
+    group = torchrun_group()
     rank = 0 if group is None else dist.get_rank()
 
     results: list[Result] = []

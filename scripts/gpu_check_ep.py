@@ -11,20 +11,18 @@ chosen (that rank receives no rows), expert 1 takes half of all tokens, and rank
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.distributed as dist
 
 from prime_megamoe import DispatchConfig, fused_experts
+from prime_megamoe.bench import torchrun_group
 
 from gpu_check import reference  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
 
 def main():
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    torchrun_group()  # launched with two ranks
     rank, world = dist.get_rank(), dist.get_world_size()
     ok = True
     for dtype, tol, (hidden, inter, experts, top_k, tokens) in [

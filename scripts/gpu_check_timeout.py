@@ -13,12 +13,11 @@ import torch
 import torch.distributed as dist
 
 from prime_megamoe import DispatchConfig, fused_experts
+from prime_megamoe.bench import torchrun_group
 
 
 def main():
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    torchrun_group()  # launched with two ranks
     rank = dist.get_rank()
     hidden, inter, experts, top_k, tokens = 256, 128, 8, 2, 64
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import os
 import pstats
 import time
 
 import torch
 import torch.distributed as dist
 
-from prime_megamoe.bench import make_workload
+from prime_megamoe.bench import make_workload, torchrun_group
 
 
 def main():
@@ -27,12 +26,7 @@ def main():
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--grad", action="store_true", help="profile forward + backward instead of the no-grad forward")
     args = p.parse_args()
-    group = None
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        local = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-        group = dist.group.WORLD
+    group = torchrun_group()
     work = make_workload(args.shape, args.tokens, "mega_moe", "bf16", group)
     step = work.fwd_bwd if args.grad else work.fwd
     for _ in range(3):
