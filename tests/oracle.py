@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from prime_megamoe import fused_experts
 
@@ -115,3 +116,11 @@ def make_problem(num_tokens, hidden, inter, experts, top_k, dtype, *, seed, rout
         raise ValueError(routing)
     x, weights, w1, w2, grad_out = (t.to(device=device, dtype=dtype) for t in (x, weights, w1, w2, grad_out))
     return x, index.to(device), weights, w1, w2, grad_out
+
+
+def only_config(monkeypatch, kernel, **changes):
+    """Make an autotuned kernel run its first candidate with ``changes`` (e.g. a smaller BLOCK_M)."""
+    first = kernel.configs[0]
+    config = triton.Config({**first.kwargs, **changes}, num_warps=first.num_warps, num_stages=first.num_stages)
+    monkeypatch.setattr(kernel, "configs", [config])
+    monkeypatch.setattr(kernel, "cache", {})

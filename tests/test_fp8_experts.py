@@ -13,7 +13,6 @@ Two references, two tolerances:
 import pytest
 import torch
 import torch.nn.functional as F
-import triton
 
 from prime_megamoe.kernels import fp8_gemm, tuning
 from prime_megamoe.kernels.fp8_gemm import QTILE_M
@@ -26,7 +25,7 @@ from prime_megamoe.ops.quantized_experts import (
     weight_cache_info,
 )
 from prime_megamoe.ops.routing_plan import build_routing_plan
-from tests.oracle import oracle_with_grads, ragged_routing, rel_err
+from tests.oracle import only_config, oracle_with_grads, ragged_routing, rel_err
 
 ORACLE_TOL = 8e-2
 EMULATION_TOL = 5e-3
@@ -352,11 +351,7 @@ def test_half_tile_programs_compute_the_same(monkeypatch, precision):
     whole = _run(precision, *problem)
     qe.invalidate_weight_cache()
     for kernel in (fp8_gemm.fp8_fc1_swiglu_kernel, fp8_gemm.fp8_grouped_gemm_kernel):
-        first = kernel.configs[0]
-        half = triton.Config({**first.kwargs, "BLOCK_M": QTILE_M // 2}, num_warps=first.num_warps,
-                             num_stages=first.num_stages)
-        monkeypatch.setattr(kernel, "configs", [half])
-        monkeypatch.setattr(kernel, "cache", {})
+        only_config(monkeypatch, kernel, BLOCK_M=QTILE_M // 2)
     parts = _run(precision, *problem)
     for name, a, b in zip(NAMES, whole, parts):
         if on_gpu:

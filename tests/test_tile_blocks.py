@@ -5,20 +5,11 @@ property-testing dependency, so a GPU machine can run it as it is."""
 from __future__ import annotations
 
 import torch
-import triton
 
 from prime_megamoe.kernels import tuning
 from prime_megamoe.kernels.grouped_gemm import fc1_swiglu_kernel, fc2_dgrad_dswiglu_kernel, grouped_gemm_kernel
 
-from .oracle import NAMES, make_problem, run_mega_moe
-
-
-def _only_config(monkeypatch, kernel, **changes):
-    """Make an autotuned kernel run its first candidate with ``changes`` (e.g. a smaller BLOCK_M)."""
-    first = kernel.configs[0]
-    config = triton.Config({**first.kwargs, **changes}, num_warps=first.num_warps, num_stages=first.num_stages)
-    monkeypatch.setattr(kernel, "configs", [config])
-    monkeypatch.setattr(kernel, "cache", {})
+from .oracle import NAMES, make_problem, only_config, run_mega_moe
 
 
 def test_half_tile_programs_compute_the_same(monkeypatch):
@@ -32,7 +23,7 @@ def test_half_tile_programs_compute_the_same(monkeypatch):
     half = tuning.tile_m() // 2
     for persistent in (False, True):
         for kernel in (fc1_swiglu_kernel, grouped_gemm_kernel, fc2_dgrad_dswiglu_kernel):
-            _only_config(monkeypatch, kernel, BLOCK_M=half, PERSISTENT=persistent)
+            only_config(monkeypatch, kernel, BLOCK_M=half, PERSISTENT=persistent)
         parts = run_mega_moe(x, index, weights, w1, w2, g)
         for name, a, b in zip(NAMES, whole, parts):
             assert torch.equal(a, b), f"{name} differs with {half}-row programs (persistent={persistent})"

@@ -95,12 +95,16 @@ QUANTIZED_PRECISIONS = ("fp8", "fp8_bwd", "mxfp8")
 # ----------------------------------------------------------------------------------------------------------------
 # Device support
 # ----------------------------------------------------------------------------------------------------------------
-def check_precision_supported(precision: str, device: torch.device) -> None:
-    """Raise a clear error where ``precision`` cannot run on ``device``."""
+def _require_quantized(precision: str) -> None:
     if precision not in QUANTIZED_PRECISIONS:
         raise ValueError(
             f"precision = {precision!r} is not a quantised precision; allowed: {list(QUANTIZED_PRECISIONS)}"
         )
+
+
+def check_precision_supported(precision: str, device: torch.device) -> None:
+    """Raise a clear error where ``precision`` cannot run on ``device``."""
+    _require_quantized(precision)
     if device.type == "cuda":
         if torch.version.hip is not None:
             raise RuntimeError(f"precision = {precision!r} is implemented for NVIDIA GPUs only; use precision = 'bf16'")
@@ -126,10 +130,7 @@ def _format(precision: str, pow2_scales: bool) -> fl.QFormat:
 def token_format(precision: str, pow2_scales: bool) -> fl.QFormat | None:
     """The format tokens travel in between expert-parallel ranks: the quantised forwards (fp8, mxfp8) quantise them
     per row for FC1 anyway, so they are sent that way; fp8_bwd's forward is bf16 (None: sent as they are)."""
-    if precision not in QUANTIZED_PRECISIONS:
-        raise ValueError(
-            f"precision = {precision!r} is not a quantised precision; allowed: {list(QUANTIZED_PRECISIONS)}"
-        )
+    _require_quantized(precision)
     return None if precision == "fp8_bwd" else _format(precision, pow2_scales)
 
 
@@ -305,10 +306,7 @@ def routed_experts_quantized(rows, top_k_index, top_k_weights, w1, w2, *, expert
     native on Blackwell, emulated by Triton on Hopper: MX numerics at bf16 speed; ``pow2_scales`` is implied).
     tile_m is the row tile of the bf16 kernels (the fp8_bwd forward); the quantised GEMMs always use 128-row tiles.
     """
-    if precision not in QUANTIZED_PRECISIONS:
-        raise ValueError(
-            f"precision = {precision!r} is not a quantised precision; allowed: {list(QUANTIZED_PRECISIONS)}"
-        )
+    _require_quantized(precision)
     return QuantizedRoutedExperts.apply(
         rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, precision, bool(pow2_scales)
     )
