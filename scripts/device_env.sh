@@ -11,7 +11,6 @@ fi
 export TRITON_CACHE_DIR=/tmp/triton_cache
 mkdir -p $TRITON_CACHE_DIR
 if [ -f .cache/triton.tgz ]; then tar -xzf .cache/triton.tgz -C $TRITON_CACHE_DIR; fi
-save_triton_cache() { tar -czf "$OUT/triton.tgz" -C $TRITON_CACHE_DIR . ; }
 # Archives over 15 MB are split (the device tool returns files up to 16 MB); gzip -1 (xz took minutes).
 save_triton_cache() { tar -cf - -C $TRITON_CACHE_DIR . | gzip -1 | split -b 15m - "$OUT/triton.tgz." ; }
 restore_triton_cache() {

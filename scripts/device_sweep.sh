@@ -101,5 +101,25 @@ case "${1:-}" in
     step bench_30b_r5 100 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 16384 \
       --transports symmetric_memory --backends mega_moe --repeat 5 --iters 10 --warmup 3 --out "$LOGS/bench_30b_r5.json"
     tail -3 "$LOGS/bench_30b_r5.log" ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last" >&2; exit 2 ;;
+  split)  # the SwiGLU backward split vs fused (GPU 0) beside the one-GPU tests (GPU 1); EP check; one-call timelines;
+          # 30B EP=2 T=16384 one call and back to back; host profile
+    CUDA_VISIBLE_DEVICES=0 step dswiglu_probe 240 python scripts/dswiglu_probe.py &
+    CUDA_VISIBLE_DEVICES=1 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_gpu 240 python -m pytest -q \
+      tests/test_mega_moe_gpu.py tests/test_tile_blocks.py -rA &
+    wait
+    cat "$LOGS/dswiglu_probe.log"; tail -4 "$LOGS/pytest_gpu.log"
+    (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 150 torchrun --nproc-per-node 2 gpu_check_ep.py)
+    for r in 1 5; do
+      step "bench_16k_r$r" 240 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+        --transports symmetric_memory --backends mega_moe --repeat $r --iters 10 --warmup 3 \
+        --out "$LOGS/bench_16k_r$r.json" $([ $r = 1 ] && echo --profile-dir "$LOGS" --profile-backends mega_moe)
+      tail -3 "$LOGS/bench_16k_r$r.log"
+    done
+    step timeline_fwd 120 torchrun --nproc-per-node 2 scripts/call_timeline.py --out "$LOGS/timeline_fwd"
+    tail -2 "$LOGS/timeline_fwd.log"
+    step timeline_bwd 120 torchrun --nproc-per-node 2 scripts/call_timeline.py --grad --out "$LOGS/timeline_bwd"
+    tail -2 "$LOGS/timeline_bwd.log"
+    step host_overhead 120 torchrun --nproc-per-node 2 scripts/host_overhead.py
+    head -30 "$LOGS/host_overhead.log" ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split" >&2; exit 2 ;;
 esac

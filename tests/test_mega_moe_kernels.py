@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from prime_megamoe import DispatchConfig, fused_experts
 from prime_megamoe.kernels.tuning import interpreting
-from prime_megamoe.ops.launch import combine_rows, grouped_wgrad, sum_blocks
+from prime_megamoe.kernels import tuning
+from prime_megamoe.ops.launch import combine_rows, dswiglu_buffers, fc2_dgrad_dswiglu, grouped_wgrad, sum_blocks
 from prime_megamoe.ops.routing_plan import build_routing_plan
 
 from .oracle import (
@@ -304,6 +305,44 @@ def test_weight_gradient_reduces_every_segment(gather_a):
             want[e] += lhs[:, None] * rhs[None, :]
     assert torch.equal(got[3], torch.zeros(m, n))
     assert rel_err(got, want) < 1e-6
+
+
+def test_fc2_dgrad_swiglu_backward_per_segment_piece():
+    # The FC2 dgrad GEMM and the SwiGLU backward row pass, run piece by piece as the expert-parallel backward does
+    # (each segment's expert halves into shared buffers), against float64: dh, aw = w * a and the per-row top-k weight
+    # gradient <dy W2, a>. Ragged: an expert with no rows, an all-padding segment, I not a multiple of the column
+    # block.
+    rows, k, num_local, segments, hidden, inter = 29, 2, 4, 3, 24, 20
+    ids, weights = _random_ids(rows * segments, k, num_local, seed=7, pad_rows=rows)
+    ids[ids == 2] = 0  # expert 2 gets nothing
+    plan = build_routing_plan(ids, weights, expert_base=0, num_local_experts=num_local, tile_m=tuning.tile_m(),
+                              num_segments=segments, split_expert=num_local // 2)
+    gen = torch.Generator().manual_seed(8)
+    dy = torch.randn(rows * segments, hidden, generator=gen)
+    w2 = torch.randn(num_local, hidden, inter, generator=gen)
+    h = torch.randn(plan.sorted_rows, 2 * inter, generator=gen)
+    buffers = dswiglu_buffers(dy, w2, plan)
+    for s in range(segments):
+        for half in (0, 1):
+            fc2_dgrad_dswiglu(dy, w2, h, plan.segment(s, half), out=buffers)
+    _, dh, aw, dw_row = buffers
+    pos = plan.pair_pos.long()
+    used = pos[pos >= 0]
+    src_of = torch.full((plan.sorted_rows,), -1, dtype=torch.long)
+    expert_of = torch.full((plan.sorted_rows,), -1, dtype=torch.long)
+    for r in range(rows * segments):
+        for j in range(k):
+            if ids[r, j] >= 0:
+                src_of[pos[r, j]], expert_of[pos[r, j]] = r, int(ids[r, j])
+    g, u = h[used, :inter].double(), h[used, inter:].double()
+    w = plan.row_weight[used].double()[:, None]
+    g_a = torch.einsum("rh,rhi->ri", dy[src_of[used]].double(), w2[expert_of[used]].double())
+    sig = torch.sigmoid(g)
+    act = g * sig * u
+    want_dh = torch.cat([w * g_a * u * (sig + g * sig * (1 - sig)), w * g_a * g * sig], dim=1)
+    assert rel_err(dh[used], want_dh) < 1e-6
+    assert rel_err(aw[used], w * act) < 1e-6
+    assert rel_err(dw_row[used], (g_a * act).sum(1)) < 1e-6
 
 
 @pytest.mark.parametrize("world, cols, dtype", [(1, 5, torch.float32), (2, 70, torch.bfloat16), (4, 8, torch.float32)])

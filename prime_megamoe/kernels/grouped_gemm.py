@@ -184,17 +184,24 @@ def grouped_gemm_kernel(
 # epilogue handles one BLOCK_N half at a time to bound register use.
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
+def _load_gate_up(h_ptr, rows, row_mask, cols, N, stride_hm):
+    """The saved FC1 output of these rows and columns: (gate, up), as stored (bf16 or fp32)."""
+    mask = row_mask[:, None] & (cols < N)[None, :]
+    h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + cols[None, :]
+    return tl.load(h_ptrs, mask=mask, other=0.0), tl.load(h_ptrs + N, mask=mask, other=0.0)
+
+
+@triton.jit
 def _dswiglu_epilogue(
-    acc, rows, row_mask, cols, N, h_ptr, dh_ptr, aw_ptr, dw_partial_ptr, w,
-    stride_hm, stride_dhm, stride_awm, stride_dwp,
+    acc, g, u, rows, row_mask, cols, N, dh_ptr, aw_ptr, dw_partial_ptr, w,
+    stride_dhm, stride_awm, stride_dwp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DW_CHUNK: tl.constexpr,
 ):
     col_mask = cols < N
     mask = row_mask[:, None] & col_mask[None, :]
     rows64 = rows.to(tl.int64)
-    h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
-    g = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(h_ptrs + N, mask=mask, other=0.0).to(tl.float32)
+    g = g.to(tl.float32)
+    u = u.to(tl.float32)
     sig = tl.sigmoid(g)
     silu = g * sig
     act = silu * u
@@ -219,11 +226,15 @@ def _dswiglu_tile(
     stride_dym, stride_we, stride_wk, stride_wn, stride_hm, stride_dhm, stride_awm, stride_dwp,
     DW_CHUNK: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_M: tl.constexpr,
+    PREFETCH_H: tl.constexpr,
 ):
     expert, rows, row_mask = tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M, TILE_M)
     src = tl.load(row_src_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     cols_lo = pid_n * (2 * BLOCK_N) + tl.arange(0, BLOCK_N)
     cols_hi = cols_lo + BLOCK_N
+    if PREFETCH_H:  # issue the epilogue's loads of h now: their latency hides under the K loop, for registers
+        g_lo, u_lo = _load_gate_up(h_ptr, rows, row_mask, cols_lo, N, stride_hm)
+        g_hi, u_hi = _load_gate_up(h_ptr, rows, row_mask, cols_hi, N, stride_hm)
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = dy_ptr + src[:, None] * stride_dym + ks[None, :]
     b_lo = w_ptr + expert.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols_lo[None, :] * stride_wn
@@ -241,10 +252,14 @@ def _dswiglu_tile(
         b_lo += BLOCK_K * stride_wk
         b_hi += BLOCK_K * stride_wk
     w = tl.load(row_weight_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-    _dswiglu_epilogue(acc_lo, rows, row_mask, cols_lo, N, h_ptr, dh_ptr, aw_ptr, dw_partial_ptr, w,
-                      stride_hm, stride_dhm, stride_awm, stride_dwp, BLOCK_M, BLOCK_N, DW_CHUNK)
-    _dswiglu_epilogue(acc_hi, rows, row_mask, cols_hi, N, h_ptr, dh_ptr, aw_ptr, dw_partial_ptr, w,
-                      stride_hm, stride_dhm, stride_awm, stride_dwp, BLOCK_M, BLOCK_N, DW_CHUNK)
+    if not PREFETCH_H:
+        g_lo, u_lo = _load_gate_up(h_ptr, rows, row_mask, cols_lo, N, stride_hm)
+    _dswiglu_epilogue(acc_lo, g_lo, u_lo, rows, row_mask, cols_lo, N, dh_ptr, aw_ptr, dw_partial_ptr, w,
+                      stride_dhm, stride_awm, stride_dwp, BLOCK_M, BLOCK_N, DW_CHUNK)
+    if not PREFETCH_H:
+        g_hi, u_hi = _load_gate_up(h_ptr, rows, row_mask, cols_hi, N, stride_hm)
+    _dswiglu_epilogue(acc_hi, g_hi, u_hi, rows, row_mask, cols_hi, N, dh_ptr, aw_ptr, dw_partial_ptr, w,
+                      stride_dhm, stride_awm, stride_dwp, BLOCK_M, BLOCK_N, DW_CHUNK)
 
 
 @autotune(autotune_configs("dswiglu"), key=["N", "K", "M_BUCKET"])
@@ -257,6 +272,7 @@ def fc2_dgrad_dswiglu_kernel(
     DW_CHUNK: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
     TILE_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PERSISTENT: tl.constexpr,
+    PREFETCH_H: tl.constexpr,
 ):
     if PERSISTENT:
         num_n = tl.cdiv(N, 2 * BLOCK_N)
@@ -265,14 +281,14 @@ def fc2_dgrad_dswiglu_kernel(
             _dswiglu_tile(dy_ptr, row_src_ptr, w_ptr, h_ptr, row_weight_ptr, dh_ptr, aw_ptr, dw_partial_ptr,
                           tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, work // num_n, work % num_n, N, K,
                           stride_dym, stride_we, stride_wk, stride_wn, stride_hm, stride_dhm, stride_awm, stride_dwp,
-                          DW_CHUNK, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, TILE_M)
+                          DW_CHUNK, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, TILE_M, PREFETCH_H)
     else:
         pid_m = tl.program_id(1)
         if pid_m < tl.load(num_tiles_ptr) * (TILE_M // BLOCK_M):
             _dswiglu_tile(dy_ptr, row_src_ptr, w_ptr, h_ptr, row_weight_ptr, dh_ptr, aw_ptr, dw_partial_ptr,
                           tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, tl.program_id(0), N, K,
                           stride_dym, stride_we, stride_wk, stride_wn, stride_hm, stride_dhm, stride_awm, stride_dwp,
-                          DW_CHUNK, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, TILE_M)
+                          DW_CHUNK, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, TILE_M, PREFETCH_H)
 
 
 # ----------------------------------------------------------------------------------------------------------------

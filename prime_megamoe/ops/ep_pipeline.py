@@ -75,18 +75,19 @@ class ExpertParallelExperts(torch.autograd.Function):
         num_tokens = grad_out.shape[0]
         kinds = (ROW_RESULTS, PAIR_RESULTS)
         dy, _ = transport.start(grad_out.to(rows.dtype), None, kinds, plan.top_k)
-        dh, aw, dw_partial = launch.dswiglu_buffers(dy, w2, plan)
+        buffers = launch.dswiglu_buffers(dy, w2, plan)
+        _, dh, aw, dw_row = buffers
         dx_sorted = dy.new_empty(plan.sorted_rows, dy.shape[1])
         for s, half, first, last in compute_order(transport):
             if first:
                 transport.wait_rows(s)
             piece = plan.segment(s, half)
-            launch.fc2_dgrad_dswiglu(dy, w2, h, piece, out=(dh, aw, dw_partial))
+            launch.fc2_dgrad_dswiglu(dy, w2, h, piece, out=buffers)
             launch.grouped_gemm(dh, w1, piece, transpose_b=False, out=dx_sorted)
             if last:
                 seg, results = plan.segment(s), transport.partial_buffers(s)
                 launch.combine_rows(dx_sorted, seg.pair_pos, rows.dtype, out=results[ROW_RESULTS])
-                results[PAIR_RESULTS].copy_(seg.pair_values(dw_partial.sum(0), torch.float32))
+                results[PAIR_RESULTS].copy_(seg.pair_values(dw_row, torch.float32))
                 transport.send(s)
         # Weight gradients stay local; they run while the last result blocks travel.
         grad_w1 = grad_w2 = None

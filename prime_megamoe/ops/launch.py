@@ -9,12 +9,8 @@ import triton
 
 from ..kernels import tuning
 from ..kernels.combine import combine_rows_kernel, sum_blocks_kernel
-from ..kernels.grouped_gemm import (
-    fc1_swiglu_kernel,
-    fc2_dgrad_dswiglu_kernel,
-    grouped_gemm_kernel,
-    grouped_wgrad_kernel,
-)
+from ..kernels.grouped_gemm import fc1_swiglu_kernel, grouped_gemm_kernel, grouped_wgrad_kernel
+from ..kernels.swiglu_grad import swiglu_backward_rows_kernel
 from .routing_plan import RoutingPlan
 
 
@@ -98,33 +94,27 @@ def grouped_gemm(
 
 
 def dswiglu_buffers(dy: torch.Tensor, w2: torch.Tensor, plan: RoutingPlan):
-    """(dh, aw, dw_partial) sized for every sorted row of ``plan``, for ``fc2_dgrad_dswiglu(out=...)``."""
+    """(g_a, dh, aw, dw_row) sized for every sorted row of ``plan``, for ``fc2_dgrad_dswiglu(out=...)``."""
     inter, rows = w2.shape[2], plan.sorted_rows
-    # Enough chunk rows for the widest column span a program may cover (2 * BLOCK_N <= 512); chunks past I are
-    # written as zeros or not at all (and then stay zero).
-    num_chunks = triton.cdiv(inter, tuning.dw_chunk()) + 512 // tuning.dw_chunk()
-    return (dy.new_empty(rows, 2 * inter), dy.new_empty(rows, inter),
-            torch.zeros(num_chunks, rows, dtype=torch.float32, device=dy.device))
+    return (dy.new_empty(rows, inter), dy.new_empty(rows, 2 * inter), dy.new_empty(rows, inter),
+            torch.empty(rows, dtype=torch.float32, device=dy.device))
 
 
 def fc2_dgrad_dswiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, out=None):
-    """From dy [R, H] (source rows): (dh [P, 2I], aw [P, I] = w * a, dw_row [P] = <dy W2, a>) in sorted order.
-    ``out``: buffers from ``dswiglu_buffers`` shared by all segments, filled in place; then nothing is returned
-    (``dw_partial.sum(0)`` is dw_row of every segment run so far)."""
-    hidden, inter = w2.shape[1], w2.shape[2]
-    num_pairs = plan.num_pairs
-    chunk = tuning.dw_chunk()
-    dh, aw, dw_partial = dswiglu_buffers(dy, w2, plan) if out is None else out
-    num_sms = _num_sms(dy.device)
-    fc2_dgrad_dswiglu_kernel[_tile_grid(plan, inter, num_sms, cols_per_program=2)](
-        dy, plan.row_src, w2, h, plan.row_weight, dh, aw, dw_partial, *_tile_args(plan),
-        inter, hidden, num_pairs, num_sms,
-        dy.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), h.stride(0), dh.stride(0), aw.stride(0),
-        dw_partial.stride(0),
-        DW_CHUNK=chunk, TILE_M=plan.tile_m, **_flags(dy),
+    """From dy [R, H] (source rows): (dh [P, 2I], aw [P, I] = w * a, dw_row [P] = <dy W2, a>) in sorted order: the
+    FC2 dgrad GEMM g_a = dy[src] @ W2[e], then the SwiGLU backward row pass (``kernels.swiglu_grad``).
+    ``out``: buffers from ``dswiglu_buffers`` shared by all segments; the rows of ``plan``'s tiles are written."""
+    g_a, dh, aw, dw_row = dswiglu_buffers(dy, w2, plan) if out is None else out
+    grouped_gemm(dy, w2, plan, transpose_b=False, gather=True, out=g_a)
+    inter = w2.shape[2]
+    block_r = plan.tile_m if tuning.interpreting() else 16
+    block_c = min(triton.next_power_of_2(inter), 64 if tuning.interpreting() else 128)
+    swiglu_backward_rows_kernel[(plan.max_tiles * (plan.tile_m // block_r),)](
+        g_a, h, plan.row_weight, dh, aw, dw_row, *_tile_args(plan),
+        inter, g_a.stride(0), h.stride(0), dh.stride(0), aw.stride(0),
+        TILE_M=plan.tile_m, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
     )
-    if out is None:
-        return dh, aw, dw_partial.sum(0)
+    return dh, aw, dw_row
 
 
 def grouped_wgrad(
