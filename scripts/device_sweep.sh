@@ -121,5 +121,23 @@ case "${1:-}" in
     tail -2 "$LOGS/timeline_bwd.log"
     step host_overhead 120 torchrun --nproc-per-node 2 scripts/host_overhead.py
     head -30 "$LOGS/host_overhead.log" ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split" >&2; exit 2 ;;
+  direct)  # compiled-kernel launches: GPU tests (GPU 1) beside the wgrad probe (GPU 0); EP check; 30B EP=2 record
+           # with the torch backend; back to back; one-call timeline; host profile
+    CUDA_VISIBLE_DEVICES=0 step wgrad_probe 200 python scripts/wgrad_probe.py --segments 2 &
+    CUDA_VISIBLE_DEVICES=1 step pytest_gpu 240 python -m pytest -q tests/test_mega_moe_gpu.py tests/test_tile_blocks.py -rA &
+    wait
+    cat "$LOGS/wgrad_probe.log"; tail -6 "$LOGS/pytest_gpu.log"
+    (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 150 torchrun --nproc-per-node 2 gpu_check_ep.py)
+    step bench_30b 300 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 16384 \
+      --transports symmetric_memory collectives --iters 10 --warmup 3 --out "$LOGS/bench_30b.json" --profile-dir "$LOGS" \
+      --profile-backends mega_moe
+    tail -8 "$LOGS/bench_30b.log"
+    step bench_30b_r5 150 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 16384 \
+      --transports symmetric_memory --backends mega_moe --repeat 5 --iters 10 --warmup 3 --out "$LOGS/bench_30b_r5.json"
+    tail -3 "$LOGS/bench_30b_r5.log"
+    step timeline_fwd 100 torchrun --nproc-per-node 2 scripts/call_timeline.py --out "$LOGS/timeline_fwd"
+    tail -1 "$LOGS/timeline_fwd.log"
+    step host_overhead 100 torchrun --nproc-per-node 2 scripts/host_overhead.py --calls 50
+    head -30 "$LOGS/host_overhead.log" ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct" >&2; exit 2 ;;
 esac

@@ -39,3 +39,17 @@ class TestQwen3ShapeOnGPU:
         second = run_mega_moe(x, index, weights, w1, w2, g)
         for name, a, b in zip(NAMES, first, second):
             assert torch.equal(a, b), f"{name} differs between two identical calls"
+
+    def test_compiled_kernel_launches_compute_what_regular_launches_do(self, monkeypatch):
+        # ops.compiled_launch calls the compiled kernels of earlier launches directly; the same call through
+        # kernel[grid] alone must give the same bits.
+        from prime_megamoe.ops import compiled_launch
+
+        x, index, weights, w1, w2, g = self._problem(2)
+        direct = run_mega_moe(x, index, weights, w1, w2, g)
+        direct = run_mega_moe(x, index, weights, w1, w2, g)  # the second call runs from the cache
+        assert len(compiled_launch._CACHE) > 0
+        monkeypatch.setenv("PRIME_MEGAMOE_DIRECT_LAUNCH", "0")
+        regular = run_mega_moe(x, index, weights, w1, w2, g)
+        for name, a, b in zip(NAMES, direct, regular):
+            assert torch.equal(a, b), f"{name} differs between compiled-kernel and regular launches"

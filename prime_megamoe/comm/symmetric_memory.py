@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels.signals import signal_flag_kernel, wait_flags_kernel
+from ..ops.compiled_launch import launch
 from .transport import PAIR_RESULTS, ROW_RESULTS, Transport
 
 log = logging.getLogger("prime_megamoe")
@@ -90,11 +91,11 @@ class SymmetricWorkspace:
     def signal(self, peer: int, channel: int, value: int) -> None:
         """Set flag (channel, this rank) on ``peer`` to ``value`` once this stream's earlier work is done."""
         flags = self.views[peer]["flags"]
-        signal_flag_kernel[(1,)](flags[channel, self.rank :], value, num_warps=1)
+        launch(signal_flag_kernel, (1,), flags[channel, self.rank :], value, num_warps=1)
 
     def wait(self, channel: int, value: int, timeout_s: float) -> None:
         """Hold this stream until every peer has set its flag on ``channel`` to ``value`` or more."""
-        wait_flags_kernel[(1,)](
+        launch(wait_flags_kernel, (1,),
             self.local["flags"], value, self.rank, channel, int(timeout_s * 1e9),
             WORLD=self.world, WORLD_BLOCK=max(2, 1 << (self.world - 1).bit_length()), num_warps=1,
         )

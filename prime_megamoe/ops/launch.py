@@ -11,6 +11,7 @@ from ..kernels import tuning
 from ..kernels.combine import combine_rows_kernel, sum_blocks_kernel
 from ..kernels.grouped_gemm import fc1_swiglu_kernel, grouped_gemm_kernel, grouped_wgrad_kernel
 from ..kernels.swiglu_grad import swiglu_backward_rows_kernel
+from .compiled_launch import launch
 from .routing_plan import RoutingPlan
 
 
@@ -56,7 +57,7 @@ def fc1_swiglu(x: torch.Tensor, w1: torch.Tensor, plan: RoutingPlan, save_h: boo
         h, a = out
         h = h if save_h else a
     num_sms = _num_sms(x.device)
-    fc1_swiglu_kernel[_tile_grid(plan, inter, num_sms)](
+    launch(fc1_swiglu_kernel, _tile_grid(plan, inter, num_sms),
         x, plan.row_src, w1, h, a, *_tile_args(plan),
         inter, hidden, num_pairs, num_sms,
         x.stride(0), w1.stride(0), w1.stride(1), w1.stride(2), h.stride(0), a.stride(0),
@@ -84,7 +85,7 @@ def grouped_gemm(
         stride_bk, stride_bn = b.stride(1), b.stride(2)
     c = a.new_empty(plan.sorted_rows, n) if out is None else out
     num_sms = _num_sms(a.device)
-    grouped_gemm_kernel[_tile_grid(plan, n, num_sms)](
+    launch(grouped_gemm_kernel, _tile_grid(plan, n, num_sms),
         a, plan.row_src, b, c, row_scale if row_scale is not None else plan.row_weight, *_tile_args(plan),
         n, k, plan.num_pairs, num_sms,
         a.stride(0), b.stride(0), stride_bk, stride_bn, c.stride(0),
@@ -109,7 +110,7 @@ def fc2_dgrad_dswiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, plan:
     inter = w2.shape[2]
     block_r = plan.tile_m if tuning.interpreting() else 16
     block_c = min(triton.next_power_of_2(inter), 64 if tuning.interpreting() else 128)
-    swiglu_backward_rows_kernel[(plan.max_tiles * (plan.tile_m // block_r),)](
+    launch(swiglu_backward_rows_kernel, (plan.max_tiles * (plan.tile_m // block_r),),
         g_a, h, plan.row_weight, dh, aw, dw_row, *_tile_args(plan),
         inter, g_a.stride(0), h.stride(0), dh.stride(0), aw.stride(0),
         TILE_M=plan.tile_m, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
@@ -130,7 +131,7 @@ def grouped_wgrad(
     indexed by the source row of each sorted row. Expert e's rows of every segment are reduced, in segment order."""
     m, n = a.shape[1], b.shape[1]
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), plan.num_local_experts)
-    grouped_wgrad_kernel[grid](
+    launch(grouped_wgrad_kernel, grid,
         a, plan.row_src, b, plan.row_src, out, plan.expert_offsets,
         m, n, plan.num_pairs, plan.num_segments, plan.num_local_experts,
         a.stride(0), b.stride(0), out.stride(0), out.stride(1), out.stride(2),
@@ -149,7 +150,7 @@ def combine_rows(src: torch.Tensor, pair_pos: torch.Tensor, out_dtype: torch.dty
     if rows == 0:
         return out
     block_h = min(triton.next_power_of_2(hidden), 64 if tuning.interpreting() else 1024)
-    combine_rows_kernel[(rows, triton.cdiv(hidden, block_h))](
+    launch(combine_rows_kernel, (rows, triton.cdiv(hidden, block_h)),
         src, pair_pos, out, hidden, src.stride(0), out.stride(0),
         TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
     )
@@ -165,7 +166,7 @@ def sum_blocks(blocks: torch.Tensor, num_rows: int, out_dtype: torch.dtype) -> t
     # A few rows per program: a program per row would mostly pay launch and (in the interpreter) per-program costs.
     block_c = min(triton.next_power_of_2(cols), 64 if tuning.interpreting() else 512)
     block_r = max(1, min(32, 4096 // block_c))
-    sum_blocks_kernel[(triton.cdiv(num_rows, block_r), triton.cdiv(cols, block_c))](
+    launch(sum_blocks_kernel, (triton.cdiv(num_rows, block_r), triton.cdiv(cols, block_c)),
         blocks, out, num_rows, cols, blocks.stride(0), blocks.stride(1), out.stride(0),
         NUM_BLOCKS=world, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
     )

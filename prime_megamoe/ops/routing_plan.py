@@ -12,6 +12,7 @@ import torch
 import triton
 
 from ..kernels.routing import routing_keys_kernel, routing_plan_kernel
+from .compiled_launch import launch
 
 
 @dataclass
@@ -128,7 +129,7 @@ def build_routing_plan(
     counts = torch.zeros(bins, dtype=torch.int32, device=device)
     block = 1024
     grid = (max(triton.cdiv(num_pairs, block), 1),)
-    routing_keys_kernel[grid](
+    launch(routing_keys_kernel, grid,
         index, keys, counts, num_pairs, max(seg_pairs, 1), expert_base,
         NUM_LOCAL=num_local_experts, NUM_BINS=triton.next_power_of_2(bins + 1), SKIP=bins, BLOCK=block,
     )
@@ -155,7 +156,7 @@ def build_routing_plan(
         plan.half_tile_expert = torch.empty_like(plan.tile_expert)
         plan.half_tile_row = torch.empty_like(plan.tile_row)
         plan.half_num_tiles = torch.empty(num_segments, 2, dtype=torch.int32, device=device)
-    routing_plan_kernel[(grid[0], num_segments)](
+    launch(routing_plan_kernel, (grid[0], num_segments),
         order, weights, counts,
         plan.row_src, plan.row_weight, plan.pair_pos, plan.expert_offsets, plan.tile_expert, plan.tile_row,
         plan.num_tiles,

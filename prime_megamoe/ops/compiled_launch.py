@@ -1,0 +1,123 @@
+"""Launching Triton kernels with less host time: the compiled kernel a regular launch chose, called directly.
+
+A forward of the expert-parallel layer issues about 15 Triton launches. Through ``kernel[grid](...)`` each one binds
+its ~25 arguments, recomputes Triton's specialisation key and (for autotuned kernels) the autotuning key, which adds up
+to a large share of the host time of a call: single calls are host-bound (see BENCHMARKS.md). ``launch`` does the
+first launch of each specialisation the regular way (compiling and autotuning as usual), keeps the compiled kernel and
+the config autotuning chose, and afterwards calls that compiled kernel straight away.
+
+The cache key holds everything the compiled kernel depends on, so a hit can only reuse a kernel Triton itself would
+have picked: each tensor's dtype and 16-byte alignment, each integer's specialisation class (== 1, divisible by 16,
+64-bit) or, for the autotuning key's arguments, its value, the constexpr and launch options, and the device.
+
+Under the interpreter (CPU tests) kernels have no compiled form: ``launch`` is ``kernel[grid](...)`` there. So is it
+with ``PRIME_MEGAMOE_DIRECT_LAUNCH=0`` (for comparing the two paths).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from ..kernels.tuning import interpreting
+
+# Launch options of ``kernel[grid](...)`` that are not kernel parameters.
+_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+_I32 = (-(2**31), 2**31)
+
+
+class _Entry:
+    __slots__ = ("compiled", "params", "meta")
+
+    def __init__(self, compiled, params, meta):
+        self.compiled = compiled  # triton.compiler.CompiledKernel
+        self.params = params  # per kernel parameter: (True, index into args) or (False, its constant value)
+        self.meta = meta  # constexprs and the chosen config, for the grid function
+
+
+_CACHE: dict[tuple, _Entry] = {}
+
+
+def direct_launch_enabled() -> bool:
+    return not interpreting() and os.environ.get("PRIME_MEGAMOE_DIRECT_LAUNCH", "1") != "0"
+
+
+def _jit_function(kernel):
+    """The jitted function under autotuning / heuristics wrappers (it knows the parameter names)."""
+    fn = kernel
+    while not hasattr(fn, "arg_names"):
+        fn = fn.fn
+    return fn
+
+
+def _current_device() -> int:
+    return torch.cuda.current_device()
+
+
+def _current_stream(device: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device)  # what Triton's own launches use
+
+
+def _key(kernel, args, constexprs, exact: frozenset) -> tuple:
+    parts = [id(kernel), _current_device()]
+    names = _jit_function(kernel).arg_names
+    for name, a in zip(names, args):
+        if isinstance(a, torch.Tensor):
+            parts.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif isinstance(a, bool) or a is None:
+            parts.append(a)
+        elif isinstance(a, int):
+            parts.append(a if name in exact else (a == 1, a % 16 == 0, _I32[0] <= a < _I32[1]))
+        elif isinstance(a, float):
+            parts.append(float)
+        else:
+            raise TypeError(f"launch: argument {name} of {names} has unsupported type {type(a).__name__}")
+    parts.extend(sorted(constexprs.items()))
+    return tuple(parts)
+
+
+def _first_launch(kernel, grid, args, constexprs) -> _Entry:
+    compiled = kernel[grid](*args, **constexprs)
+    if not (hasattr(compiled, "run") and hasattr(compiled, "function")):
+        raise RuntimeError(
+            f"triton {triton.__version__}: a launch did not return a compiled kernel; set "
+            f"PRIME_MEGAMOE_DIRECT_LAUNCH=0 to launch through kernel[grid] only"
+        )
+    config = getattr(kernel, "best_config", None)  # autotuned kernels: the config this launch ran
+    meta = {**constexprs, **(config.all_kwargs() if config is not None else {})}
+    names = _jit_function(kernel).arg_names
+    params = []
+    for i, name in enumerate(names):
+        if i < len(args):
+            params.append((True, i))
+        elif name in meta:
+            params.append((False, meta[name]))
+        else:
+            raise TypeError(f"launch: kernel parameter {name} was not given")
+    return _Entry(compiled, tuple(params), meta)
+
+
+def launch(kernel, grid, *args, **constexprs) -> None:
+    """``kernel[grid](*args, **constexprs)`` (kernel: a ``triton.jit`` or autotuned kernel; args: its leading
+    parameters in order; constexprs: the rest by name, and launch options), through the compiled-kernel cache."""
+    if not direct_launch_enabled():
+        kernel[grid](*args, **constexprs)
+        return
+    exact = frozenset(getattr(kernel, "keys", ()))  # the autotuning key's arguments
+    key = _key(kernel, args, constexprs, exact)
+    entry = _CACHE.get(key)
+    if entry is None:
+        _CACHE[key] = _first_launch(kernel, grid, args, constexprs)
+        return
+    compiled = entry.compiled
+    if callable(grid):
+        grid = grid(entry.meta)
+    grid0, grid1, grid2 = (tuple(grid) + (1, 1))[:3]
+    all_args = [args[v] if is_arg else v for is_arg, v in entry.params]
+    stream = _current_stream(_current_device())
+    hooks = triton.knobs.runtime
+    compiled.run(grid0, grid1, grid2, stream, compiled.function, compiled.packed_metadata,
+                 compiled.launch_metadata(grid, stream, *all_args), hooks.launch_enter_hook,
+                 hooks.launch_exit_hook, *all_args)

@@ -1,0 +1,100 @@
+"""The compiled-kernel launch cache (``ops.compiled_launch``): which launches reuse a compiled kernel, and how its
+arguments and grid are assembled. Runs on the CPU with a stand-in for Triton's launch and compiled kernel; the GPU
+tests run the layer through the real one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from prime_megamoe.ops import compiled_launch
+
+
+@triton.jit
+def _kernel(x_ptr, n, size, BLOCK: tl.constexpr, FLAG: tl.constexpr):
+    pass
+
+
+class _Compiled:
+    def __init__(self, log):
+        self.log, self.function, self.packed_metadata = log, "fn", "meta"
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, g0, g1, g2, stream, function, packed_metadata, launch_metadata, enter, exit_, *args):
+        self.log.append(("direct", (g0, g1, g2), stream, args))
+
+
+class _Autotuned:
+    """Stands in for triton.autotune: the key argument ``size``, a chosen config, launches logged."""
+
+    def __init__(self):
+        self.fn, self.keys, self.log = _kernel, ["size"], []
+        self.best_config = triton.Config({"BLOCK": 32})
+
+    def __getitem__(self, grid):
+        def first(*args, **kwargs):
+            meta = {**kwargs, **self.best_config.all_kwargs()}
+            self.log.append(("first", grid(meta) if callable(grid) else grid, args, kwargs))
+            return _Compiled(self.log)
+
+        return first
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    monkeypatch.setattr(compiled_launch, "direct_launch_enabled", lambda: True)
+    monkeypatch.setattr(compiled_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(compiled_launch, "_current_stream", lambda device: 77)
+    monkeypatch.setattr(compiled_launch, "_CACHE", {})
+    return _Autotuned()
+
+
+def test_a_repeat_launch_calls_the_compiled_kernel_with_every_parameter(kernel):
+    x = torch.zeros(64)
+    grid = lambda meta: (triton.cdiv(100, meta["BLOCK"]),)  # noqa: E731
+    compiled_launch.launch(kernel, grid, x, 48, 5, FLAG=True, num_warps=4)
+    compiled_launch.launch(kernel, grid, x, 48, 5, FLAG=True, num_warps=4)
+    first, second = kernel.log
+    assert first[0] == "first" and first[1] == (4,)
+    # Parameters in the kernel's order: the arguments, then the constexprs and the config autotuning chose; the grid
+    # from the chosen config; the stream of the current device.
+    assert second == ("direct", (4, 1, 1), 77, (x, 48, 5, 32, True))
+
+
+@pytest.mark.parametrize("change", ["alignment", "dtype", "int class", "key value", "constexpr", "option"])
+def test_a_launch_another_specialisation_would_compile_differently_goes_the_regular_way(kernel, change):
+    x = torch.zeros(64)
+    args, kwargs = [x, 48, 5], {"FLAG": True, "num_warps": 4}
+    compiled_launch.launch(kernel, (1,), *args, **kwargs)
+    if change == "alignment":
+        args[0] = x[1:]  # 4 bytes off a 16-byte boundary
+    elif change == "dtype":
+        args[0] = x.double()
+    elif change == "int class":
+        args[1] = 49  # no longer divisible by 16
+    elif change == "key value":
+        args[2] = 6  # the autotuning key's argument: its value counts
+    elif change == "constexpr":
+        kwargs["FLAG"] = False
+    else:
+        kwargs["num_warps"] = 8
+    compiled_launch.launch(kernel, (1,), *args, **kwargs)
+    assert [entry[0] for entry in kernel.log] == ["first", "first"]
+
+
+def test_values_inside_one_specialisation_reuse_the_compiled_kernel(kernel):
+    x = torch.zeros(64)
+    compiled_launch.launch(kernel, (1,), x, 48, 5, FLAG=True)
+    compiled_launch.launch(kernel, (1,), x[4:], 64, 5, FLAG=True)  # 16 bytes on; another multiple of 16
+    assert [entry[0] for entry in kernel.log] == ["first", "direct"]
+    passed = kernel.log[1][3]
+    assert passed[0].data_ptr() == x[4:].data_ptr() and passed[1:] == (64, 5, 32, True)
+
+
+def test_an_argument_of_unknown_type_is_an_error(kernel):
+    with pytest.raises(TypeError, match="unsupported type"):
+        compiled_launch.launch(kernel, (1,), torch.zeros(4), "48", 5, FLAG=True)
