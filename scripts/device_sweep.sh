@@ -139,5 +139,28 @@ case "${1:-}" in
     tail -1 "$LOGS/timeline_fwd.log"
     step host_overhead 100 torchrun --nproc-per-node 2 scripts/host_overhead.py --calls 50
     head -30 "$LOGS/host_overhead.log" ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct" >&2; exit 2 ;;
+  launch_ab)  # host time and one-call timings with and without compiled-kernel launches (same machine), fp8 tests and
+              # timings (one GPU each), Qwen3-235B-A22B EP=2, the tiny trainer
+    for d in 1 0; do
+      PRIME_MEGAMOE_DIRECT_LAUNCH=$d step "host_fwd_d$d" 90 torchrun --nproc-per-node 2 scripts/host_overhead.py \
+        --no-profile --calls 20
+      PRIME_MEGAMOE_DIRECT_LAUNCH=$d step "host_grad_d$d" 90 torchrun --nproc-per-node 2 scripts/host_overhead.py \
+        --grad --no-profile --calls 20
+      PRIME_MEGAMOE_DIRECT_LAUNCH=$d step "bench_d$d" 150 torchrun --nproc-per-node 2 -m prime_megamoe.bench \
+        --shape qwen3-30b-a3b --tokens 16384 --transports symmetric_memory --backends mega_moe --iters 20 --warmup 3 \
+        --out "$LOGS/bench_d$d.json"
+      grep -h "host ms" "$LOGS/host_fwd_d$d.log" "$LOGS/host_grad_d$d.log"; tail -1 "$LOGS/bench_d$d.log"
+    done
+    CUDA_VISIBLE_DEVICES=1 step pytest_fp8 200 python -m pytest -q tests/test_fp8_experts.py -rA &
+    CUDA_VISIBLE_DEVICES=0 step fp8_bench 200 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+      --backends torch mega_moe --precisions fp8 fp8_bwd --iters 5 --warmup 2 --out "$LOGS/fp8.json"
+    wait
+    tail -3 "$LOGS/pytest_fp8.log"; tail -4 "$LOGS/fp8_bench.log"
+    step bench_235b 300 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-235b-a22b --tokens 4096 16384 \
+      --transports symmetric_memory --iters 5 --warmup 2 --out "$LOGS/bench_235b.json"
+    tail -5 "$LOGS/bench_235b.log"
+    step train_tiny 150 torchrun --nproc-per-node 2 -m prime_megamoe.train configs/tiny.toml --train.steps 10 \
+      --output-dir /tmp/tiny
+    tail -3 "$LOGS/train_tiny.log"; cp /tmp/tiny/metrics.jsonl "$LOGS/metrics_tiny.jsonl" ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab" >&2; exit 2 ;;
 esac

@@ -108,7 +108,5 @@ def autotune_configs(kind: str) -> list[triton.Config]:
             _cfg(128, 256, 64, 8, 4, GROUP_M=8),
             _cfg(256, 128, 64, 8, 3, GROUP_M=8),
             _cfg(128, 256, 32, 8, 4, GROUP_M=8),
-            _cfg(128, 128, 128, 8, 3, GROUP_M=8),  # half the K steps: fewer pipeline fills per segment
-            _cfg(128, 128, 64, 8, 4, GROUP_M=8),
         ]
     raise ValueError(f"unknown kernel family {kind!r}")
