@@ -1,11 +1,17 @@
-"""When the host issued each GPU operation of one layer call, and when the GPU ran it (torch.profiler, one call).
+"""When the host issued each kernel of one layer call, and when its stream reached it.
 
-    torchrun --nproc-per-node 2 scripts/call_timeline.py --shape qwen3-30b-a3b --tokens 16384 [--grad]
+    torchrun --nproc-per-node 2 scripts/call_timeline.py --shape qwen3-30b-a3b --tokens 16384 [--grad] [--profiler]
 
 After warm-up, every rank synchronises, passes a barrier and makes one call (the no-grad forward, or with --grad a
-forward + backward) under the profiler. Each rank prints, in us from its first launch: each GPU operation's launch
-time on the host, its start and duration on the GPU, and the wait between the two; then how long the GPU sat idle
-inside the call waiting for the host (a single call is host-bound where these gaps add up).
+forward + backward), timed as the benchmark times a call (CUDA events from just before it).
+
+Default: every Triton launch records a CUDA event just before it, on the stream it launches on. Each rank prints,
+per launch, in us from the call's start: when the host issued it, when its stream got there (the work before it
+done), and the kernel. Where the two are close, the GPU waited for the host; where the stream time runs ahead, the
+GPU was busy (or waited on another stream or rank). No profiler overhead distorts the host times.
+
+--profiler: torch.profiler instead: every GPU operation (also torch's), its start and duration on the GPU, and the
+host launch time where the trace links it (the profiler slows the host by tens of us per torch op).
 """
 
 from __future__ import annotations
@@ -14,12 +20,19 @@ import argparse
 import json
 import os
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
+import prime_megamoe.comm.symmetric_memory as symmetric_memory
+import prime_megamoe.ops.launch as ops_launch
+import prime_megamoe.ops.routing_plan as routing_plan
 from prime_megamoe.bench import make_workload, torchrun_group
+from prime_megamoe.ops import compiled_launch
+
+LAUNCHING_MODULES = (ops_launch, routing_plan, symmetric_memory)  # the modules that launch through compiled_launch
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -52,11 +65,41 @@ def timeline(trace_path: str) -> list[str]:
     return lines
 
 
+def event_timeline(step) -> list[str]:
+    marks = []
+
+    def launch(kernel, grid, *args, **constexprs):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        name = getattr(getattr(kernel, "fn", kernel), "__name__", None) or str(kernel)
+        marks.append((time.perf_counter(), event, torch.cuda.current_stream().stream_id, name))
+        compiled_launch.launch(kernel, grid, *args, **constexprs)
+
+    for module in LAUNCHING_MODULES:
+        module.launch = launch
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    began = time.perf_counter()
+    step()
+    host_done = time.perf_counter()
+    end.record()
+    end.synchronize()
+    for module in LAUNCHING_MODULES:
+        module.launch = compiled_launch.launch
+    lines = [f"{'host':>9s} {'stream':>9s}  stream_id  kernel   (us from the call's start)"]
+    for t, event, stream, name in marks:
+        lines.append(f"{(t - began) * 1e6:9.1f} {start.elapsed_time(event) * 1e3:9.1f}  {stream:9d}  {name}")
+    lines.append(f"call: {start.elapsed_time(end) * 1e3:.1f} us on the GPU; the host returned after "
+                 f"{(host_done - began) * 1e6:.1f} us")
+    return lines
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="qwen3-30b-a3b")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--grad", action="store_true")
+    p.add_argument("--profiler", action="store_true", help="torch.profiler timeline instead of launch events")
     p.add_argument("--out", default=None, help="write each rank's timeline to OUT.rankN.txt as well")
     args = p.parse_args()
     group = torchrun_group()
@@ -68,13 +111,21 @@ def main():
     torch.cuda.synchronize()
     if group is not None:
         dist.barrier(group)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        lines = timeline(path)
+    if args.profiler:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(path)
+            lines = timeline(path)
+    else:
+        lines = []
+        for i in range(3):  # three single calls, each from an idle GPU after a barrier
+            torch.cuda.synchronize()
+            if group is not None:
+                dist.barrier(group)
+            lines += [f"call {i}"] + event_timeline(step)
     text = "\n".join(f"rank {rank} {line}" for line in lines)
     print(text, flush=True)
     if args.out:

@@ -162,5 +162,9 @@ case "${1:-}" in
     step train_tiny 150 torchrun --nproc-per-node 2 -m prime_megamoe.train configs/tiny.toml --train.steps 10 \
       --output-dir /tmp/tiny
     tail -3 "$LOGS/train_tiny.log"; cp /tmp/tiny/metrics.jsonl "$LOGS/metrics_tiny.jsonl" ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab" >&2; exit 2 ;;
+  events)  # one-call timelines from launch events (forward, forward + backward), 30B EP=2 T=16384
+    step timeline_fwd 100 torchrun --nproc-per-node 2 scripts/call_timeline.py --out "$LOGS/timeline_fwd"
+    step timeline_grad 120 torchrun --nproc-per-node 2 scripts/call_timeline.py --grad --out "$LOGS/timeline_grad"
+    grep -h "call:" "$LOGS"/timeline_*.txt ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events" >&2; exit 2 ;;
 esac
