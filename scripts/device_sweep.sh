@@ -166,5 +166,23 @@ case "${1:-}" in
     step timeline_fwd 100 torchrun --nproc-per-node 2 scripts/call_timeline.py --out "$LOGS/timeline_fwd"
     step timeline_grad 120 torchrun --nproc-per-node 2 scripts/call_timeline.py --grad --out "$LOGS/timeline_grad"
     grep -h "call:" "$LOGS"/timeline_*.txt ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events" >&2; exit 2 ;;
+  s4record)  # GPU tests (one GPU, then both), the 30B EP=2 record with the torch backend, back to back, one-call
+             # timelines from launch events
+    CUDA_VISIBLE_DEVICES=1 step pytest_gpu 200 python -m pytest -q tests/test_mega_moe_gpu.py tests/test_tile_blocks.py \
+      tests/test_fp8_experts.py -k "gpu or half_tile" -rA
+    tail -12 "$LOGS/pytest_gpu.log"
+    step pytest_multigpu 200 python -m pytest -q -m multigpu tests -rA
+    tail -4 "$LOGS/pytest_multigpu.log"
+    step bench_30b 240 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 16384 \
+      --transports symmetric_memory collectives --iters 10 --warmup 3 --out "$LOGS/bench_30b.json" --profile-dir "$LOGS" \
+      --profile-backends mega_moe
+    tail -7 "$LOGS/bench_30b.log"
+    step bench_30b_r5 120 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 16384 \
+      --transports symmetric_memory --backends mega_moe --repeat 5 --iters 10 --warmup 3 --out "$LOGS/bench_30b_r5.json"
+    tail -3 "$LOGS/bench_30b_r5.log"
+    step timeline_fwd 90 torchrun --nproc-per-node 2 scripts/call_timeline.py --out "$LOGS/timeline_fwd"
+    step timeline_grad 100 torchrun --nproc-per-node 2 scripts/call_timeline.py --grad --out "$LOGS/timeline_grad"
+    grep -h "call:" "$LOGS"/timeline_*.txt ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record" >&2
+     exit 2 ;;
 esac

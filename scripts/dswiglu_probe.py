@@ -1,13 +1,12 @@
-"""The FC2 dgrad + SwiGLU backward at a layer's expert-parallel shape, timed two ways on one GPU (bf16):
+"""The FC2 dgrad + SwiGLU backward at a layer's expert-parallel shape, timed on one GPU (bf16):
 
     python scripts/dswiglu_probe.py [--shape qwen3-30b-a3b] [--tokens 16384] [--world 2]
 
-- split: the FC2 dgrad GEMM (autotuned ``grouped_gemm_kernel``) then the SwiGLU backward row pass
-  (``kernels.swiglu_grad``), each row pass config timed;
-- fused: ``fc2_dgrad_dswiglu_kernel`` (the SwiGLU backward in the GEMM's epilogue), each config timed.
-
-Rows are planned as rank 0 of ``--world`` ranks sees them (its local experts, one segment per source rank) and run
-piece by piece in the pipeline's order. Each variant's dh, aw and dw are compared with the split path's.
+The FC2 dgrad GEMM (autotuned ``grouped_gemm_kernel``), then the SwiGLU backward row pass (``kernels.swiglu_grad``)
+with several block shapes, each checked against the layer's own launch (dh, aw, dw) and timed. Rows are planned as
+rank 0 of ``--world`` ranks sees them (its local experts, one segment per source rank) and run piece by piece in the
+pipeline's order. (At commit e2f98d0 this script also timed the former fused kernel, the SwiGLU backward in the
+GEMM's epilogue: benchmarks/results/dswiglu_probe_s4.txt.)
 """
 
 from __future__ import annotations
@@ -15,12 +14,10 @@ from __future__ import annotations
 import argparse
 
 import torch
-import triton
 from triton.testing import do_bench
 
 from prime_megamoe.bench import make_inputs
 from prime_megamoe.kernels import tuning
-from prime_megamoe.kernels.grouped_gemm import fc2_dgrad_dswiglu_kernel
 from prime_megamoe.kernels.swiglu_grad import swiglu_backward_rows_kernel
 from prime_megamoe.ops import launch
 from prime_megamoe.ops.routing_plan import build_routing_plan
@@ -38,9 +35,7 @@ def main():
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (interpreter, micro shape)")
     args = p.parse_args()
     dev = args.device
-    if dev == "cpu":
-        global do_bench
-        do_bench = lambda fn, **_: (fn(), 0.0)[1] + 1.0  # noqa: E731  (no timing on the CPU)
+    bench = do_bench if dev == "cuda" else (lambda fn, **_: (fn(), 1.0)[1])  # no timing on the CPU
     blocks = [make_inputs(args.shape, args.tokens, r, args.world, seed=0, device=dev) for r in range(args.world)]
     w2 = blocks[0][4]
     num_local, hidden, inter = w2.shape
@@ -53,7 +48,6 @@ def main():
     h = torch.randn(plan.sorted_rows, 2 * inter, device=dev, dtype=torch.bfloat16)
     pos = plan.pair_pos.long()
     used = pos[pos >= 0]
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if dev == "cuda" else 4
 
     buffers = launch.dswiglu_buffers(dy, w2, plan)
 
@@ -66,7 +60,7 @@ def main():
     rows_used = used.numel()
     print(f"rank 0 of {args.world}: {rows_used} rows on {num_local} experts, I = {inter}, H = {hidden}")
     print(f"{'variant':64s} {'ms':>7s} {'TFLOP/s':>8s} {'err dh':>8s}")
-    ms = do_bench(split, warmup=5, rep=50)
+    ms = bench(split, warmup=5, rep=50)
     rows_flops = 2 * rows_used * hidden * inter
     print(f"{'split (autotuned GEMM + row pass 16x128, 4 warps)':64s} {ms:7.3f} {rows_flops / ms / 1e9:8.1f}")
     g_a = buffers[0]
@@ -75,7 +69,7 @@ def main():
         for piece in pieces:
             launch.grouped_gemm(dy, w2, piece, transpose_b=False, gather=True, out=g_a)
 
-    ms = do_bench(gemm_only, warmup=5, rep=50)
+    ms = bench(gemm_only, warmup=5, rep=50)
     print(f"{'  GEMM alone':64s} {ms:7.3f} {rows_flops / ms / 1e9:8.1f}")
     row_configs = [(16, 128, 4), (8, 256, 4), (32, 128, 8), (16, 256, 8), (4, 256, 2)] if dev == "cuda" else [(8, 16, 1)]
     for block_r, block_c, warps in row_configs:
@@ -90,38 +84,10 @@ def main():
 
         rows_pass()
         err = max(rel(dh[used], dh_ref[used]), rel(aw[used], aw_ref[used]), rel(dw[used], dw_ref[used]))
-        ms = do_bench(rows_pass, warmup=5, rep=50)
+        ms = bench(rows_pass, warmup=5, rep=50)
         gbytes = rows_used * inter * 2 * 6 / 1e9  # read g_a, h (2I); write dh (2I), aw
         print(f"{f'  row pass BLOCK_R={block_r} BLOCK_C={block_c} warps={warps}':64s} {ms:7.3f} "
-              f"{gbytes / ms:6.0f}GB/s {err:8.1e}")
-
-    chunk = tuning.dw_chunk()
-    m = tuning.tile_m()
-    fused_configs = [(m, 64, 64, 8, 4), (m // 2, 128, 64, 8, 3), (m, 128, 64, 8, 3)] if dev == "cuda" else [(m, 16, 16, 1, 1)]
-    for cfg in fused_configs:
-        for prefetch in (False, True):
-            bm, bn, bk, warps, stages = cfg
-            dh = torch.full_like(buffers[1], float("nan"))
-            aw = torch.full_like(buffers[2], float("nan"))
-            dw_partial = torch.zeros(triton.cdiv(inter, chunk) + 512 // chunk, plan.sorted_rows, device=dev)
-
-            def fused():
-                for piece in pieces:
-                    grid = (triton.cdiv(inter, 2 * bn), piece.max_tiles * (m // bm))
-                    fc2_dgrad_dswiglu_kernel.fn[grid](
-                        dy, piece.row_src, w2, h, piece.row_weight, dh, aw, dw_partial, piece.tile_expert,
-                        piece.tile_row, piece.num_tiles, piece.expert_offsets, inter, hidden, piece.num_pairs, num_sms,
-                        dy.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), h.stride(0), dh.stride(0),
-                        aw.stride(0), dw_partial.stride(0), DW_CHUNK=chunk, CAST_F32=dev == "cpu", IEEE=False, TILE_M=m,
-                        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PERSISTENT=False, PREFETCH_H=prefetch,
-                        num_warps=warps, num_stages=stages)
-
-            fused()
-            dw = dw_partial.sum(0)
-            err = max(rel(dh[used], dh_ref[used]), rel(aw[used], aw_ref[used]), rel(dw[used], dw_ref[used]))
-            ms = do_bench(fused, warmup=5, rep=50)
-            name = f"fused {bm}x{2 * bn}x{bk} w{warps} s{stages} prefetch_h={prefetch}"
-            print(f"{name:64s} {ms:7.3f} {rows_flops / ms / 1e9:8.1f} {err:8.1e}")
+              f"{gbytes / ms * 1e3:5.0f} GB/s {err:8.1e}")
 
 
 if __name__ == "__main__":

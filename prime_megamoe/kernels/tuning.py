@@ -12,22 +12,12 @@ import os
 
 import triton
 
-# Every config's BLOCK_N for the dSwiGLU kernel is a multiple of this, so its per-chunk weight-gradient partial sums
-# do not depend on which config autotuning picked.
-DW_CHUNK_GPU = 64
-DW_CHUNK_INTERPRET = 16
-
-
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def tile_m() -> int:
     return 16 if interpreting() else 128
-
-
-def dw_chunk() -> int:
-    return DW_CHUNK_INTERPRET if interpreting() else DW_CHUNK_GPU
 
 
 # Problems with fewer multiply-adds than this (M * N * K over the autotuning key) run the first candidate untimed:
@@ -88,16 +78,6 @@ def autotune_configs(kind: str) -> list[triton.Config]:
             _cfg(m, 256, 64, 8, 3, PERSISTENT=True),
             _cfg(m, 64, 64, 4, 5, PERSISTENT=False),
             _cfg(h, 256, 64, 4, 4, PERSISTENT=False),
-        ]
-    if kind == "dswiglu":  # two accumulators: a program covers 2 * BLOCK_N columns
-        # Persistent variants measured 15-27x slower on an H200 (benchmarks/results/
-        # autotune_dswiglu_wgrad_T16384_ep2.txt): not candidates.
-        return [
-            _cfg(m, 64, 64, 8, 4, PERSISTENT=False),
-            _cfg(m, 64, 64, 4, 4, PERSISTENT=False),
-            _cfg(m, 128, 64, 8, 3, PERSISTENT=False),  # 256 columns a program: half the dy re-reads
-            _cfg(h, 128, 64, 8, 3, PERSISTENT=False),
-            _cfg(h, 128, 64, 4, 4, PERSISTENT=False),
         ]
     if kind == "wgrad":
         # At Qwen3-30B-A3B, T = 16384, 128 x 128 x 64 leads (scripts/wgrad_probe.py; a persistent variant and one
