@@ -183,6 +183,16 @@ case "${1:-}" in
     step timeline_fwd 90 torchrun --nproc-per-node 2 scripts/call_timeline.py --out "$LOGS/timeline_fwd"
     step timeline_grad 100 torchrun --nproc-per-node 2 scripts/call_timeline.py --grad --out "$LOGS/timeline_grad"
     grep -h "call:" "$LOGS"/timeline_*.txt ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record" >&2
+  ownfirst)  # the own block planned before the peers' routing: EP check, 30B EP=2 T=16384 one call and back to back,
+             # one-call timeline
+    (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 100 torchrun --nproc-per-node 2 gpu_check_ep.py)
+    for r in 1 5; do
+      step "bench_16k_r$r" 80 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+        --transports symmetric_memory --backends mega_moe --repeat $r --iters 10 --warmup 3 --out "$LOGS/bench_16k_r$r.json"
+      tail -1 "$LOGS/bench_16k_r$r.log"
+    done
+    step timeline_fwd 60 torchrun --nproc-per-node 2 scripts/call_timeline.py --out "$LOGS/timeline_fwd"
+    grep -h "call:\|fc1_swiglu" "$LOGS"/timeline_fwd.rank0.txt | head -4 ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst" >&2
      exit 2 ;;
 esac

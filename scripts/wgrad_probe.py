@@ -26,7 +26,7 @@ def reference(a_sorted, b_sorted, plan, num_experts):
     out = torch.zeros(num_experts, a_sorted.shape[1], b_sorted.shape[1], device=a_sorted.device)
     for s in range(plan.num_segments):
         for e in range(num_experts):
-            lo, hi = off[s * num_experts + e], off[s * num_experts + e + 1]
+            lo, hi = off[s * (num_experts + 1) + e], off[s * (num_experts + 1) + e + 1]
             out[e] += a_sorted[lo:hi].float().T @ b_sorted[lo:hi].float()
     return out
 

@@ -17,7 +17,7 @@ from prime_megamoe import DispatchConfig, fused_experts
 from prime_megamoe.kernels.tuning import interpreting
 from prime_megamoe.kernels import tuning
 from prime_megamoe.ops.launch import combine_rows, dswiglu_buffers, fc2_dgrad_dswiglu, grouped_wgrad, sum_blocks
-from prime_megamoe.ops.routing_plan import build_routing_plan
+from prime_megamoe.ops.routing_plan import allocate_routing_plan, build_routing_plan, fill_routing_plan
 
 from .oracle import (
     NAMES, TOL, assert_matches_oracle, make_problem, oracle_with_grads, ragged_routing, rel_err, run_mega_moe,
@@ -139,6 +139,7 @@ def check_plan(ids, weights, base, num_local, tile_m):
     assert plan.row_weight.dtype == torch.float32
 
     # Offsets: exclusive prefix sum of the per-expert counts.
+    assert torch.equal(plan.counts.long(), counts)
     expected_offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
     assert torch.equal(plan.expert_offsets.long(), expected_offsets)
 
@@ -220,19 +221,16 @@ def test_routing_plan_single_row():
     assert plan.row_weight[:3].tolist() == pytest.approx([0.3, 0.2, 0.5])
 
 
-@pytest.mark.parametrize("segments, base, num_local", [(2, 2, 3), (4, 0, 2), (3, 4, 4)])
-def test_segmented_plan_is_each_segment_planned_alone(segments, base, num_local):
-    # Expert parallelism plans all source ranks' blocks at once, segment-major: segment s's view must be the plan of
-    # its rows alone, shifted by the rows of the segments before it. The last block is all padding (a rank with no
-    # tokens), another block routes most pairs to one expert.
-    rows, k, tile_m = 9, 3, 4
+def _segmented_case(segments, base, rows=9, k=3):
     ids, weights = _random_ids(rows * segments, k, 8, seed=segments * 10 + base, pad_rows=rows)
     ids[:rows, 0] = base  # segment 0: the first local expert takes one slot of every row
-    plan = build_routing_plan(ids, weights, expert_base=base, num_local_experts=num_local, tile_m=tile_m,
-                              num_segments=segments)
-    assert plan.expert_offsets.shape == (segments * num_local + 1,) and plan.num_tiles.shape == (segments,)
-    seg_base = 0
-    for s in range(segments):
+    return ids, weights
+
+
+def _assert_segments_planned_alone(plan, ids, weights, base, num_local, tile_m, rows, k):
+    # Segment s's view must be the plan of its rows alone, placed at sorted row s * rows * k.
+    for s in range(plan.num_segments):
+        seg_base = s * rows * k
         view = plan.segment(s)
         alone = build_routing_plan(ids[s * rows:(s + 1) * rows], weights[s * rows:(s + 1) * rows], expert_base=base,
                                    num_local_experts=num_local, tile_m=tile_m)
@@ -247,10 +245,42 @@ def test_segmented_plan_is_each_segment_planned_alone(segments, base, num_local)
         assert torch.equal(plan.row_src[seg_base:seg_base + count] - s * rows, alone.row_src[:count])
         assert torch.equal(plan.row_weight[seg_base:seg_base + count], alone.row_weight[:count])
         assert torch.equal(torch.where(view.pair_pos >= 0, view.pair_pos - seg_base, -1), alone.pair_pos)
+        assert torch.equal(plan.counts[s * num_local:(s + 1) * num_local], alone.counts)
         assert view.sorted_rows == plan.num_pairs and view.num_pairs == rows * k
-        seg_base += count
-    assert seg_base == int(plan.expert_offsets[-1])
+
+
+@pytest.mark.parametrize("segments, base, num_local", [(2, 2, 3), (4, 0, 2), (3, 4, 4)])
+def test_segmented_plan_is_each_segment_planned_alone(segments, base, num_local):
+    # Expert parallelism plans all source ranks' blocks, segment-major, each at fixed sorted rows. The last block is
+    # all padding (a rank with no tokens), another block routes most pairs to one expert.
+    rows, k, tile_m = 9, 3, 4
+    ids, weights = _segmented_case(segments, base, rows, k)
+    plan = build_routing_plan(ids, weights, expert_base=base, num_local_experts=num_local, tile_m=tile_m,
+                              num_segments=segments)
+    assert plan.expert_offsets.shape == (segments * (num_local + 1),) and plan.num_tiles.shape == (segments,)
+    _assert_segments_planned_alone(plan, ids, weights, base, num_local, tile_m, rows, k)
     assert int(plan.num_tiles[-1]) == 0  # the padding block has nothing to compute
+
+
+@pytest.mark.parametrize("segments, own", [(2, 1), (4, 2), (3, 0)])
+def test_segments_filled_one_launch_at_a_time_give_the_same_plan(segments, own):
+    # The EP forward plans its own block first, then the peers below it and above it in one launch each.
+    rows, k, tile_m, base, num_local = 9, 3, 4, 2, 3
+    ids, weights = _segmented_case(segments, base, rows, k)
+    plan = allocate_routing_plan(rows * segments, k, num_local_experts=num_local, tile_m=tile_m, device=ids.device,
+                                 num_segments=segments, split_expert=1)
+    parts = [(own, 1), (0, own), (own + 1, segments - own - 1)]
+    for first, count in parts:
+        if count:
+            sl = slice(first * rows, (first + count) * rows)
+            fill_routing_plan(plan, ids[sl], weights[sl], expert_base=base, first_segment=first)
+    whole = build_routing_plan(ids, weights, expert_base=base, num_local_experts=num_local, tile_m=tile_m,
+                               num_segments=segments, split_expert=1)
+    for name in ("expert_offsets", "pair_pos", "num_tiles", "counts", "half_num_tiles"):
+        assert torch.equal(getattr(plan, name), getattr(whole, name)), name
+    _assert_segments_planned_alone(plan, ids, weights, base, num_local, tile_m, rows, k)
+    with pytest.raises(ValueError, match="whole segments"):
+        fill_routing_plan(plan, ids[:rows + 1], weights[:rows + 1], expert_base=base)
 
 
 @pytest.mark.parametrize("segments, num_local, split", [(2, 4, 2), (3, 3, 1), (2, 4, 0), (2, 4, 4)])

@@ -14,8 +14,9 @@ rank). Each rank's part, with W ranks and capacity C:
 A round on rank r (see ``comm.transport``), with streams `compute` (the caller's) and `comm` (a side stream):
 - start: copy the block (and routing) into the workspace; flag channel 0 on every peer. `comm` waits for every
   peer's flag, then copies the own block and each peer's into a local [W*C, H] buffer (copy engines, no SMs),
-  recording an event per block. Forward: compute waits for the flags too and reads every rank's routing (a few kB),
-  since the routing plan needs it, then starts on its own block while the peers' blocks arrive.
+  recording an event per block. Forward: the own block's routing plan reads the own routing at once; the peers'
+  plans wait for their flags too and read their routing (a few kB) in place, while compute is busy with the own
+  block.
 - send(s): results for rank s's tokens go straight into rank r's own slot when s = r; otherwise into a staging
   buffer that `comm` copies into rank s's slot r, then flags channel 1 on rank s.
 - finish: wait (compute) for channel 1 from every peer, then return the slots; the caller sums them in rank order.
@@ -165,14 +166,19 @@ class SymmetricMemoryTransport(Transport):
                     rows[source * c : (source + 1) * c].copy_(ws.views[source]["rows"])
                 self._arrived[source] = torch.cuda.Event()
                 self._arrived[source].record(comm)
-        gathered = None
-        if routing is not None:
-            # The routing plan needs every rank's routing before any GEMM (a few kB, read on the compute stream).
-            compute.wait_event(published)
-            gathered = tuple(torch.cat([ws.views[q][name] for q in range(self.world)]) for name in ("index", "weights"))
+        self._published = published
         self._kinds = kinds
         self._staging = {}
-        return rows, gathered
+        return rows
+
+    def routing(self, first, count):
+        ws, compute = self.workspace, torch.cuda.current_stream(self.device)
+        sources = range(first, first + count)
+        if any(q != self.rank for q in sources):
+            compute.wait_event(self._published)  # the peers' routing is read in place, over NVLink
+        if count == 1:
+            return ws.views[first]["index"], ws.views[first]["weights"]
+        return tuple(torch.cat([ws.views[q][name] for q in sources]) for name in ("index", "weights"))
 
     def _peers(self) -> list[int]:
         return [q for q in self.source_order() if q != self.rank]

@@ -44,10 +44,16 @@ class Transport:
         return [(self.rank + i) % self.world for i in range(self.world)]
 
     def start(self, block: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None, kinds: tuple[str, ...],
-              top_k: int):
+              top_k: int) -> torch.Tensor:
         """block [T, H] (T <= C); routing (global ids [T, k], weights [T, k], any int / float dtypes) or None; kinds:
-        the result kinds this round returns. -> (rows [W*C, H], (ids [W*C, k] int32, weights [W*C, k] fp32) or
-        None)."""
+        the result kinds this round returns. -> rows [W*C, H] (source s's block at rows [s*C, (s+1)*C), there once
+        ``wait_rows(s)`` has been issued)."""
+        raise NotImplementedError
+
+    def routing(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The published routing of source ranks [first, first + count) (a round started with routing): (ids
+        [count*C, k] int32, weights [count*C, k] fp32), padding rows' ids -1, readable on the current stream. The
+        own block's needs no wait for the peers."""
         raise NotImplementedError
 
     def wait_rows(self, source: int) -> None:
@@ -70,10 +76,11 @@ class CollectiveTransport(Transport):
     def start(self, block, routing, kinds, top_k):
         c = self.capacity
         rows = all_gather_blocks(pad_rows(block, c), self.group, self.timeout_s, "dispatch of rows")
-        gathered = None
+        self._routing = None
         if routing is not None:
             padded = (pad_rows(routing[0].to(torch.int32), c, -1), pad_rows(routing[1].float(), c))
-            gathered = tuple(all_gather_blocks(t, self.group, self.timeout_s, "dispatch of routing") for t in padded)
+            self._routing = tuple(all_gather_blocks(t, self.group, self.timeout_s, "dispatch of routing")
+                                  for t in padded)
         w = self.world
         self._staging = {}
         for kind in kinds:
@@ -81,7 +88,11 @@ class CollectiveTransport(Transport):
                 self._staging[kind] = block.new_empty(w, c, block.shape[1])
             else:
                 self._staging[kind] = torch.empty(w, c, top_k, dtype=torch.float32, device=block.device)
-        return rows, gathered
+        return rows
+
+    def routing(self, first, count):
+        c = self.capacity
+        return tuple(t[first * c : (first + count) * c] for t in self._routing)
 
     def wait_rows(self, source):
         pass  # the all_gather has completed

@@ -201,7 +201,7 @@ def wgrad_tile_offsets(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
 @triton.jit
 def grouped_wgrad_kernel(
     a_ptr, a_src_ptr, b_ptr, b_src_ptr, c_ptr, expert_offsets_ptr,
-    M, N, M_BUCKET, num_segments, experts_per_segment,
+    M, N, M_BUCKET, num_segments, offsets_per_segment,
     stride_am, stride_bm, stride_ce, stride_cm, stride_cn,
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -211,8 +211,8 @@ def grouped_wgrad_kernel(
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for seg in range(0, num_segments):  # the expert's rows of each segment (source rank), in a fixed order
-        start = tl.load(expert_offsets_ptr + seg * experts_per_segment + expert)
-        end = tl.load(expert_offsets_ptr + seg * experts_per_segment + expert + 1)
+        start = tl.load(expert_offsets_ptr + seg * offsets_per_segment + expert)
+        end = tl.load(expert_offsets_ptr + seg * offsets_per_segment + expert + 1)
         for k0 in range(start, end, BLOCK_K):
             r = k0 + ks
             r_mask = r < end

@@ -16,9 +16,10 @@ def routing_keys_kernel(
     NUM_LOCAL: tl.constexpr, NUM_BINS: tl.constexpr, SKIP: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """key = segment * NUM_LOCAL + local expert id of each (row, slot) pair, or SKIP (= segments * NUM_LOCAL) where
-    the expert lives elsewhere; counts[key] += 1 for local keys. A segment is a block of consecutive source rows (one
-    source rank's tokens under expert parallelism), so sorting by key orders rows by segment, then by expert.
-    Integer atomics: the counts are exact whatever order the programs run in."""
+    the expert lives elsewhere; counts[key] += 1 for local keys. Segments count from the first one this launch
+    covers (a segment is a block of consecutive source rows: one source rank's tokens under expert parallelism), so
+    sorting by key orders rows by segment, then by expert. Integer atomics: the counts are exact whatever order the
+    programs run in."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_pairs
     local = tl.load(index_ptr + offs, mask=mask, other=-1).to(tl.int32) - expert_base
@@ -31,25 +32,23 @@ def routing_keys_kernel(
 
 
 @triton.jit
-def _rows_of_segments(counts_ptr, num_segments, experts, e_mask, NUM_LOCAL: tl.constexpr):
-    """Local (row, slot) pairs in segments [0, num_segments): the sorted rows those segments take."""
-    total = tl.sum(tl.zeros_like(experts), 0)
-    for s in range(0, num_segments):
-        total += tl.sum(tl.load(counts_ptr + s * NUM_LOCAL + experts, mask=e_mask, other=0), 0)
-    return total
-
-
-@triton.jit
 def routing_plan_kernel(
     order_ptr, weights_ptr, counts_ptr,
     row_src_ptr, row_weight_ptr, pair_pos_ptr, expert_offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
     half_tile_expert_ptr, half_tile_row_ptr, half_num_tiles_ptr,
-    num_pairs, tiles_per_segment, num_segments, split_expert,
-    TOP_K: tl.constexpr, NUM_LOCAL: tl.constexpr, EXPERT_BLOCK: tl.constexpr, TILE_M: tl.constexpr,
-    BLOCK: tl.constexpr, TILE_BLOCK: tl.constexpr, HALVES: tl.constexpr,
+    num_pairs, num_segments, first_segment, pairs_per_segment, tiles_per_segment, split_expert,
+    TOP_K: tl.constexpr, NUM_LOCAL: tl.constexpr, EXPERT_BLOCK: tl.constexpr, SEGMENT_BLOCK: tl.constexpr,
+    TILE_M: tl.constexpr, BLOCK: tl.constexpr, TILE_BLOCK: tl.constexpr, HALVES: tl.constexpr,
 ):
-    """Grid (programs, segments). Sorted rows are segment-major, then expert-major; segment s's tiles fill slots
-    [s * tiles_per_segment, (s + 1) * tiles_per_segment) of the tile list, and num_tiles[s] of them are in use.
+    """Grid (programs, segments of this launch). Plans segments [first_segment, first_segment + num_segments) of the
+    plan from their pairs' sort (``order``: this launch's pair indices, sorted by key; ``weights``, ``counts``: this
+    launch's pairs and counts). Every segment has fixed places, so segments can be planned in separate launches
+    (a rank plans its own block before the peers' routing arrives):
+
+    - sorted rows [s * P, s * P + count_s) (P = pairs_per_segment), expert-major: source row, weight, and the inverse
+      map from each pair to its sorted row (-1: not local);
+    - expert offsets [s * (NUM_LOCAL + 1), (s + 1) * (NUM_LOCAL + 1)): expert e's rows are [off[e], off[e + 1]);
+    - tile slots [s * tiles_per_segment, (s + 1) * tiles_per_segment), of which num_tiles[s] are in use.
 
     HALVES: also split each segment's tiles at expert ``split_expert``: the lower experts' tiles are the first
     half_num_tiles[s, 0] of the segment's list; the upper experts' half_num_tiles[s, 1] tiles are copied, from slot
@@ -59,31 +58,43 @@ def routing_plan_kernel(
     experts = tl.arange(0, EXPERT_BLOCK)
     e_mask = experts < NUM_LOCAL
     counts = tl.load(counts_ptr + seg * NUM_LOCAL + experts, mask=e_mask, other=0)
-    seg_base = _rows_of_segments(counts_ptr, seg, experts, e_mask, NUM_LOCAL)  # rows of the segments before this one
+    plan_seg = first_segment + seg
+    seg_base = plan_seg * pairs_per_segment  # first sorted row of this segment
     row_end = tl.cumsum(counts, 0)
     tiles = (counts + TILE_M - 1) // TILE_M
     tile_end = tl.cumsum(tiles, 0)
 
     if seg == 0:
-        # Sorted rows: source row, weight, and the inverse map from each pair to its sorted row (-1: not local).
-        total = _rows_of_segments(counts_ptr, num_segments, experts, e_mask, NUM_LOCAL)
-        rows = pid * BLOCK + tl.arange(0, BLOCK)
-        in_range = rows < num_pairs
-        pair = tl.load(order_ptr + rows, mask=in_range, other=0)
-        tl.store(row_src_ptr + rows, (pair // TOP_K).to(tl.int32), mask=in_range)
-        tl.store(row_weight_ptr + rows, tl.load(weights_ptr + pair, mask=in_range, other=0.0).to(tl.float32),
-                 mask=in_range)
-        tl.store(pair_pos_ptr + pair, tl.where(rows < total, rows, -1).to(tl.int32), mask=in_range)
+        # Sorted rows of every segment of this launch: position p of the sort holds a pair of segment
+        # pair // P, the (p - start of that segment in the sort)-th of its local pairs.
+        segs = tl.arange(0, SEGMENT_BLOCK)
+        s_mask = segs < num_segments
+        seg_counts = tl.load(counts_ptr + segs[:, None] * NUM_LOCAL + experts[None, :],
+                             mask=s_mask[:, None] & e_mask[None, :], other=0)
+        totals = tl.sum(seg_counts, 1)
+        starts = tl.cumsum(totals, 0) - totals
+        local_total = tl.sum(totals, 0)
+        pos = pid * BLOCK + tl.arange(0, BLOCK)
+        in_range = pos < num_pairs
+        pair = tl.load(order_ptr + pos, mask=in_range, other=0)
+        pair_seg = pair // pairs_per_segment
+        start = tl.sum(tl.where(segs[None, :] == pair_seg[:, None], starts[None, :], 0), 1)
+        row = (first_segment + pair_seg) * pairs_per_segment + pos - start
+        local = in_range & (pos < local_total)
+        global_pair = first_segment * pairs_per_segment + pair
+        tl.store(row_src_ptr + row, (global_pair // TOP_K).to(tl.int32), mask=local)
+        tl.store(row_weight_ptr + row, tl.load(weights_ptr + pair, mask=local, other=0.0).to(tl.float32), mask=local)
+        tl.store(pair_pos_ptr + global_pair, tl.where(local, row, -1).to(tl.int32), mask=in_range)
 
     if pid == 0:
-        tl.store(expert_offsets_ptr + seg * NUM_LOCAL + experts + 1, (seg_base + row_end).to(tl.int32), mask=e_mask)
-        if seg == 0:
-            tl.store(expert_offsets_ptr, 0)
-        tl.store(num_tiles_ptr + seg, tl.sum(tiles, 0).to(tl.int32))
+        offsets = expert_offsets_ptr + plan_seg * (NUM_LOCAL + 1)
+        tl.store(offsets + experts + 1, (seg_base + row_end).to(tl.int32), mask=e_mask)
+        tl.store(offsets, seg_base.to(tl.int32))
+        tl.store(num_tiles_ptr + plan_seg, tl.sum(tiles, 0).to(tl.int32))
         if HALVES:
             lower = tl.sum(tl.where(experts < split_expert, tiles, 0), 0)
-            tl.store(half_num_tiles_ptr + 2 * seg, lower.to(tl.int32))
-            tl.store(half_num_tiles_ptr + 2 * seg + 1, (tl.sum(tiles, 0) - lower).to(tl.int32))
+            tl.store(half_num_tiles_ptr + 2 * plan_seg, lower.to(tl.int32))
+            tl.store(half_num_tiles_ptr + 2 * plan_seg + 1, (tl.sum(tiles, 0) - lower).to(tl.int32))
 
     # Tile list: tile t belongs to the expert whose tile range holds it; programs share the static tile bound.
     for t0 in range(pid * TILE_BLOCK, tiles_per_segment, tl.num_programs(0) * TILE_BLOCK):
@@ -93,7 +104,7 @@ def routing_plan_kernel(
         first_tile = tl.sum(tl.where(before, tiles[None, :], 0), 1)
         first_row = tl.sum(tl.where(before, counts[None, :], 0), 1)
         t_mask = t < tiles_per_segment
-        slot = seg * tiles_per_segment + t
+        slot = plan_seg * tiles_per_segment + t
         row = (seg_base + first_row + (t - first_tile) * TILE_M).to(tl.int32)
         tl.store(tile_expert_ptr + slot, expert.to(tl.int32), mask=t_mask)
         tl.store(tile_row_ptr + slot, row, mask=t_mask)

@@ -6,9 +6,9 @@ experts' share of each source's tokens segment by segment while the transport br
 finished results back. The own block is computed in two expert halves (``compute_order``): the first while the
 peers' blocks arrive, the second while the last peer's results travel back, so neither transfer waits alone.
 
-forward   publish x and routing -> plan over all blocks -> per piece: [wait block s] FC1+SwiGLU, FC2; once a source
-          is complete: combine into s's result block, send -> each rank sums the W result blocks of its tokens in
-          rank order (fp32)
+forward   publish x and routing -> plan the own block (own routing only) -> own block's first expert half -> plan
+          the peers' blocks (their routing) -> per piece: [wait block s] FC1+SwiGLU, FC2; once a source is complete:
+          combine into s's result block, send -> each rank sums the W result blocks of its tokens in rank order (fp32)
 backward  publish dy -> per piece: [wait block s] FC2 dgrad+dSwiGLU, FC1 dgrad; once a source is complete: combine
           into s's dx block and its top-k weight gradients, send -> weight gradients over all segments (local, while
           results travel) -> each rank sums its W dx blocks in rank order
@@ -25,7 +25,7 @@ import torch
 
 from ..comm.transport import PAIR_RESULTS, ROW_RESULTS, Transport
 from . import launch
-from .routing_plan import build_routing_plan
+from .routing_plan import allocate_routing_plan, fill_routing_plan
 
 
 def compute_order(transport: Transport):
@@ -43,15 +43,25 @@ class ExpertParallelExperts(torch.autograd.Function):
         num_tokens, top_k = top_k_index.shape
         world = transport.world
         num_local, inter, hidden = w1.shape[0], w1.shape[1] // 2, w1.shape[2]
-        rows, (index_all, weights_all) = transport.start(x, (top_k_index, top_k_weights), (ROW_RESULTS,), top_k)
-        plan = build_routing_plan(index_all, weights_all, expert_base=transport.rank * num_local,
-                                  num_local_experts=num_local, tile_m=tile_m, num_segments=world,
-                                  split_expert=num_local // 2)
+        rank, capacity = transport.rank, transport.capacity
+        rows = transport.start(x, (top_k_index, top_k_weights), (ROW_RESULTS,), top_k)
+        plan = allocate_routing_plan(world * capacity, top_k, num_local_experts=num_local, tile_m=tile_m,
+                                     device=x.device, num_segments=world, split_expert=num_local // 2)
+        # The own block's plan needs only this rank's routing: its first GEMMs go out before the peers' routing is
+        # waited for; the peers' plans follow, while the GPU computes the own block's first half.
+        fill_routing_plan(plan, *transport.routing(rank, 1), expert_base=rank * num_local, first_segment=rank)
         need_grad = any(ctx.needs_input_grad[i] for i in (0, 2, 3, 4))
         a = x.new_empty(plan.sorted_rows, inter)
         h = x.new_empty(plan.sorted_rows, 2 * inter) if need_grad else None
         y = x.new_empty(plan.sorted_rows, hidden)
+        peers_planned = False
         for s, half, first, last in compute_order(transport):
+            if s != rank and not peers_planned:
+                for first_peer, count in ((0, rank), (rank + 1, world - rank - 1)):  # the peers below and above
+                    if count:
+                        fill_routing_plan(plan, *transport.routing(first_peer, count),
+                                          expert_base=rank * num_local, first_segment=first_peer)
+                peers_planned = True
             if first:
                 transport.wait_rows(s)
             piece = plan.segment(s, half)
@@ -74,7 +84,7 @@ class ExpertParallelExperts(torch.autograd.Function):
         plan, transport = ctx.plan, ctx.transport
         num_tokens = grad_out.shape[0]
         kinds = (ROW_RESULTS, PAIR_RESULTS)
-        dy, _ = transport.start(grad_out.to(rows.dtype), None, kinds, plan.top_k)
+        dy = transport.start(grad_out.to(rows.dtype), None, kinds, plan.top_k)
         buffers = launch.dswiglu_buffers(dy, w2, plan)
         _, dh, aw, dw_row = buffers
         dx_sorted = dy.new_empty(plan.sorted_rows, dy.shape[1])

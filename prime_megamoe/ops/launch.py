@@ -133,7 +133,7 @@ def grouped_wgrad(
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), plan.num_local_experts)
     launch(grouped_wgrad_kernel, grid,
         a, plan.row_src, b, plan.row_src, out, plan.expert_offsets,
-        m, n, plan.num_pairs, plan.num_segments, plan.num_local_experts,
+        m, n, plan.num_pairs, plan.num_segments, plan.num_local_experts + 1,
         a.stride(0), b.stride(0), out.stride(0), out.stride(1), out.stride(2),
         GATHER_A=gather_a, GATHER_B=gather_b, **_flags(a),
     )

@@ -21,15 +21,16 @@ class RoutingPlan:
 
     A segment is a block of ``num_rows / num_segments`` consecutive source rows: one source rank's tokens under
     expert parallelism, so that each rank's rows can be computed as soon as they arrive (``segment(s)``); without
-    expert parallelism there is one segment. ``num_pairs`` = rows * k is a static bound; sorted rows past the
-    device-side total are never touched.
+    expert parallelism there is one segment. Segment s owns the sorted rows [s * P, s * P + count_s), P = its pairs
+    (rows * k): fixed places, so each segment can be planned on its own (``fill_routing_plan``), the own block's
+    before the peers' routing has arrived. Sorted rows past a segment's count are never touched.
     """
 
     num_rows: int  # R: source rows of this plan (or of one segment, for a segment view)
     top_k: int
     num_local_experts: int
     tile_m: int
-    # [S*E_local + 1] int32: (segment s, expert e) owns sorted rows [off[s*E_local + e], off[s*E_local + e + 1])
+    # [S * (E_local + 1)] int32: (segment s, expert e) owns sorted rows [off[s*(E_local+1) + e], ... + e + 1])
     expert_offsets: torch.Tensor
     row_src: torch.Tensor  # [sorted_rows] int32: source row of each sorted row (over all segments)
     row_weight: torch.Tensor  # [sorted_rows] fp32: top-k weight of each sorted row
@@ -45,6 +46,8 @@ class RoutingPlan:
     half_tile_expert: torch.Tensor | None = None
     half_tile_row: torch.Tensor | None = None
     half_num_tiles: torch.Tensor | None = None
+    # [S * E_local] int32: local pairs per (segment, expert), as the plan's kernels count them
+    counts: torch.Tensor | None = field(default=None, repr=False)
     _views: dict = field(default_factory=dict, repr=False, compare=False)  # segment views made so far
 
     def __post_init__(self):
@@ -83,7 +86,7 @@ class RoutingPlan:
                 tile_expert, tile_row = self.half_tile_expert, self.half_tile_row
         return RoutingPlan(
             num_rows=rows, top_k=self.top_k, num_local_experts=experts, tile_m=self.tile_m,
-            expert_offsets=self.expert_offsets[s * experts : (s + 1) * experts + 1],
+            expert_offsets=self.expert_offsets[s * (experts + 1) : (s + 1) * (experts + 1)],
             row_src=self.row_src, row_weight=self.row_weight,
             pair_pos=self.pair_pos[s * rows : (s + 1) * rows],
             tile_expert=tile_expert[s * tiles : (s + 1) * tiles],
@@ -98,6 +101,89 @@ class RoutingPlan:
         return torch.where(pos >= 0, row_values[pos.clamp(min=0)], 0.0).to(dtype)
 
 
+def allocate_routing_plan(
+    num_rows: int,
+    top_k: int,
+    *,
+    num_local_experts: int,
+    tile_m: int,
+    device: torch.device,
+    num_segments: int = 1,
+    split_expert: int | None = None,
+) -> RoutingPlan:
+    """An unfilled plan for ``num_rows`` source rows in ``num_segments`` equal blocks (R must divide); fill each
+    segment with ``fill_routing_plan`` before using it. ``split_expert``: also list each segment's tiles of local
+    experts [0, split) and [split, E_local) apart (``RoutingPlan.segment(s, half)``)."""
+    if num_rows % num_segments:
+        raise ValueError(f"{num_rows} source rows do not split into {num_segments} equal segments")
+    if split_expert is not None and not 0 <= split_expert <= num_local_experts:
+        raise ValueError(f"split_expert = {split_expert} is outside [0, {num_local_experts}]")
+    num_pairs = num_rows * top_k
+    tiles = num_segments * ((num_pairs // num_segments + tile_m - 1) // tile_m + num_local_experts)
+
+    def ints(*shape):
+        return torch.empty(*shape, dtype=torch.int32, device=device)
+
+    plan = RoutingPlan(
+        num_rows=num_rows, top_k=top_k, num_local_experts=num_local_experts, tile_m=tile_m,
+        expert_offsets=ints(num_segments * (num_local_experts + 1)), row_src=ints(num_pairs),
+        row_weight=torch.empty(num_pairs, dtype=torch.float32, device=device), pair_pos=ints(num_rows, top_k),
+        tile_expert=ints(tiles), tile_row=ints(tiles), num_tiles=ints(num_segments), num_segments=num_segments,
+    )
+    if split_expert is not None:
+        plan.split_expert = split_expert
+        plan.half_tile_expert, plan.half_tile_row = ints(tiles), ints(tiles)
+        plan.half_num_tiles = ints(num_segments, 2)
+    plan.counts = torch.zeros(num_segments * num_local_experts, dtype=torch.int32, device=device)
+    return plan
+
+
+def fill_routing_plan(plan: RoutingPlan, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
+                      expert_base: int, first_segment: int = 0) -> None:
+    """Plan segments [first_segment, first_segment + n) from their source rows' global expert ids ``top_k_index``
+    [n * R_s, k] (ids outside [expert_base, expert_base + E_local), including -1 for padding rows, are other ranks'
+    and skipped) and weights. Segments filled in separate calls do not touch each other's parts of the plan."""
+    seg_rows = plan.num_rows // plan.num_segments
+    rows, top_k = top_k_index.shape
+    num_segments = rows // seg_rows if seg_rows else plan.num_segments  # no rows: every segment is empty
+    whole = rows % seg_rows == 0 if seg_rows else rows == 0
+    if not whole or top_k != plan.top_k or not 0 <= first_segment <= plan.num_segments - num_segments:
+        raise ValueError(
+            f"routing of {rows} rows x {top_k} does not fill whole segments of {seg_rows} rows x {plan.top_k} from "
+            f"segment {first_segment} of {plan.num_segments}"
+        )
+    device = top_k_index.device
+    experts = plan.num_local_experts
+    seg_pairs = seg_rows * top_k
+    num_pairs = rows * top_k
+    bins = num_segments * experts
+    keys = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    counts = plan.counts[first_segment * experts : (first_segment + num_segments) * experts]
+    block = 1024
+    grid = (max(triton.cdiv(num_pairs, block), 1),)
+    launch(
+        routing_keys_kernel, grid, top_k_index.reshape(-1), keys, counts, num_pairs, max(seg_pairs, 1), expert_base,
+        NUM_LOCAL=experts, NUM_BINS=triton.next_power_of_2(bins + 1), SKIP=bins, BLOCK=block,
+    )
+    # Stable: within an expert, rows keep the pair order (row-major over (row, slot)), so results are reproducible.
+    order = torch.sort(keys, stable=True).indices
+    halves = plan.split_expert is not None
+    tiles_per_segment = plan.max_tiles // plan.num_segments
+    launch(
+        routing_plan_kernel, (grid[0], num_segments),
+        order, top_k_weights.reshape(-1), counts,
+        plan.row_src, plan.row_weight, plan.pair_pos, plan.expert_offsets, plan.tile_expert, plan.tile_row,
+        plan.num_tiles,
+        plan.half_tile_expert if halves else plan.tile_expert, plan.half_tile_row if halves else plan.tile_row,
+        plan.half_num_tiles if halves else plan.num_tiles,
+        num_pairs, num_segments, first_segment, max(seg_pairs, 1), tiles_per_segment,
+        plan.split_expert if halves else experts,
+        TOP_K=top_k, NUM_LOCAL=experts, EXPERT_BLOCK=triton.next_power_of_2(experts),
+        SEGMENT_BLOCK=triton.next_power_of_2(max(num_segments, 2)), TILE_M=plan.tile_m, BLOCK=block, TILE_BLOCK=32,
+        HALVES=halves,
+    )
+
+
 def build_routing_plan(
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
@@ -108,62 +194,11 @@ def build_routing_plan(
     num_segments: int = 1,
     split_expert: int | None = None,
 ) -> RoutingPlan:
-    """Plan for source rows with global expert ids ``top_k_index`` [R, k] (ids outside
-    [expert_base, expert_base + E_local), including -1 for padding rows, are other ranks' and skipped), split into
-    ``num_segments`` equal blocks of rows (R must divide). ``split_expert``: also list each segment's tiles of local
-    experts [0, split) and [split, E_local) apart (``RoutingPlan.segment(s, half)``)."""
-    num_rows, top_k = top_k_index.shape
-    if num_rows % num_segments:
-        raise ValueError(f"{num_rows} source rows do not split into {num_segments} equal segments")
-    if split_expert is not None and not 0 <= split_expert <= num_local_experts:
-        raise ValueError(f"split_expert = {split_expert} is outside [0, {num_local_experts}]")
-    device = top_k_index.device
-    num_pairs = num_rows * top_k
-    seg_pairs = num_pairs // num_segments
-    tiles_per_segment = (seg_pairs + tile_m - 1) // tile_m + num_local_experts
-    index = top_k_index.reshape(-1)
-    weights = top_k_weights.reshape(-1)
-
-    bins = num_segments * num_local_experts
-    keys = torch.empty(num_pairs, dtype=torch.int32, device=device)
-    counts = torch.zeros(bins, dtype=torch.int32, device=device)
-    block = 1024
-    grid = (max(triton.cdiv(num_pairs, block), 1),)
-    launch(routing_keys_kernel, grid,
-        index, keys, counts, num_pairs, max(seg_pairs, 1), expert_base,
-        NUM_LOCAL=num_local_experts, NUM_BINS=triton.next_power_of_2(bins + 1), SKIP=bins, BLOCK=block,
+    """The plan of source rows with global expert ids ``top_k_index`` [R, k], every segment filled at once (see
+    ``allocate_routing_plan`` and ``fill_routing_plan``)."""
+    plan = allocate_routing_plan(
+        top_k_index.shape[0], top_k_index.shape[1], num_local_experts=num_local_experts, tile_m=tile_m,
+        device=top_k_index.device, num_segments=num_segments, split_expert=split_expert,
     )
-    # Stable: within an expert, rows keep the pair order (row-major over (row, slot)), so results are reproducible.
-    order = torch.sort(keys, stable=True).indices
-
-    plan = RoutingPlan(
-        num_rows=num_rows,
-        top_k=top_k,
-        num_local_experts=num_local_experts,
-        tile_m=tile_m,
-        expert_offsets=torch.empty(bins + 1, dtype=torch.int32, device=device),
-        row_src=torch.empty(num_pairs, dtype=torch.int32, device=device),
-        row_weight=torch.empty(num_pairs, dtype=torch.float32, device=device),
-        pair_pos=torch.empty(num_rows, top_k, dtype=torch.int32, device=device),
-        tile_expert=torch.empty(num_segments * tiles_per_segment, dtype=torch.int32, device=device),
-        tile_row=torch.empty(num_segments * tiles_per_segment, dtype=torch.int32, device=device),
-        num_tiles=torch.empty(num_segments, dtype=torch.int32, device=device),
-        num_segments=num_segments,
-    )
-    halves = split_expert is not None
-    if halves:
-        plan.split_expert = split_expert
-        plan.half_tile_expert = torch.empty_like(plan.tile_expert)
-        plan.half_tile_row = torch.empty_like(plan.tile_row)
-        plan.half_num_tiles = torch.empty(num_segments, 2, dtype=torch.int32, device=device)
-    launch(routing_plan_kernel, (grid[0], num_segments),
-        order, weights, counts,
-        plan.row_src, plan.row_weight, plan.pair_pos, plan.expert_offsets, plan.tile_expert, plan.tile_row,
-        plan.num_tiles,
-        plan.half_tile_expert if halves else plan.tile_expert, plan.half_tile_row if halves else plan.tile_row,
-        plan.half_num_tiles if halves else plan.num_tiles,
-        num_pairs, tiles_per_segment, num_segments, split_expert if halves else num_local_experts,
-        TOP_K=top_k, NUM_LOCAL=num_local_experts, EXPERT_BLOCK=triton.next_power_of_2(num_local_experts),
-        TILE_M=tile_m, BLOCK=block, TILE_BLOCK=32, HALVES=halves,
-    )
+    fill_routing_plan(plan, top_k_index, top_k_weights, expert_base=expert_base)
     return plan
