@@ -193,6 +193,12 @@ case "${1:-}" in
     done
     step timeline_fwd 60 torchrun --nproc-per-node 2 scripts/call_timeline.py --out "$LOGS/timeline_fwd"
     grep -h "call:\|fc1_swiglu" "$LOGS"/timeline_fwd.rank0.txt | head -4 ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst" >&2
+  pull)  # peers' blocks pulled at first use: EP check (both transports), 30B EP=2 T=16384 one call, its timeline
+    (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 90 torchrun --nproc-per-node 2 gpu_check_ep.py)
+    grep -h "bitwise" "$LOGS/ep_check.log" | head -3
+    step bench_16k_r1 70 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+      --transports symmetric_memory --backends mega_moe --iters 10 --warmup 3 --out "$LOGS/bench_16k_r1.json"
+    tail -1 "$LOGS/bench_16k_r1.log" ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull" >&2
      exit 2 ;;
 esac
