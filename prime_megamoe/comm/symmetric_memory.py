@@ -14,7 +14,7 @@ rank). Each rank's part, with W ranks and capacity C:
 A round on rank r (see ``comm.transport``), with streams `compute` (the caller's) and `comm` (a side stream):
 - start: copy the block (and routing) into the workspace; flag channel 0 on every peer; copy the own block into a
   local [W*C, H] buffer. Nothing waits for a peer yet, so the own block's routing plan and first GEMMs go out at
-  once. At the first use of a peer's block or routing, `comm` waits for every peer's flag and copies each peer's
+  once. Right after them (``pull``), `comm` waits for every peer's flag and copies each peer's
   block into that buffer (copy engines, no SMs), recording an event per block; the forward's peer plans wait for the
   flags too and read the peers' routing (a few kB) in place, while compute is busy with the own block.
 - send(s): results for rank s's tokens go straight into rank r's own slot when s = r; otherwise into a staging
@@ -157,10 +157,10 @@ class SymmetricMemoryTransport(Transport):
         self._staging = {}
         return rows
 
-    def _pull(self) -> None:
-        """Once per round, at the first use of a peer's block or routing (after the own block's first launches):
-        on the side stream, wait for every peer's flag, then copy the peers' blocks into rows (copy engines, no
-        SMs), one event per block."""
+    def pull(self) -> None:
+        """Once per round, after the own block's first launches (or at the first use of a peer's block or
+        routing): on the side stream, wait for every peer's flag, then copy the peers' blocks into rows (copy
+        engines, no SMs), one event per block."""
         if self._pulled:
             return
         self._pulled = True
@@ -181,7 +181,7 @@ class SymmetricMemoryTransport(Transport):
         ws, compute = self.workspace, torch.cuda.current_stream(self.device)
         sources = range(first, first + count)
         if any(q != self.rank for q in sources):
-            self._pull()
+            self.pull()
             compute.wait_event(self._published)  # the peers' routing is read in place, over NVLink
         if count == 1:
             return ws.views[first]["index"], ws.views[first]["weights"]
@@ -193,7 +193,7 @@ class SymmetricMemoryTransport(Transport):
     def wait_rows(self, source):
         if source == self.rank:
             return  # copied on the compute stream at start
-        self._pull()
+        self.pull()
         torch.cuda.current_stream(self.device).wait_event(self._arrived[source])
 
     def _slot(self, peer: int, kind: str, source_slot: int) -> torch.Tensor:
