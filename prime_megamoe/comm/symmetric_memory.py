@@ -12,11 +12,11 @@ rank). Each rank's part, with W ranks and capacity C:
     flags      [2, W]      int32  channel 0: "rank q published round n", channel 1: "rank q wrote its slot, round n"
 
 A round on rank r (see ``comm.transport``), with streams `compute` (the caller's) and `comm` (a side stream):
-- start: copy the block (and routing) into the workspace; flag channel 0 on every peer; copy the own block into a
-  local [W*C, H] buffer. Nothing waits for a peer yet, so the own block's routing plan and first GEMMs go out at
-  once. Right after them (``pull``), `comm` waits for every peer's flag and copies each peer's
-  block into that buffer (copy engines, no SMs), recording an event per block; the forward's peer plans wait for the
-  flags too and read the peers' routing (a few kB) in place, while compute is busy with the own block.
+- start: copy the block (and routing) into the workspace; flag channel 0 on every peer. `comm` waits for every
+  peer's flag, then copies the own block and each peer's into a local [W*C, H] buffer (copy engines, no SMs),
+  recording an event per block. Forward: the own block's routing plan reads the own routing at once; the peers'
+  plans wait for their flags too and read their routing (a few kB) in place, while compute is busy with the own
+  block.
 - send(s): results for rank s's tokens go straight into rank r's own slot when s = r; otherwise into a staging
   buffer that `comm` copies into rank s's slot r, then flags channel 1 on rank s.
 - finish: wait (compute) for channel 1 from every peer, then return the slots; the caller sums them in rank order.
@@ -135,7 +135,7 @@ class SymmetricMemoryTransport(Transport):
         ws, c, rank, num_rows = self.workspace, self.capacity, self.rank, block.shape[0]
         ws.round += 1
         self.round = ws.round
-        compute = torch.cuda.current_stream(self.device)
+        compute, comm = torch.cuda.current_stream(self.device), ws.comm_stream
         if ws.last_stream is not None and ws.last_stream != compute:
             # The previous round ran on another stream: its sum of this rank's result slots must be done before
             # peers may write them again (they do once this round's block is published).
@@ -151,37 +151,30 @@ class SymmetricMemoryTransport(Transport):
         for peer in self._peers():
             ws.signal(peer, PUBLISHED, self.round)
         rows = block.new_empty(self.world * c, block.shape[1])
-        rows[rank * c : rank * c + num_rows].copy_(block)  # the own block, at once on this stream
-        self._rows, self._pulled = rows, False
+        self._arrived = {}
+        comm.wait_stream(compute)
+        # On the side stream: wait for every peer's block, then copy this rank's block and the peers' into rows
+        # (copy engines, no SMs), one event per block, while compute plans and starts on its own block.
+        with torch.cuda.stream(comm):
+            ws.wait(PUBLISHED, self.round, self.timeout_s)
+            published = torch.cuda.Event()
+            published.record(comm)
+            for source in self.source_order():
+                if source == rank:
+                    rows[rank * c : rank * c + num_rows].copy_(block)
+                else:
+                    rows[source * c : (source + 1) * c].copy_(ws.views[source]["rows"])
+                self._arrived[source] = torch.cuda.Event()
+                self._arrived[source].record(comm)
+        self._published = published
         self._kinds = kinds
         self._staging = {}
         return rows
-
-    def pull(self) -> None:
-        """Once per round, after the own block's first launches (or at the first use of a peer's block or
-        routing): on the side stream, wait for every peer's flag, then copy the peers' blocks into rows (copy
-        engines, no SMs), one event per block."""
-        if self._pulled:
-            return
-        self._pulled = True
-        ws, c, rows = self.workspace, self.capacity, self._rows
-        compute, comm = torch.cuda.current_stream(self.device), ws.comm_stream
-        comm.wait_stream(compute)  # rows was allocated, and the own block published, on the compute stream
-        self._arrived = {}
-        with torch.cuda.stream(comm):
-            ws.wait(PUBLISHED, self.round, self.timeout_s)
-            self._published = torch.cuda.Event()
-            self._published.record(comm)
-            for source in self._peers():
-                rows[source * c : (source + 1) * c].copy_(ws.views[source]["rows"])
-                self._arrived[source] = torch.cuda.Event()
-                self._arrived[source].record(comm)
 
     def routing(self, first, count):
         ws, compute = self.workspace, torch.cuda.current_stream(self.device)
         sources = range(first, first + count)
         if any(q != self.rank for q in sources):
-            self.pull()
             compute.wait_event(self._published)  # the peers' routing is read in place, over NVLink
         if count == 1:
             return ws.views[first]["index"], ws.views[first]["weights"]
@@ -191,9 +184,6 @@ class SymmetricMemoryTransport(Transport):
         return [q for q in self.source_order() if q != self.rank]
 
     def wait_rows(self, source):
-        if source == self.rank:
-            return  # copied on the compute stream at start
-        self.pull()
         torch.cuda.current_stream(self.device).wait_event(self._arrived[source])
 
     def _slot(self, peer: int, kind: str, source_slot: int) -> torch.Tensor:

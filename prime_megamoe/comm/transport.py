@@ -56,10 +56,6 @@ class Transport:
         own block's needs no wait for the peers."""
         raise NotImplementedError
 
-    def pull(self) -> None:
-        """Start bringing in the peers' blocks (called once the own block's first launches are out); a no-op where
-        ``start`` moved them already."""
-
     def wait_rows(self, source: int) -> None:
         raise NotImplementedError
 

@@ -66,7 +66,6 @@ class ExpertParallelExperts(torch.autograd.Function):
                 transport.wait_rows(s)
             piece = plan.segment(s, half)
             launch.fc1_swiglu(rows, w1, piece, save_h=need_grad, out=(h, a))
-            transport.pull()  # after the first GEMM's launch: the peers' blocks come in under it
             launch.grouped_gemm(a, w2, piece, transpose_b=True, row_scale=plan.row_weight, out=y)
             if last:
                 launch.combine_rows(y, plan.segment(s).pair_pos, x.dtype,
@@ -94,7 +93,6 @@ class ExpertParallelExperts(torch.autograd.Function):
                 transport.wait_rows(s)
             piece = plan.segment(s, half)
             launch.fc2_dgrad_dswiglu(dy, w2, h, piece, out=buffers)
-            transport.pull()
             launch.grouped_gemm(dh, w1, piece, transpose_b=False, out=dx_sorted)
             if last:
                 seg, results = plan.segment(s), transport.partial_buffers(s)
