@@ -23,6 +23,21 @@ step() {  # step NAME SECONDS CMD...: run CMD with a limit, log to $OUT/NAME.log
   echo "$name rc=$?"
   grep -E "^(PASS|FAIL|rank|step|done|transfers|symmetric)|timed out|^\{|FAILED" "$LOGS/$name.log" | cut -c1-300 | tail -20
 }
+record30() {  # record30 LIMIT: the Qwen3-30B-A3B EP=2 record (torch, both transports, T=4096/16384, profiled), then
+              # the symmetric-memory pipeline back to back
+  step bench_30b "$1" torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 16384 \
+    --transports symmetric_memory collectives --iters 10 --warmup 3 --out "$LOGS/bench_30b.json" --profile-dir "$LOGS" \
+    --profile-backends mega_moe
+  tail -8 "$LOGS/bench_30b.log"
+  step bench_30b_r5 150 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 16384 \
+    --transports symmetric_memory --backends mega_moe --repeat 5 --iters 10 --warmup 3 --out "$LOGS/bench_30b_r5.json"
+  tail -3 "$LOGS/bench_30b_r5.log"
+}
+timelines() {  # one-call timelines from launch events: the no-grad forward, then forward + backward
+  step timeline_fwd 100 torchrun --nproc-per-node 2 scripts/call_timeline.py --out "$LOGS/timeline_fwd"
+  step timeline_grad 120 torchrun --nproc-per-node 2 scripts/call_timeline.py --grad --out "$LOGS/timeline_grad"
+  grep -h "call:" "$LOGS"/timeline_*.txt
+}
 case "${1:-}" in
   check)
     (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 240 torchrun --nproc-per-node 2 gpu_check_ep.py)
@@ -128,13 +143,7 @@ case "${1:-}" in
     wait
     cat "$LOGS/wgrad_probe.log"; tail -6 "$LOGS/pytest_gpu.log"
     (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 150 torchrun --nproc-per-node 2 gpu_check_ep.py)
-    step bench_30b 300 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 16384 \
-      --transports symmetric_memory collectives --iters 10 --warmup 3 --out "$LOGS/bench_30b.json" --profile-dir "$LOGS" \
-      --profile-backends mega_moe
-    tail -8 "$LOGS/bench_30b.log"
-    step bench_30b_r5 150 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 16384 \
-      --transports symmetric_memory --backends mega_moe --repeat 5 --iters 10 --warmup 3 --out "$LOGS/bench_30b_r5.json"
-    tail -3 "$LOGS/bench_30b_r5.log"
+    record30 300
     step timeline_fwd 100 torchrun --nproc-per-node 2 scripts/call_timeline.py --out "$LOGS/timeline_fwd"
     tail -1 "$LOGS/timeline_fwd.log"
     step host_overhead 100 torchrun --nproc-per-node 2 scripts/host_overhead.py --calls 50
@@ -163,9 +172,7 @@ case "${1:-}" in
       --output-dir /tmp/tiny
     tail -3 "$LOGS/train_tiny.log"; cp /tmp/tiny/metrics.jsonl "$LOGS/metrics_tiny.jsonl" ;;
   events)  # one-call timelines from launch events (forward, forward + backward), 30B EP=2 T=16384
-    step timeline_fwd 100 torchrun --nproc-per-node 2 scripts/call_timeline.py --out "$LOGS/timeline_fwd"
-    step timeline_grad 120 torchrun --nproc-per-node 2 scripts/call_timeline.py --grad --out "$LOGS/timeline_grad"
-    grep -h "call:" "$LOGS"/timeline_*.txt ;;
+    timelines ;;
   s4record)  # GPU tests (one GPU, then both), the 30B EP=2 record with the torch backend, back to back, one-call
              # timelines from launch events
     CUDA_VISIBLE_DEVICES=1 step pytest_gpu 200 python -m pytest -q tests/test_mega_moe_gpu.py tests/test_tile_blocks.py \
@@ -173,16 +180,8 @@ case "${1:-}" in
     tail -12 "$LOGS/pytest_gpu.log"
     step pytest_multigpu 200 python -m pytest -q -m multigpu tests -rA
     tail -4 "$LOGS/pytest_multigpu.log"
-    step bench_30b 240 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 16384 \
-      --transports symmetric_memory collectives --iters 10 --warmup 3 --out "$LOGS/bench_30b.json" --profile-dir "$LOGS" \
-      --profile-backends mega_moe
-    tail -7 "$LOGS/bench_30b.log"
-    step bench_30b_r5 120 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 16384 \
-      --transports symmetric_memory --backends mega_moe --repeat 5 --iters 10 --warmup 3 --out "$LOGS/bench_30b_r5.json"
-    tail -3 "$LOGS/bench_30b_r5.log"
-    step timeline_fwd 90 torchrun --nproc-per-node 2 scripts/call_timeline.py --out "$LOGS/timeline_fwd"
-    step timeline_grad 100 torchrun --nproc-per-node 2 scripts/call_timeline.py --grad --out "$LOGS/timeline_grad"
-    grep -h "call:" "$LOGS"/timeline_*.txt ;;
+    record30 240
+    timelines ;;
   ownfirst)  # the own block planned before the peers' routing: EP check, 30B EP=2 T=16384 one call and back to back,
              # one-call timeline
     (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 100 torchrun --nproc-per-node 2 gpu_check_ep.py)
