@@ -1,0 +1,101 @@
+"""Compile a package kernel for Hopper (sm_90) on a machine without a GPU and print its registers, spills and shared
+memory, per config: a register-pressure check before spending GPU time.
+
+    python scripts/register_check.py prime_megamoe.kernels.grouped_gemm:grouped_gemm_kernel \
+        --constexprs '{"GATHER_A": true, "SCALE_ROWS": true, "CAST_F32": false, "IEEE": false, "TILE_M": 128,
+                       "PERSISTENT": false}' \
+        --config 128,128,64,8,4 --config 128,256,64,8,3 --ones stride_bn
+
+Each --config is BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages (for kernels with those block names). Arguments are
+typed by name: ``*_ptr`` are pointers (int32 for index-like names, fp32 for weights / scales / counts of floats,
+else --dtype); other non-constexpr arguments are int32, divisible by 16 unless named in --ones (specialised to 1,
+as a unit stride is at run time). Uses Triton's own ptxas and cuobjdump; needs TRITON_INTERPRET unset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+INT_POINTERS = ("src", "tile_", "offsets", "num_tiles", "pair_pos", "index", "counts", "order", "key")
+FLOAT_POINTERS = ("weight", "scale", "dw_partial")
+
+
+def pointer_type(name: str, dtype: str) -> str:
+    if any(t in name for t in INT_POINTERS):
+        return "*i32"
+    if any(t in name for t in FLOAT_POINTERS):
+        return "*fp32"
+    return "*" + dtype
+
+
+def jit_function(kernel):
+    while not isinstance(kernel, triton.runtime.JITFunction):
+        kernel = kernel.fn
+    return kernel
+
+
+def resource_usage(kernel, constexprs: dict, num_warps: int, num_stages: int, dtype: str, ones=()) -> dict:
+    """Compile for sm_90 and return {"registers", "spill_bytes", "shared_bytes"}."""
+    fn = jit_function(kernel)
+    constexprs = {**constexprs, **{name: 1 for name in ones}}
+    names = fn.arg_names
+    missing = [n for n in names if n not in constexprs and fn.params[names.index(n)].is_constexpr]
+    if missing:
+        raise SystemExit(f"give these constexprs (--constexprs / --config): {missing}")
+    signature = {n: "constexpr" if n in constexprs else pointer_type(n, dtype) if n.endswith("_ptr") else "i32"
+                 for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if signature[n] != "constexpr"}
+    src = ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items() if k in names}, attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True,
+                             check=True).stdout
+    fields = dict(item.split(":", 1) for item in next(line for line in out.splitlines() if "REG:" in line).split()
+                  if ":" in item)
+    return {"registers": int(fields["REG"]), "spill_bytes": int(fields["STACK"]),
+            "shared_bytes": int(compiled.metadata.shared)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("kernel", help="module:name, e.g. prime_megamoe.kernels.grouped_gemm:grouped_gemm_kernel")
+    p.add_argument("--constexprs", default="{}", help="JSON object of constexpr values")
+    p.add_argument("--config", action="append", default=[], help="BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages")
+    p.add_argument("--warps", type=int, default=4, help="num_warps when no --config is given")
+    p.add_argument("--stages", type=int, default=3, help="num_stages when no --config is given")
+    p.add_argument("--dtype", default="bf16", help="element type of data pointers (bf16, fp16, fp32, fp8e4nv)")
+    p.add_argument("--ones", nargs="*", default=[], help="integer arguments specialised to 1 (unit strides)")
+    args = p.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("unset TRITON_INTERPRET: the interpreter has no compiled kernels")
+    module, name = args.kernel.split(":")
+    kernel = getattr(importlib.import_module(module), name)
+    base = json.loads(args.constexprs)
+    runs = []
+    for config in args.config or [None]:
+        if config is None:
+            runs.append(("-", base, args.warps, args.stages))
+            continue
+        bm, bn, bk, warps, stages = (int(v) for v in config.split(","))
+        runs.append((config, {**base, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, warps, stages))
+    print(f"{'config':22s} {'registers':>9s} {'spill B':>8s} {'smem B':>8s}")
+    for label, constexprs, warps, stages in runs:
+        use = resource_usage(kernel, constexprs, warps, stages, args.dtype, args.ones)
+        print(f"{label:22s} {use['registers']:9d} {use['spill_bytes']:8d} {use['shared_bytes']:8d}")
+
+
+if __name__ == "__main__":
+    main()
