@@ -7,9 +7,9 @@ memory, per config: a register-pressure check before spending GPU time.
         --config 128,128,64,8,4 --config 128,256,64,8,3 --ones stride_bn
 
 Each --config is BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages (for kernels with those block names). Arguments are
-typed by name: ``*_ptr`` are pointers (int32 for index-like names, fp32 for weights / scales / counts of floats,
-else --dtype); other non-constexpr arguments are int32, divisible by 16 unless named in --ones (specialised to 1,
-as a unit stride is at run time). Uses Triton's own ptxas and cuobjdump; needs TRITON_INTERPRET unset.
+typed by name: ``*_ptr`` are pointers (int32 for index-like names, fp32 for weights / scales, else --dtype); other
+non-constexpr arguments are int32, divisible by 16 unless named in --ones (specialised to 1, as a unit stride is at
+run time); --types overrides any of these by name. Uses Triton's own ptxas and cuobjdump; needs TRITON_INTERPRET unset.
 """
 
 from __future__ import annotations
@@ -43,8 +43,10 @@ def jit_function(kernel):
     return kernel
 
 
-def resource_usage(kernel, constexprs: dict, num_warps: int, num_stages: int, dtype: str, ones=()) -> dict:
-    """Compile for sm_90 and return {"registers", "spill_bytes", "shared_bytes"}."""
+def resource_usage(kernel, constexprs: dict, num_warps: int, num_stages: int, dtype: str, ones=(),
+                   types: dict | None = None) -> dict:
+    """Compile for sm_90 and return {"registers", "spill_bytes", "shared_bytes"}; ``types`` overrides argument
+    types by name (e.g. {"as_ptr": "*fp32"})."""
     fn = jit_function(kernel)
     constexprs = {**constexprs, **{name: 1 for name in ones}}
     names = fn.arg_names
@@ -53,6 +55,7 @@ def resource_usage(kernel, constexprs: dict, num_warps: int, num_stages: int, dt
         raise SystemExit(f"give these constexprs (--constexprs / --config): {missing}")
     signature = {n: "constexpr" if n in constexprs else pointer_type(n, dtype) if n.endswith("_ptr") else "i32"
                  for n in names}
+    signature.update({n: t for n, t in (types or {}).items() if n in signature and signature[n] != "constexpr"})
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if signature[n] != "constexpr"}
     src = ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items() if k in names}, attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -78,6 +81,7 @@ def main():
     p.add_argument("--stages", type=int, default=3, help="num_stages when no --config is given")
     p.add_argument("--dtype", default="bf16", help="element type of data pointers (bf16, fp16, fp32, fp8e4nv)")
     p.add_argument("--ones", nargs="*", default=[], help="integer arguments specialised to 1 (unit strides)")
+    p.add_argument("--types", default="{}", help='JSON object of argument types by name, e.g. {"as_ptr": "*fp32"}')
     args = p.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: the interpreter has no compiled kernels")
@@ -93,7 +97,7 @@ def main():
         runs.append((config, {**base, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, warps, stages))
     print(f"{'config':22s} {'registers':>9s} {'spill B':>8s} {'smem B':>8s}")
     for label, constexprs, warps, stages in runs:
-        use = resource_usage(kernel, constexprs, warps, stages, args.dtype, args.ones)
+        use = resource_usage(kernel, constexprs, warps, stages, args.dtype, args.ones, json.loads(args.types))
         print(f"{label:22s} {use['registers']:9d} {use['spill_bytes']:8d} {use['shared_bytes']:8d}")
 
 
