@@ -4,8 +4,9 @@ One exchange round (a forward call, or a backward call) on rank r of W ranks, ea
 
 1. ``start(block, routing, kinds, top_k)``: publish this rank's block (its T <= C tokens, or output gradients) and,
    in the forward, its routing; returns every rank's rows [W*C, H] (block s from rank s at rows [s*C, s*C + T_s),
-   possibly still arriving; rows past T_s are padding that no routing entry points at) and every rank's routing
-   [W*C, k] int32 / fp32 (ready; id -1 on padding rows).
+   possibly still arriving; rows past T_s are padding that no routing entry points at). ``routing(first, count)``
+   then gives the routing of a run of source ranks ([count*C, k] int32 / fp32, id -1 on padding rows): the own
+   block's without waiting for any peer, so its plan and first GEMMs need not wait either.
 2. For each source rank s, in the order of ``source_order()``: ``wait_rows(s)`` before reading block s; write this
    rank's results for rank s's tokens into ``partial_buffers(s)``; ``send(s)``.
 3. ``finish()``: every rank's results for this rank's tokens, [W, C, ...] per kind (slot q from rank q).
