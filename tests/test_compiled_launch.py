@@ -50,6 +50,7 @@ def kernel(monkeypatch):
     monkeypatch.setattr(compiled_launch, "_current_device", lambda: 0)
     monkeypatch.setattr(compiled_launch, "_current_stream", lambda device: 77)
     monkeypatch.setattr(compiled_launch, "_CACHE", {})
+    monkeypatch.setattr(compiled_launch, "_SIGNATURES", {})
     return _Autotuned()
 
 

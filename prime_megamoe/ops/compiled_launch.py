@@ -23,8 +23,6 @@ import triton
 
 from ..kernels.tuning import interpreting
 
-# Launch options of ``kernel[grid](...)`` that are not kernel parameters.
-_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 _I32 = (-(2**31), 2**31)
 
 
@@ -38,18 +36,23 @@ class _Entry:
 
 
 _CACHE: dict[tuple, _Entry] = {}
+_SIGNATURES: dict[int, tuple[list[str], frozenset]] = {}  # per kernel: parameter names, autotuning key arguments
 
 
 def direct_launch_enabled() -> bool:
     return not interpreting() and os.environ.get("PRIME_MEGAMOE_DIRECT_LAUNCH", "1") != "0"
 
 
-def _jit_function(kernel):
-    """The jitted function under autotuning / heuristics wrappers (it knows the parameter names)."""
-    fn = kernel
-    while not hasattr(fn, "arg_names"):
-        fn = fn.fn
-    return fn
+def _signature(kernel) -> tuple[list[str], frozenset]:
+    """The kernel's parameter names (from the jitted function under autotuning / heuristics wrappers) and the
+    arguments of its autotuning key, looked up once per kernel."""
+    found = _SIGNATURES.get(id(kernel))
+    if found is None:
+        fn = kernel
+        while not hasattr(fn, "arg_names"):
+            fn = fn.fn
+        found = _SIGNATURES[id(kernel)] = (fn.arg_names, frozenset(getattr(kernel, "keys", ())))
+    return found
 
 
 def _current_device() -> int:
@@ -60,9 +63,9 @@ def _current_stream(device: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device)  # what Triton's own launches use
 
 
-def _key(kernel, args, constexprs, exact: frozenset) -> tuple:
+def _key(kernel, args, constexprs) -> tuple:
     parts = [id(kernel), _current_device()]
-    names = _jit_function(kernel).arg_names
+    names, exact = _signature(kernel)
     for name, a in zip(names, args):
         if isinstance(a, torch.Tensor):
             parts.append((a.dtype, a.data_ptr() % 16 == 0))
@@ -87,7 +90,7 @@ def _first_launch(kernel, grid, args, constexprs) -> _Entry:
         )
     config = getattr(kernel, "best_config", None)  # autotuned kernels: the config this launch ran
     meta = {**constexprs, **(config.all_kwargs() if config is not None else {})}
-    names = _jit_function(kernel).arg_names
+    names, _ = _signature(kernel)
     params = []
     for i, name in enumerate(names):
         if i < len(args):
@@ -105,8 +108,7 @@ def launch(kernel, grid, *args, **constexprs) -> None:
     if not direct_launch_enabled():
         kernel[grid](*args, **constexprs)
         return
-    exact = frozenset(getattr(kernel, "keys", ()))  # the autotuning key's arguments
-    key = _key(kernel, args, constexprs, exact)
+    key = _key(kernel, args, constexprs)
     entry = _CACHE.get(key)
     if entry is None:
         _CACHE[key] = _first_launch(kernel, grid, args, constexprs)
