@@ -108,10 +108,10 @@ def main():
     step = work.fwd_bwd if args.grad else work.fwd
     for _ in range(3):
         step()
-    torch.cuda.synchronize()
-    if group is not None:
-        dist.barrier(group)
     if args.profiler:
+        torch.cuda.synchronize()
+        if group is not None:
+            dist.barrier(group)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
