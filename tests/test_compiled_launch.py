@@ -22,10 +22,11 @@ class _Compiled:
         self.log, self.function, self.packed_metadata = log, "fn", "meta"
 
     def launch_metadata(self, grid, stream, *args):
-        return None
+        return ("metadata", grid, stream)
 
     def run(self, g0, g1, g2, stream, function, packed_metadata, launch_metadata, enter, exit_, *args):
         self.log.append(("direct", (g0, g1, g2), stream, args))
+        self.hooked = (launch_metadata, enter)
 
 
 class _Autotuned:
@@ -99,3 +100,27 @@ def test_values_inside_one_specialisation_reuse_the_compiled_kernel(kernel):
 def test_an_argument_of_unknown_type_is_an_error(kernel):
     with pytest.raises(TypeError, match="unsupported type"):
         compiled_launch.launch(kernel, (1,), torch.zeros(4), "48", 5, FLAG=True)
+
+
+def test_launch_metadata_is_built_only_for_a_launch_hook(kernel, monkeypatch):
+    # Without an enter hook (no profiler) the launcher gets no metadata, as Triton's own launches do; with one, the
+    # compiled kernel's metadata for this grid and stream.
+    x = torch.zeros(64)
+    compiled = []
+    first = kernel.__getitem__
+
+    def keep(grid):
+        launch = first(grid)
+        return lambda *a, **k: compiled.append(launch(*a, **k)) or compiled[-1]
+
+    monkeypatch.setattr(type(kernel), "__getitem__", lambda self, grid: keep(grid))
+    compiled_launch.launch(kernel, (2,), x, 48, 5, FLAG=True)
+    compiled_launch.launch(kernel, (2,), x, 48, 5, FLAG=True)
+    assert compiled[0].hooked[0] is None  # (the hook slot holds None, or newer Triton's empty hook chain)
+
+    def hook(metadata):
+        pass
+
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", hook)
+    compiled_launch.launch(kernel, (2,), x, 48, 5, FLAG=True)
+    assert compiled[0].hooked == (("metadata", (2,), 77), hook)

@@ -17,7 +17,9 @@ from prime_megamoe import DispatchConfig, fused_experts
 from prime_megamoe.kernels.tuning import interpreting
 from prime_megamoe.kernels import tuning
 from prime_megamoe.ops.launch import combine_rows, dswiglu_buffers, fc2_dgrad_dswiglu, grouped_wgrad, sum_blocks
-from prime_megamoe.ops.routing_plan import allocate_routing_plan, build_routing_plan, fill_routing_plan
+from prime_megamoe.ops.routing_plan import (
+    allocate_routing_plan, build_routing_plan, fill_routing_plan, sort_pairs_by_expert,
+)
 
 from .oracle import (
     NAMES, TOL, assert_matches_oracle, make_problem, oracle_with_grads, ragged_routing, rel_err, run_mega_moe,
@@ -178,6 +180,34 @@ def check_plan(ids, weights, base, num_local, tile_m):
     # Unused tile slots still name a valid expert (kernels may read them before checking num_tiles).
     assert ((plan.tile_expert >= 0) & (plan.tile_expert < num_local)).all()
     return plan
+
+
+@pytest.mark.parametrize(
+    "rows, k, num_local, segments, base, block",
+    [
+        (700, 3, 8, 1, 0, 256),  # 2100 pairs: nine chunks of 256, a ragged last one
+        (600, 4, 3, 2, 2, 512),  # two segments of 300 rows; most experts elsewhere
+        (40, 2, 4, 1, 4, 1024),  # nothing local: everything in the elsewhere key
+        (0, 2, 4, 1, 0, 1024),  # no pairs at all
+    ],
+)
+def test_counting_sort_matches_stable_sort(rows, k, num_local, segments, base, block):
+    # The routing plan's sort (keys, per-chunk counts, one program per key and chunk) against torch's stable sort,
+    # over several chunks, ragged experts (a hot one, empty ones) and padding rows.
+    ids = _random_ids(rows, k, 8, seed=rows + k, pad_rows=7)[0] if rows else torch.empty(0, k, dtype=torch.long)
+    if rows:
+        ids[: rows // 2, 0] = base  # the first local expert takes one slot of half the rows
+    ids[ids == base + 1] = -1  # the second local expert gets nothing
+    counts = torch.zeros(segments * num_local, dtype=torch.int32)
+    keys, order = sort_pairs_by_expert(ids, counts, segment_pairs=rows // segments * k, expert_base=base,
+                                       num_local_experts=num_local, block=block)
+    local = ids.reshape(-1).long() - base
+    segment = torch.arange(rows * k) // max(rows // segments * k, 1)
+    expected_keys = torch.where((local >= 0) & (local < num_local), segment * num_local + local,
+                                segments * num_local)
+    assert torch.equal(keys.long(), expected_keys)
+    assert torch.equal(order.long(), torch.sort(expected_keys, stable=True).indices)
+    assert torch.equal(counts.long(), torch.bincount(expected_keys, minlength=segments * num_local + 1)[:-1])
 
 
 @pytest.mark.parametrize("tile_m", [1, 4, 16])

@@ -12,11 +12,13 @@ rank). Each rank's part, with W ranks and capacity C:
     flags      [2, W]      int32  channel 0: "rank q published round n", channel 1: "rank q wrote its slot, round n"
 
 A round on rank r (see ``comm.transport``), with streams `compute` (the caller's) and `comm` (a side stream):
-- start: copy the block (and routing) into the workspace; flag channel 0 on every peer. `comm` waits for every
-  peer's flag, then copies the own block and each peer's into a local [W*C, H] buffer (copy engines, no SMs),
-  recording an event per block. Forward: the own block's routing plan reads the own routing at once; the peers'
-  plans wait for their flags too and read their routing (a few kB) in place, while compute is busy with the own
-  block.
+- start: copy the routing into the workspace (compute); on `comm`, copy the own block into a local [W*C, H]
+  buffer (copy engines, no SMs; an event), then into the workspace, and flag channel 0 on every peer. The own
+  block's routing plan reads the own routing at once, and its first GEMMs wait only for the own copy.
+- pull (at the first use of a peer's routing or rows, i.e. after the own block's first GEMMs are issued): `comm`
+  waits for every peer's flag, then copies each peer's block into the local buffer, an event per block. Forward:
+  the peers' plans wait for the flags too and read their routing (a few kB) in place, while compute is busy with
+  the own block.
 - send(s): results for rank s's tokens go straight into rank r's own slot when s = r; otherwise into a staging
   buffer that `comm` copies into rank s's slot r, then flags channel 1 on rank s.
 - finish: wait (compute) for channel 1 from every peer, then return the slots; the caller sums them in rank order.
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -81,6 +84,9 @@ class SymmetricWorkspace:
 
         self.views = [{name: view(peer, name) for name in regions} for peer in range(world)]
         self.local = self.views[rank]
+        # This rank's flag on each peer, per channel (what ``signal`` writes), made once: views cost host time.
+        self.own_flags = [[self.views[peer]["flags"][channel, rank:] for channel in (PUBLISHED, RETURNED)]
+                          for peer in range(world)]
         self.round = 0
         self.comm_stream = torch.cuda.Stream(device=device)
         self.last_stream: torch.cuda.Stream | None = None  # the stream the last round computed on
@@ -91,8 +97,7 @@ class SymmetricWorkspace:
 
     def signal(self, peer: int, channel: int, value: int) -> None:
         """Set flag (channel, this rank) on ``peer`` to ``value`` once this stream's earlier work is done."""
-        flags = self.views[peer]["flags"]
-        launch(signal_flag_kernel, (1,), flags[channel, self.rank :], value, num_warps=1)
+        launch(signal_flag_kernel, (1,), self.own_flags[peer][channel], value, num_warps=1)
 
     def wait(self, channel: int, value: int, timeout_s: float) -> None:
         """Hold this stream until every peer has set its flag on ``channel`` to ``value`` or more."""
@@ -142,39 +147,51 @@ class SymmetricMemoryTransport(Transport):
             compute.wait_stream(ws.last_stream)
         ws.last_stream = compute
         # Rows past num_rows stay as they are: no routing entry points at them (their ids are -1).
-        ws.local["rows"][:num_rows].copy_(block)
-        if routing is not None:
+        if routing is not None:  # on compute: the own block's plan reads it next
             ws.local["index"][:num_rows].copy_(routing[0])  # copy_ converts to int32 / fp32
             ws.local["weights"][:num_rows].copy_(routing[1])
             if num_rows < c:
                 ws.local["index"][num_rows:].fill_(-1)
-        for peer in self._peers():
-            ws.signal(peer, PUBLISHED, self.round)
         rows = block.new_empty(self.world * c, block.shape[1])
-        self._arrived = {}
         comm.wait_stream(compute)
-        # On the side stream: wait for every peer's block, then copy this rank's block and the peers' into rows
-        # (copy engines, no SMs), one event per block, while compute plans and starts on its own block.
+        block.record_stream(comm)  # read on comm below: its memory must outlive that read even if the caller drops it
+        # On the side stream (copy engines, no SMs): the own block into rows first (the first GEMMs read it), then
+        # publish it. The peers' blocks are pulled later (``_pull``), once the caller's first GEMMs are issued, so
+        # the host reaches them sooner; the GPU is busy with the own block's first half meanwhile.
         with torch.cuda.stream(comm):
-            ws.wait(PUBLISHED, self.round, self.timeout_s)
-            published = torch.cuda.Event()
-            published.record(comm)
-            for source in self.source_order():
-                if source == rank:
-                    rows[rank * c : rank * c + num_rows].copy_(block)
-                else:
-                    rows[source * c : (source + 1) * c].copy_(ws.views[source]["rows"])
-                self._arrived[source] = torch.cuda.Event()
-                self._arrived[source].record(comm)
-        self._published = published
+            rows[rank * c : rank * c + num_rows].copy_(block)
+            own = torch.cuda.Event()
+            own.record(comm)
+            ws.local["rows"][:num_rows].copy_(block)
+            for peer in self._peers():
+                ws.signal(peer, PUBLISHED, self.round)
+        self._rows, self._arrived, self._published = rows, {rank: own}, None
         self._kinds = kinds
         self._staging = {}
+        if os.environ.get("PRIME_MEGAMOE_EAGER_PULL") == "1":  # A/B switch: pull at start, as before
+            self._pull()
         return rows
+
+    def _pull(self) -> None:
+        """On the side stream, once per round: wait for every peer's block, then copy each into rows, one event per
+        block. Issued at the first use of a peer's routing or rows."""
+        if self._published is not None:
+            return
+        ws, c = self.workspace, self.capacity
+        with torch.cuda.stream(ws.comm_stream):
+            ws.wait(PUBLISHED, self.round, self.timeout_s)
+            self._published = torch.cuda.Event()
+            self._published.record(ws.comm_stream)
+            for source in self._peers():
+                self._rows[source * c : (source + 1) * c].copy_(ws.views[source]["rows"])
+                self._arrived[source] = torch.cuda.Event()
+                self._arrived[source].record(ws.comm_stream)
 
     def routing(self, first, count):
         ws, compute = self.workspace, torch.cuda.current_stream(self.device)
         sources = range(first, first + count)
         if any(q != self.rank for q in sources):
+            self._pull()
             compute.wait_event(self._published)  # the peers' routing is read in place, over NVLink
         if count == 1:
             return ws.views[first]["index"], ws.views[first]["weights"]
@@ -184,6 +201,8 @@ class SymmetricMemoryTransport(Transport):
         return [q for q in self.source_order() if q != self.rank]
 
     def wait_rows(self, source):
+        if source != self.rank:
+            self._pull()
         torch.cuda.current_stream(self.device).wait_event(self._arrived[source])
 
     def _slot(self, peer: int, kind: str, source_slot: int) -> torch.Tensor:
@@ -211,7 +230,8 @@ class SymmetricMemoryTransport(Transport):
     def finish(self):
         ws = self.workspace
         compute = torch.cuda.current_stream(self.device)
+        self._pull()  # keeps each round's protocol whole even if no peer block was read
         ws.wait(RETURNED, self.round, self.timeout_s)
         compute.wait_stream(ws.comm_stream)  # staging and gathered rows are freed on the compute stream
-        self._staging = {}
+        self._staging, self._rows = {}, None
         return {kind: ws.local[_RESULT_REGION[kind]] for kind in self._kinds}

@@ -197,6 +197,21 @@ def wgrad_tile_offsets(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
     return offs_m, offs_n, offs_m < M, offs_n < N
 
 
+@triton.jit
+def wgrad_rows(a_src_ptr, b_src_ptr, r, end, GATHER_A: tl.constexpr, GATHER_B: tl.constexpr):
+    """Rows of A and B that sorted rows ``r`` read (the gathered operand's source rows); rows at or past ``end`` read
+    row 0 of a gathered operand (masked out by the caller)."""
+    if GATHER_A:
+        ra = tl.load(a_src_ptr + r, mask=r < end, other=0).to(tl.int64)
+    else:
+        ra = r.to(tl.int64)
+    if GATHER_B:
+        rb = tl.load(b_src_ptr + r, mask=r < end, other=0).to(tl.int64)
+    else:
+        rb = r.to(tl.int64)
+    return ra, rb
+
+
 @autotune(autotune_configs("wgrad"), key=["M", "N", "M_BUCKET"])
 @triton.jit
 def grouped_wgrad_kernel(
@@ -213,21 +228,17 @@ def grouped_wgrad_kernel(
     for seg in range(0, num_segments):  # the expert's rows of each segment (source rank), in a fixed order
         start = tl.load(expert_offsets_ptr + seg * offsets_per_segment + expert)
         end = tl.load(expert_offsets_ptr + seg * offsets_per_segment + expert + 1)
+        ra, rb = wgrad_rows(a_src_ptr, b_src_ptr, start + ks, end, GATHER_A, GATHER_B)
         for k0 in range(start, end, BLOCK_K):
-            r = k0 + ks
-            r_mask = r < end
-            if GATHER_A:
-                ra = tl.load(a_src_ptr + r, mask=r_mask, other=0).to(tl.int64)
-            else:
-                ra = r.to(tl.int64)
-            if GATHER_B:
-                rb = tl.load(b_src_ptr + r, mask=r_mask, other=0).to(tl.int64)
-            else:
-                rb = r.to(tl.int64)
+            r_mask = (k0 + ks) < end
             a = tl.load(a_ptr + ra[:, None] * stride_am + offs_m[None, :], mask=r_mask[:, None] & m_mask[None, :],
                         other=0.0)
             b = tl.load(b_ptr + rb[:, None] * stride_bm + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :],
                         other=0.0)
+            # The next step's gathered row ids, read one step ahead: a row load whose address comes from a load of
+            # the same step leaves the compiler's software pipeline two buffers deep, waiting on every copy each
+            # step; with the ids carried over, the operand loads run several steps ahead as for dense rows.
+            ra, rb = wgrad_rows(a_src_ptr, b_src_ptr, k0 + BLOCK_K + ks, end, GATHER_A, GATHER_B)
             acc = _dot(tl.trans(a), b, acc, CAST_F32, IEEE)
     c_ptrs = c_ptr + expert.to(tl.int64) * stride_ce + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])

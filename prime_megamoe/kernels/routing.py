@@ -1,7 +1,9 @@
-"""Routing metadata kernels: per-expert counts, and, given the expert-sorted pair order, every row and tile index.
+"""Routing metadata kernels: per-expert counts, a stable counting sort of the pairs by expert, and from that order
+every row and tile index.
 
-Two small launches around one device sort replace a few dozen tiny framework ops, so building the metadata costs
-little host time and never reads a count back to the host.
+Three small launches replace a few dozen tiny framework ops (a general device sort alone is a dozen launches and
+memsets for keys that take at most a few hundred values), so building the metadata costs little host time and never
+reads a count back to the host.
 """
 
 from __future__ import annotations
@@ -12,14 +14,15 @@ import triton.language as tl
 
 @triton.jit
 def routing_keys_kernel(
-    index_ptr, key_ptr, counts_ptr, num_pairs, pairs_per_segment, expert_base,
+    index_ptr, key_ptr, counts_ptr, hist_ptr, num_pairs, pairs_per_segment, expert_base,
     NUM_LOCAL: tl.constexpr, NUM_BINS: tl.constexpr, SKIP: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """key = segment * NUM_LOCAL + local expert id of each (row, slot) pair, or SKIP (= segments * NUM_LOCAL) where
     the expert lives elsewhere; counts[key] += 1 for local keys. Segments count from the first one this launch
     covers (a segment is a block of consecutive source rows: one source rank's tokens under expert parallelism), so
     sorting by key orders rows by segment, then by expert. Integer atomics: the counts are exact whatever order the
-    programs run in."""
+    programs run in. hist [programs, NUM_BINS]: each program's count per key (the sort's chunk table); NUM_BINS >
+    SKIP + 1, so the padding lanes' bin (the last) is no key."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_pairs
     local = tl.load(index_ptr + offs, mask=mask, other=-1).to(tl.int32) - expert_base
@@ -28,7 +31,30 @@ def routing_keys_kernel(
     tl.store(key_ptr + offs, key, mask=mask)
     hist = tl.histogram(tl.where(mask, key, NUM_BINS - 1), NUM_BINS)
     bins = tl.arange(0, NUM_BINS)
+    tl.store(hist_ptr + tl.program_id(0) * NUM_BINS + bins, hist)
     tl.atomic_add(counts_ptr + bins, hist, mask=(bins < SKIP) & (hist > 0))
+
+
+@triton.jit
+def routing_sort_kernel(
+    key_ptr, hist_ptr, counts_ptr, order_ptr, num_pairs,
+    NUM_BINS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Grid (SKIP + 1 keys, chunks of BLOCK pairs, as routing_keys_kernel's programs). Stable counting sort:
+    ``order[p]`` is the pair at sorted position p (keys ascending, pairs in index order within a key), what
+    ``torch.sort(keys, stable=True).indices`` gives. Program (b, c) places chunk c's pairs of key b after every pair
+    of a smaller key (``counts``; the SKIP key after all local ones) and after key b's pairs in earlier chunks
+    (``hist``). Each pair is written by exactly one program, at a position fixed by the keys alone."""
+    b = tl.program_id(0)
+    chunk = tl.program_id(1)
+    bins = tl.arange(0, NUM_BINS)
+    start = tl.sum(tl.load(counts_ptr + bins, mask=bins < b, other=0), 0)
+    for c0 in range(0, chunk, BLOCK):
+        earlier = c0 + tl.arange(0, BLOCK)
+        start += tl.sum(tl.load(hist_ptr + earlier * NUM_BINS + b, mask=earlier < chunk, other=0), 0)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    hit = (tl.load(key_ptr + offs, mask=offs < num_pairs, other=-1) == b).to(tl.int32)
+    tl.store(order_ptr + start + tl.cumsum(hit, 0) - 1, offs, mask=hit > 0)
 
 
 @triton.jit

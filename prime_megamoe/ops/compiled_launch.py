@@ -27,12 +27,15 @@ _I32 = (-(2**31), 2**31)
 
 
 class _Entry:
-    __slots__ = ("compiled", "params", "meta")
+    __slots__ = ("compiled", "params", "meta", "run", "function", "packed_metadata")
 
     def __init__(self, compiled, params, meta):
         self.compiled = compiled  # triton.compiler.CompiledKernel
         self.params = params  # per kernel parameter: (True, index into args) or (False, its constant value)
         self.meta = meta  # constexprs and the chosen config, for the grid function
+        # Read once: on some Triton versions each is a property that re-checks the loaded module on every access.
+        self.run, self.function = compiled.run, compiled.function
+        self.packed_metadata = compiled.packed_metadata
 
 
 _CACHE: dict[tuple, _Entry] = {}
@@ -113,13 +116,16 @@ def launch(kernel, grid, *args, **constexprs) -> None:
     if entry is None:
         _CACHE[key] = _first_launch(kernel, grid, args, constexprs)
         return
-    compiled = entry.compiled
     if callable(grid):
         grid = grid(entry.meta)
     grid0, grid1, grid2 = (tuple(grid) + (1, 1))[:3]
     all_args = [args[v] if is_arg else v for is_arg, v in entry.params]
     stream = _current_stream(_current_device())
     hooks = triton.knobs.runtime
-    compiled.run(grid0, grid1, grid2, stream, compiled.function, compiled.packed_metadata,
-                 compiled.launch_metadata(grid, stream, *all_args), hooks.launch_enter_hook,
-                 hooks.launch_exit_hook, *all_args)
+    enter = hooks.launch_enter_hook
+    # Launch metadata only feeds the enter hook (profilers): skip building it when there is none (None, or newer
+    # Triton's empty hook chain, which the launcher calls with the metadata unused).
+    hooked = enter is not None and getattr(enter, "calls", True)
+    metadata = entry.compiled.launch_metadata(grid, stream, *all_args) if hooked else None
+    entry.run(grid0, grid1, grid2, stream, entry.function, entry.packed_metadata, metadata, enter,
+              hooks.launch_exit_hook, *all_args)

@@ -1,7 +1,7 @@
 """Routing metadata on the device: which rows each local expert takes, in which order, in which tiles.
 
-Two small kernels around one device sort per fill (the whole plan, or a run of its segments), with static output
-sizes: no count is ever read back to the host, the host spends little time issuing it, and the layer can be captured
+Three small kernels per fill (the whole plan, or a run of its segments: keys and counts, a stable counting sort,
+the plan), with static output sizes: no count is ever read back to the host, the host spends little time issuing it, and the layer can be captured
 in a CUDA graph.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import triton
 
-from ..kernels.routing import routing_keys_kernel, routing_plan_kernel
+from ..kernels.routing import routing_keys_kernel, routing_plan_kernel, routing_sort_kernel
 from .compiled_launch import launch
 
 
@@ -139,6 +139,27 @@ def allocate_routing_plan(
     return plan
 
 
+def sort_pairs_by_expert(top_k_index: torch.Tensor, counts: torch.Tensor, *, segment_pairs: int, expert_base: int,
+                         num_local_experts: int, block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys, order) of the (row, slot) pairs of ``top_k_index`` [n * R_s, k], both [n * R_s * k] int32: key =
+    segment * E_local + local expert, or n * E_local where the expert is elsewhere; order = the pairs sorted by key,
+    stably (as ``torch.sort(keys, stable=True).indices``). ``counts`` [n * E_local] int32, zeroed: gets each local
+    key's pairs added."""
+    num_pairs = top_k_index.numel()
+    bins = counts.numel()
+    chunks = max(triton.cdiv(num_pairs, block), 1)
+    num_bins = triton.next_power_of_2(bins + 2)  # keys 0..bins (bins: the elsewhere key), one more for padding lanes
+    scratch = torch.empty(2 * num_pairs + chunks * num_bins, dtype=torch.int32, device=top_k_index.device)
+    keys, order, hist = scratch[:num_pairs], scratch[num_pairs : 2 * num_pairs], scratch[2 * num_pairs :]
+    launch(
+        routing_keys_kernel, (chunks,), top_k_index.reshape(-1), keys, counts, hist, num_pairs, max(segment_pairs, 1),
+        expert_base, NUM_LOCAL=num_local_experts, NUM_BINS=num_bins, SKIP=bins, BLOCK=block,
+    )
+    launch(routing_sort_kernel, (bins + 1, chunks), keys, hist, counts, order, num_pairs, NUM_BINS=num_bins,
+           BLOCK=block)
+    return keys, order
+
+
 def fill_routing_plan(plan: RoutingPlan, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
                       expert_base: int, first_segment: int = 0) -> None:
     """Plan segments [first_segment, first_segment + n) from their source rows' global expert ids ``top_k_index``
@@ -153,25 +174,17 @@ def fill_routing_plan(plan: RoutingPlan, top_k_index: torch.Tensor, top_k_weight
             f"routing of {rows} rows x {top_k} does not fill whole segments of {seg_rows} rows x {plan.top_k} from "
             f"segment {first_segment} of {plan.num_segments}"
         )
-    device = top_k_index.device
     experts = plan.num_local_experts
     seg_pairs = seg_rows * top_k
     num_pairs = rows * top_k
-    bins = num_segments * experts
-    keys = torch.empty(num_pairs, dtype=torch.int32, device=device)
     counts = plan.counts[first_segment * experts : (first_segment + num_segments) * experts]
     block = 1024
-    grid = (max(triton.cdiv(num_pairs, block), 1),)
-    launch(
-        routing_keys_kernel, grid, top_k_index.reshape(-1), keys, counts, num_pairs, max(seg_pairs, 1), expert_base,
-        NUM_LOCAL=experts, NUM_BINS=triton.next_power_of_2(bins + 1), SKIP=bins, BLOCK=block,
-    )
-    # Stable: within an expert, rows keep the pair order (row-major over (row, slot)), so results are reproducible.
-    order = torch.sort(keys, stable=True).indices
+    _, order = sort_pairs_by_expert(top_k_index, counts, segment_pairs=seg_pairs, expert_base=expert_base,
+                                    num_local_experts=experts, block=block)
     halves = plan.split_expert is not None
     tiles_per_segment = plan.max_tiles // plan.num_segments
     launch(
-        routing_plan_kernel, (grid[0], num_segments),
+        routing_plan_kernel, (max(triton.cdiv(num_pairs, block), 1), num_segments),
         order, top_k_weights.reshape(-1), counts,
         plan.row_src, plan.row_weight, plan.pair_pos, plan.expert_offsets, plan.tile_expert, plan.tile_row,
         plan.num_tiles,
