@@ -210,6 +210,15 @@ case "${1:-}" in
     done
     step timeline_fwd 60 torchrun --nproc-per-node 2 scripts/call_timeline.py --out "$LOGS/timeline_fwd"
     grep -h "call:\|fc1_swiglu" "$LOGS"/timeline_fwd.rank0.txt | head -4 ;;
+  costs)  # wgrad probe (GPU 0) beside the fp8 GPU tests (GPU 1); host cost of the layer's pieces; host profile
+    CUDA_VISIBLE_DEVICES=0 step wgrad_probe 200 python scripts/wgrad_probe.py --segments 2 &
+    CUDA_VISIBLE_DEVICES=1 step pytest_fp8 240 python -m pytest -q tests/test_fp8_experts.py -k "gpu or half_tile" -rA &
+    wait
+    cat "$LOGS/wgrad_probe.log"; tail -4 "$LOGS/pytest_fp8.log"
+    CUDA_VISIBLE_DEVICES=0 step host_costs 60 python scripts/host_costs.py
+    cat "$LOGS/host_costs.log"
+    step host_overhead 90 torchrun --nproc-per-node 2 scripts/host_overhead.py --calls 50
+    head -45 "$LOGS/host_overhead.log" | tail -38 ;;
   pull)  # peers' blocks pulled at first use: EP check (both transports), 30B EP=2 T=16384 one call, its timeline
     (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 90 torchrun --nproc-per-node 2 gpu_check_ep.py)
     grep -h "bitwise" "$LOGS/ep_check.log" | head -3

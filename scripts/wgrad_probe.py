@@ -62,7 +62,7 @@ def main():
             def run():
                 grouped_wgrad_kernel.fn[grid](
                     a, plan.row_src, b, plan.row_src, out, plan.expert_offsets,
-                    m, n, plan.num_pairs, plan.num_segments, num_experts,
+                    m, n, plan.num_pairs, plan.num_segments, num_experts + 1,
                     a.stride(0), b.stride(0), out.stride(0), out.stride(1), out.stride(2),
                     GATHER_A=gather_a, GATHER_B=gather_b, CAST_F32=False, IEEE=False,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, **kw,
