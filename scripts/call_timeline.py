@@ -10,6 +10,9 @@ per launch, in us from the call's start: when the host issued it, when its strea
 done), and the kernel. Where the two are close, the GPU waited for the host; where the stream time runs ahead, the
 GPU was busy (or waited on another stream or rank). No profiler overhead distorts the host times.
 
+--host-sections: where the host's time goes inside one call, without CUDA events: entry and exit of the layer's
+host-side steps (checks, transport, plan, each launcher), nested, in us from the call's start.
+
 --profiler: torch.profiler instead: every GPU operation (also torch's), its start and duration on the GPU, and the
 host launch time where the trace links it (the profiler slows the host by tens of us per torch op).
 """
@@ -94,12 +97,63 @@ def event_timeline(step) -> list[str]:
     return lines
 
 
+def host_sections(step) -> list[str]:
+    import prime_megamoe.dispatch.mega_moe as mega_moe
+    import prime_megamoe.functional as functional
+    import prime_megamoe.ops.ep_pipeline as ep_pipeline
+    from prime_megamoe.comm.symmetric_memory import SymmetricMemoryTransport
+    from prime_megamoe.ops.routing_plan import RoutingPlan
+
+    marks, depth = [], [0]
+
+    def wrap(fn, name):
+        def wrapped(*args, **kwargs):
+            depth[0] += 1
+            began = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                marks.append((began, time.perf_counter(), depth[0], name))
+        return wrapped
+
+    targets = [
+        (functional, "check_expert_inputs"), (functional, "check_expert_ids"), (functional, "get_backend"),
+        (mega_moe, "make_transport"), (mega_moe, "check_group_within_node"), (mega_moe, "expert_parallel_experts"),
+        (ep_pipeline, "allocate_routing_plan"), (ep_pipeline, "fill_routing_plan"),
+        (ops_launch, "fc1_swiglu"), (ops_launch, "grouped_gemm"), (ops_launch, "combine_rows"),
+        (ops_launch, "sum_blocks"), (ops_launch, "fc2_dgrad_dswiglu"), (ops_launch, "grouped_wgrad"),
+        (ops_launch, "dswiglu_buffers"),
+        (SymmetricMemoryTransport, "start"), (SymmetricMemoryTransport, "_pull"),
+        (SymmetricMemoryTransport, "routing"), (SymmetricMemoryTransport, "wait_rows"),
+        (SymmetricMemoryTransport, "partial_buffers"), (SymmetricMemoryTransport, "send"),
+        (SymmetricMemoryTransport, "finish"), (RoutingPlan, "segment"),
+    ]
+    saved = [(obj, attr, getattr(obj, attr)) for obj, attr in targets]
+    for obj, attr, fn in saved:
+        setattr(obj, attr, wrap(fn, attr))
+    try:
+        began = time.perf_counter()
+        step()
+        ended = time.perf_counter()
+        torch.cuda.synchronize()
+    finally:
+        for obj, attr, fn in saved:
+            setattr(obj, attr, fn)
+    lines = [f"{'enter':>9s} {'exit':>9s} {'us':>8s}  step   (host, us from the call's start)"]
+    for t0, t1, d, name in sorted(marks):
+        lines.append(f"{(t0 - began) * 1e6:9.1f} {(t1 - began) * 1e6:9.1f} {(t1 - t0) * 1e6:8.1f}  {'  ' * d}{name}")
+    lines.append(f"call: the host returned after {(ended - began) * 1e6:.1f} us")
+    return lines
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="qwen3-30b-a3b")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--grad", action="store_true")
     p.add_argument("--profiler", action="store_true", help="torch.profiler timeline instead of launch events")
+    p.add_argument("--host-sections", action="store_true", help="host time per step of the call, no CUDA events")
     p.add_argument("--out", default=None, help="write each rank's timeline to OUT.rankN.txt as well")
     args = p.parse_args()
     group = torchrun_group()
@@ -125,7 +179,7 @@ def main():
             torch.cuda.synchronize()
             if group is not None:
                 dist.barrier(group)
-            lines += [f"call {i}"] + event_timeline(step)
+            lines += [f"call {i}"] + (host_sections(step) if args.host_sections else event_timeline(step))
     text = "\n".join(f"rank {rank} {line}" for line in lines)
     print(text, flush=True)
     if args.out:

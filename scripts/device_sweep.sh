@@ -219,6 +219,11 @@ case "${1:-}" in
     cat "$LOGS/host_costs.log"
     step host_overhead 90 torchrun --nproc-per-node 2 scripts/host_overhead.py --calls 50
     head -45 "$LOGS/host_overhead.log" | tail -38 ;;
+  sections)  # host time per step of one call (forward, then forward + backward), 30B EP=2 T=16384
+    step sections_fwd 90 torchrun --nproc-per-node 2 scripts/call_timeline.py --host-sections --out "$LOGS/sections_fwd"
+    step sections_grad 90 torchrun --nproc-per-node 2 scripts/call_timeline.py --host-sections --grad \
+      --out "$LOGS/sections_grad"
+    cat "$LOGS/sections_fwd.rank0.txt" | tail -45; grep -h "call:" "$LOGS"/sections_*.txt ;;
   pull)  # peers' blocks pulled at first use: EP check (both transports), 30B EP=2 T=16384 one call, its timeline
     (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 90 torchrun --nproc-per-node 2 gpu_check_ep.py)
     grep -h "bitwise" "$LOGS/ep_check.log" | head -3
