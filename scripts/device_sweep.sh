@@ -224,6 +224,21 @@ case "${1:-}" in
     step sections_grad 90 torchrun --nproc-per-node 2 scripts/call_timeline.py --host-sections --grad \
       --out "$LOGS/sections_grad"
     cat "$LOGS/sections_fwd.rank0.txt" | tail -45; grep -h "call:" "$LOGS"/sections_*.txt ;;
+  host)  # after host-time cuts: one-GPU tests (GPU 1) beside the EP check... then 30B EP=2 T=16384 one call and back
+         # to back, host sections of one forward
+    CUDA_VISIBLE_DEVICES=1 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_gpu 240 python -m pytest -q tests/test_mega_moe_gpu.py \
+      tests/test_tile_blocks.py -rA
+    tail -5 "$LOGS/pytest_gpu.log"
+    (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 120 torchrun --nproc-per-node 2 gpu_check_ep.py)
+    grep -h "PASS\|FAIL" "$LOGS/ep_check.log" | head -6
+    for run in 1a 5 1b; do
+      step "bench_16k_r$run" 200 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+        --transports symmetric_memory --backends mega_moe --repeat ${run%[ab]} --iters 10 --warmup 3 \
+        --out "$LOGS/bench_16k_r$run.json"
+      tail -1 "$LOGS/bench_16k_r$run.log"
+    done
+    step sections_fwd 90 torchrun --nproc-per-node 2 scripts/call_timeline.py --host-sections --out "$LOGS/sections_fwd"
+    tail -42 "$LOGS/sections_fwd.rank0.txt"; grep -h "call:" "$LOGS"/sections_*.txt ;;
   pull)  # peers' blocks pulled at first use: EP check (both transports), 30B EP=2 T=16384 one call, its timeline
     (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 90 torchrun --nproc-per-node 2 gpu_check_ep.py)
     grep -h "bitwise" "$LOGS/ep_check.log" | head -3

@@ -85,7 +85,7 @@ def main():
         ("stream.wait_event", lambda: stream.wait_event(event)),
         ("compiled launch, 7 args (sum_blocks)", sum_launch),
         ("  of which the launcher call", launcher_only),
-        ("  of which the cache key", lambda: compiled_launch._key(sum_blocks_kernel, sum_args, sum_meta)),
+        ("  of which the cache key", lambda: compiled_launch._key(sum_blocks_kernel, sum_args, sum_meta, 0)),
         ("fc1_swiglu wrapper + launch (25 args)", lambda: fc1_swiglu(x, w1, piece, save_h=False, out=(None, a))),
         ("allocate_routing_plan (2 segments, halves)", plan_alloc),
         ("fill_routing_plan (one segment)", plan_fill),

@@ -72,9 +72,11 @@ def check_group_within_node(group, local_world_size: int | None = None) -> None:
 
     Nodes are inferred as torchrun lays ranks out: global rank // ranks per node, which defaults to
     ``$LOCAL_WORLD_SIZE`` (without it the layout is unknown and nothing is checked). Checked once per group."""
+    if id(group) in _CHECKED_GROUPS:  # first: this runs on every call
+        return
     if local_world_size is None and os.environ.get("LOCAL_WORLD_SIZE"):
         local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
-    if id(group) in _CHECKED_GROUPS or local_world_size is None:
+    if local_world_size is None:
         return
     ranks = dist.get_process_group_ranks(group)
     nodes = sorted({r // local_world_size for r in ranks})

@@ -12,13 +12,15 @@ rank). Each rank's part, with W ranks and capacity C:
     flags      [2, W]      int32  channel 0: "rank q published round n", channel 1: "rank q wrote its slot, round n"
 
 A round on rank r (see ``comm.transport``), with streams `compute` (the caller's) and `comm` (a side stream):
-- start: copy the routing into the workspace (compute); on `comm`, copy the own block into a local [W*C, H]
-  buffer (copy engines, no SMs; an event), then into the workspace, and flag channel 0 on every peer. The own
-  block's routing plan reads the own routing at once, and its first GEMMs wait only for the own copy.
-- pull (at the first use of a peer's routing or rows, i.e. after the own block's first GEMMs are issued): `comm`
-  waits for every peer's flag, then copies each peer's block into the local buffer, an event per block. Forward:
-  the peers' plans wait for the flags too and read their routing (a few kB) in place, while compute is busy with
-  the own block.
+- start: copy the routing into the workspace (compute; the own block's routing plan reads it next) and record an
+  event: what `comm` must wait for before it touches the block.
+- publish (at the first use of the own rows or of a peer's): on `comm`, copy the own block into a local [W*C, H]
+  buffer (copy engines, no SMs; an event), then into the workspace, and flag channel 0 on every peer. The forward
+  reads its own tokens straight from the caller's tensor, so its first GEMMs go out before any of this.
+- pull (at the first use of a peer's routing or rows, i.e. after the own block's first GEMMs are issued): publish,
+  then `comm` waits for every peer's flag and copies each peer's block into the local buffer, an event per block.
+  Forward: the peers' plans wait for the flags too and read their routing (a few kB) in place, while compute is
+  busy with the own block.
 - send(s): results for rank s's tokens go straight into rank r's own slot when s = r; otherwise into a staging
   buffer that `comm` copies into rank s's slot r, then flags channel 1 on rank s.
 - finish: wait (compute) for channel 1 from every peer, then return the slots; the caller sums them in rank order.
@@ -120,7 +122,8 @@ def workspace_info() -> list[dict]:
 
 
 class SymmetricMemoryTransport(Transport):
-    """Per-call transport over the shared workspace of its group and shapes (see the module docstring)."""
+    """Transport over the shared workspace of its group and shapes (see the module docstring); one object serves
+    every round of its group, one round at a time."""
 
     def __init__(self, group, capacity: int, device: torch.device, timeout_s: float):
         super().__init__(group, capacity, timeout_s)
@@ -135,12 +138,13 @@ class SymmetricMemoryTransport(Transport):
         return ws
 
     def start(self, block, routing, kinds, top_k):
-        if self.workspace is None:
-            self.workspace = self._workspace(block.shape[1], top_k, block.dtype)
-        ws, c, rank, num_rows = self.workspace, self.capacity, self.rank, block.shape[0]
+        ws = self.workspace
+        if ws is None or (ws.hidden, ws.top_k, ws.dtype) != (block.shape[1], top_k, block.dtype):
+            ws = self.workspace = self._workspace(block.shape[1], top_k, block.dtype)
+        c, num_rows = self.workspace, self.capacity, block.shape[0]
         ws.round += 1
         self.round = ws.round
-        compute, comm = torch.cuda.current_stream(self.device), ws.comm_stream
+        compute = torch.cuda.current_stream(self.device)
         if ws.last_stream is not None and ws.last_stream != compute:
             # The previous round ran on another stream: its sum of this rank's result slots must be done before
             # peers may write them again (they do once this round's block is published).
@@ -152,31 +156,43 @@ class SymmetricMemoryTransport(Transport):
             ws.local["weights"][:num_rows].copy_(routing[1])
             if num_rows < c:
                 ws.local["index"][num_rows:].fill_(-1)
-        rows = block.new_empty(self.world * c, block.shape[1])
-        comm.wait_stream(compute)
-        block.record_stream(comm)  # read on comm below: its memory must outlive that read even if the caller drops it
-        # On the side stream (copy engines, no SMs): the own block into rows first (the first GEMMs read it), then
-        # publish it. The peers' blocks are pulled later (``_pull``), once the caller's first GEMMs are issued, so
-        # the host reaches them sooner; the GPU is busy with the own block's first half meanwhile.
-        with torch.cuda.stream(comm):
-            rows[rank * c : rank * c + num_rows].copy_(block)
-            own = torch.cuda.Event()
-            own.record(comm)
-            ws.local["rows"][:num_rows].copy_(block)
-            for peer in self._peers():
-                ws.signal(peer, PUBLISHED, self.round)
-        self._rows, self._arrived, self._published = rows, {rank: own}, None
+        self._rows = block.new_empty(self.world * c, block.shape[1])
+        # What the side stream waits for before publishing: the block, the rows' memory and the previous round's
+        # sum, not the GEMMs the caller issues between now and then.
+        self._ready = torch.cuda.Event()
+        self._ready.record(compute)
+        self._block, self._arrived, self._published = block, {}, None
         self._kinds = kinds
         self._staging = {}
-        if os.environ.get("PRIME_MEGAMOE_EAGER_PULL") == "1":  # A/B switch: pull at start, as before
+        if os.environ.get("PRIME_MEGAMOE_EAGER_PULL") == "1":  # A/B switch: publish and pull at start, as before
             self._pull()
-        return rows
+        return self._rows
+
+    def _publish(self) -> None:
+        """On the side stream, once per round (copy engines, no SMs): the own block into rows (an event), then into
+        the workspace, then flag channel 0 on every peer. Issued at the first use of the own rows or of a peer's, so
+        a caller that reads its own tokens directly (the forward) issues its first GEMMs before any of this."""
+        if self._block is None:
+            return
+        ws, c, rank, block = self.workspace, self.capacity, self.rank, self._block
+        comm = ws.comm_stream
+        comm.wait_event(self._ready)
+        block.record_stream(comm)  # read on comm: its memory must outlive that read even if the caller drops it
+        with torch.cuda.stream(comm):
+            self._rows[rank * c : rank * c + block.shape[0]].copy_(block)
+            self._arrived[rank] = torch.cuda.Event()
+            self._arrived[rank].record(comm)
+            ws.local["rows"][: block.shape[0]].copy_(block)
+            for peer in self._peers():
+                ws.signal(peer, PUBLISHED, self.round)
+        self._block = None
 
     def _pull(self) -> None:
         """On the side stream, once per round: wait for every peer's block, then copy each into rows, one event per
         block. Issued at the first use of a peer's routing or rows."""
         if self._published is not None:
             return
+        self._publish()
         ws, c = self.workspace, self.capacity
         with torch.cuda.stream(ws.comm_stream):
             ws.wait(PUBLISHED, self.round, self.timeout_s)
@@ -201,6 +217,7 @@ class SymmetricMemoryTransport(Transport):
         return [q for q in self.source_order() if q != self.rank]
 
     def wait_rows(self, source):
+        self._publish()
         if source != self.rank:
             self._pull()
         torch.cuda.current_stream(self.device).wait_event(self._arrived[source])

@@ -113,8 +113,23 @@ class CollectiveTransport(Transport):
         return out
 
 
+_TRANSPORTS: dict[tuple, tuple] = {}
+
+
 def make_transport(name: str, group, capacity: int, device: torch.device, timeout_s: float) -> Transport:
-    """The transport named by ``[model.moe.dispatch] transport`` for this group and device."""
+    """The transport named by ``[model.moe.dispatch] transport`` for this group and device, made once per (name,
+    group, capacity, device, timeout) and reused by every call (a round starts and ends inside one call, so calls
+    never share a round; a single call is host-bound, so the per-call setup is worth saving)."""
+    key = (name, id(group), capacity, str(device), timeout_s)
+    found = _TRANSPORTS.get(key)
+    if found is not None:
+        return found[1]
+    transport = _make_transport(name, group, capacity, device, timeout_s)
+    _TRANSPORTS[key] = (group, transport)  # the group is kept alive with its entry, so its id is never reused
+    return transport
+
+
+def _make_transport(name: str, group, capacity: int, device: torch.device, timeout_s: float) -> Transport:
     if name == "auto":
         name = "symmetric_memory" if device.type == "cuda" else "collectives"
     if name == "collectives":

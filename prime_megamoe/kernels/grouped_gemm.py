@@ -44,17 +44,19 @@ def tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# FC1 + SwiGLU:  h = x[src] @ W1[e]^T,  a = silu(h[:, :I]) * h[:, I:]
+# FC1 + SwiGLU:  h = x[src - row_base] @ W1[e]^T,  a = silu(h[:, :I]) * h[:, I:]
+# (row_base: where x starts among the plan's source rows; the own block of an expert-parallel plan is read from the
+# caller's tokens, which are rows [rank * C, rank * C + T) of the gathered blocks)
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _fc1_swiglu_tile(
     x_ptr, row_src_ptr, w_ptr, h_ptr, a_ptr, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, pid_n,
-    N, K, stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_am,
+    N, K, row_base, stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_am,
     SAVE_H: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_M: tl.constexpr,
 ):
     expert, rows, row_mask = tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M, TILE_M)
-    src = tl.load(row_src_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    src = tl.load(row_src_ptr + rows, mask=row_mask, other=row_base).to(tl.int64) - row_base
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     ks = tl.arange(0, BLOCK_K)
@@ -89,7 +91,7 @@ def _fc1_swiglu_tile(
 def fc1_swiglu_kernel(
     x_ptr, row_src_ptr, w_ptr, h_ptr, a_ptr,
     tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
-    N, K, M_BUCKET, NUM_SMS,
+    N, K, M_BUCKET, NUM_SMS, row_base,
     stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_am,
     SAVE_H: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
     TILE_M: tl.constexpr,
@@ -100,14 +102,14 @@ def fc1_swiglu_kernel(
         total = tl.load(num_tiles_ptr) * (TILE_M // BLOCK_M) * num_n
         for work in tl.range(tl.program_id(0), total, NUM_SMS, flatten=True):
             _fc1_swiglu_tile(x_ptr, row_src_ptr, w_ptr, h_ptr, a_ptr, tile_expert_ptr, tile_row_ptr,
-                             expert_offsets_ptr, work // num_n, work % num_n, N, K, stride_xm, stride_we, stride_wn,
-                             stride_wk, stride_hm, stride_am, SAVE_H, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, TILE_M)
+                             expert_offsets_ptr, work // num_n, work % num_n, N, K, row_base, stride_xm, stride_we,
+                             stride_wn, stride_wk, stride_hm, stride_am, SAVE_H, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, TILE_M)
     else:
         pid_m = tl.program_id(1)
         if pid_m < tl.load(num_tiles_ptr) * (TILE_M // BLOCK_M):
             _fc1_swiglu_tile(x_ptr, row_src_ptr, w_ptr, h_ptr, a_ptr, tile_expert_ptr, tile_row_ptr,
-                             expert_offsets_ptr, pid_m, tl.program_id(0), N, K, stride_xm, stride_we, stride_wn,
-                             stride_wk, stride_hm, stride_am, SAVE_H, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, TILE_M)
+                             expert_offsets_ptr, pid_m, tl.program_id(0), N, K, row_base, stride_xm, stride_we,
+                             stride_wn, stride_wk, stride_hm, stride_am, SAVE_H, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, TILE_M)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -66,12 +66,18 @@ def _current_stream(device: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device)  # what Triton's own launches use
 
 
-def _key(kernel, args, constexprs) -> tuple:
-    parts = [id(kernel), _current_device()]
+def _key(kernel, args, constexprs, device: int) -> tuple[tuple, list]:
+    """(cache key, argument values for the launcher): tensors go to the launcher as their addresses, which it takes
+    as they are; given a tensor it would call ``data_ptr`` and check the address with the driver, per argument and
+    launch."""
+    parts = [id(kernel), device]
+    values = list(args)
     names, exact = _signature(kernel)
-    for name, a in zip(names, args):
+    for i, (name, a) in enumerate(zip(names, args)):
         if isinstance(a, torch.Tensor):
-            parts.append((a.dtype, a.data_ptr() % 16 == 0))
+            ptr = a.data_ptr()
+            values[i] = ptr
+            parts.append((a.dtype, ptr % 16 == 0))
         elif isinstance(a, bool) or a is None:
             parts.append(a)
         elif isinstance(a, int):
@@ -81,7 +87,7 @@ def _key(kernel, args, constexprs) -> tuple:
         else:
             raise TypeError(f"launch: argument {name} of {names} has unsupported type {type(a).__name__}")
     parts.extend(sorted(constexprs.items()))
-    return tuple(parts)
+    return tuple(parts), values
 
 
 def _first_launch(kernel, grid, args, constexprs) -> _Entry:
@@ -111,7 +117,8 @@ def launch(kernel, grid, *args, **constexprs) -> None:
     if not direct_launch_enabled():
         kernel[grid](*args, **constexprs)
         return
-    key = _key(kernel, args, constexprs)
+    device = _current_device()
+    key, values = _key(kernel, args, constexprs, device)
     entry = _CACHE.get(key)
     if entry is None:
         _CACHE[key] = _first_launch(kernel, grid, args, constexprs)
@@ -119,13 +126,14 @@ def launch(kernel, grid, *args, **constexprs) -> None:
     if callable(grid):
         grid = grid(entry.meta)
     grid0, grid1, grid2 = (tuple(grid) + (1, 1))[:3]
-    all_args = [args[v] if is_arg else v for is_arg, v in entry.params]
-    stream = _current_stream(_current_device())
+    stream = _current_stream(device)
     hooks = triton.knobs.runtime
     enter = hooks.launch_enter_hook
     # Launch metadata only feeds the enter hook (profilers): skip building it when there is none (None, or newer
-    # Triton's empty hook chain, which the launcher calls with the metadata unused).
+    # Triton's empty hook chain, which the launcher calls with the metadata unused). A hook sees the tensors.
     hooked = enter is not None and getattr(enter, "calls", True)
-    metadata = entry.compiled.launch_metadata(grid, stream, *all_args) if hooked else None
+    metadata = None
+    if hooked:
+        metadata = entry.compiled.launch_metadata(grid, stream, *[args[v] if arg else v for arg, v in entry.params])
     entry.run(grid0, grid1, grid2, stream, entry.function, entry.packed_metadata, metadata, enter,
-              hooks.launch_exit_hook, *all_args)
+              hooks.launch_exit_hook, *[values[v] if is_arg else v for is_arg, v in entry.params])

@@ -6,8 +6,9 @@ experts' share of each source's tokens segment by segment while the transport br
 finished results back. The own block is computed in two expert halves (``compute_order``): the first while the
 peers' blocks arrive, the second while the last peer's results travel back, so neither transfer waits alone.
 
-forward   publish x and routing -> plan the own block (own routing only) -> own block's first expert half -> plan
-          the peers' blocks (their routing) -> per piece: [wait block s] FC1+SwiGLU, FC2; once a source is complete:
+forward   publish the routing -> plan the own block (own routing only) -> own block's first expert half (read from x
+          itself) -> publish x, pull and plan the peers' blocks (their routing) -> per piece: [wait block s]
+          FC1+SwiGLU, FC2; once a source is complete:
           combine into s's result block, send -> each rank sums the W result blocks of its tokens in rank order (fp32)
 backward  publish dy -> per piece: [wait block s] FC2 dgrad+dSwiGLU, FC1 dgrad; once a source is complete: combine
           into s's dx block and its top-k weight gradients, send -> weight gradients over all segments (local, while
@@ -40,6 +41,7 @@ def compute_order(transport: Transport):
 class ExpertParallelExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, top_k_index, top_k_weights, w1, w2, transport: Transport, tile_m: int):
+        x = x.contiguous()  # the own block's GEMMs read it row by row
         num_tokens, top_k = top_k_index.shape
         world = transport.world
         num_local, inter, hidden = w1.shape[0], w1.shape[1] // 2, w1.shape[2]
@@ -62,10 +64,12 @@ class ExpertParallelExperts(torch.autograd.Function):
                         fill_routing_plan(plan, *transport.routing(first_peer, count),
                                           expert_base=rank * num_local, first_segment=first_peer)
                 peers_planned = True
-            if first:
-                transport.wait_rows(s)
             piece = plan.segment(s, half)
-            launch.fc1_swiglu(rows, w1, piece, save_h=need_grad, out=(h, a))
+            if s == rank:  # the own tokens straight from x (source rows [rank*C, rank*C + T)): nothing to wait for
+                launch.fc1_swiglu(x, w1, piece, save_h=need_grad, out=(h, a), row_base=rank * capacity)
+            else:
+                transport.wait_rows(s)
+                launch.fc1_swiglu(rows, w1, piece, save_h=need_grad, out=(h, a))
             launch.grouped_gemm(a, w2, piece, transpose_b=True, row_scale=plan.row_weight, out=y)
             if last:
                 launch.combine_rows(y, plan.segment(s).pair_pos, x.dtype,

@@ -46,9 +46,10 @@ def _tile_args(plan: RoutingPlan):
     return plan.tile_expert, plan.tile_row, plan.num_tiles, plan.expert_offsets
 
 
-def fc1_swiglu(x: torch.Tensor, w1: torch.Tensor, plan: RoutingPlan, save_h: bool, out=None):
+def fc1_swiglu(x: torch.Tensor, w1: torch.Tensor, plan: RoutingPlan, save_h: bool, out=None, row_base: int = 0):
     """x [R, H] (source rows), w1 [E, 2I, H] -> (h [P, 2I] or None, a [P, I]) in expert-sorted row order.
-    ``out`` = (h or None, a): buffers to write into (a segment view's rows of buffers shared by all segments)."""
+    ``out`` = (h or None, a): buffers to write into (a segment view's rows of buffers shared by all segments).
+    ``row_base``: x holds source rows [row_base, row_base + len(x)) (the plan's rows that this launch reads)."""
     num_pairs, inter, hidden = plan.num_pairs, w1.shape[1] // 2, w1.shape[2]
     if out is None:
         a = x.new_empty(plan.sorted_rows, inter)
@@ -59,7 +60,7 @@ def fc1_swiglu(x: torch.Tensor, w1: torch.Tensor, plan: RoutingPlan, save_h: boo
     num_sms = _num_sms(x.device)
     launch(fc1_swiglu_kernel, _tile_grid(plan, inter, num_sms),
         x, plan.row_src, w1, h, a, *_tile_args(plan),
-        inter, hidden, num_pairs, num_sms,
+        inter, hidden, num_pairs, num_sms, row_base,
         x.stride(0), w1.stride(0), w1.stride(1), w1.stride(2), h.stride(0), a.stride(0),
         SAVE_H=save_h, TILE_M=plan.tile_m, **_flags(x),
     )
