@@ -239,6 +239,13 @@ case "${1:-}" in
     done
     step sections_fwd 90 torchrun --nproc-per-node 2 scripts/call_timeline.py --host-sections --out "$LOGS/sections_fwd"
     tail -42 "$LOGS/sections_fwd.rank0.txt"; grep -h "call:" "$LOGS"/sections_*.txt ;;
+  s5final)  # EP check (both transports, bitwise), the 30B EP=2 record with the torch backend (profiled) and back to
+            # back, host sections of one forward
+    (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 120 torchrun --nproc-per-node 2 gpu_check_ep.py)
+    grep -h "PASS\|FAIL\|Error" "$LOGS/ep_check.log" | head -6
+    record30 300
+    step sections_fwd 90 torchrun --nproc-per-node 2 scripts/call_timeline.py --host-sections --out "$LOGS/sections_fwd"
+    tail -42 "$LOGS/sections_fwd.rank0.txt"; grep -h "call:" "$LOGS"/sections_*.txt ;;
   pull)  # peers' blocks pulled at first use: EP check (both transports), 30B EP=2 T=16384 one call, its timeline
     (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 90 torchrun --nproc-per-node 2 gpu_check_ep.py)
     grep -h "bitwise" "$LOGS/ep_check.log" | head -3

@@ -141,7 +141,7 @@ class SymmetricMemoryTransport(Transport):
         ws = self.workspace
         if ws is None or (ws.hidden, ws.top_k, ws.dtype) != (block.shape[1], top_k, block.dtype):
             ws = self.workspace = self._workspace(block.shape[1], top_k, block.dtype)
-        c, num_rows = self.workspace, self.capacity, block.shape[0]
+        c, num_rows = self.capacity, block.shape[0]
         ws.round += 1
         self.round = ws.round
         compute = torch.cuda.current_stream(self.device)
