@@ -246,6 +246,18 @@ case "${1:-}" in
     record30 300
     step sections_fwd 90 torchrun --nproc-per-node 2 scripts/call_timeline.py --host-sections --out "$LOGS/sections_fwd"
     tail -42 "$LOGS/sections_fwd.rank0.txt"; grep -h "call:" "$LOGS"/sections_*.txt ;;
+  routing)  # own routing read in place: EP check (both transports, bitwise), 30B EP=2 T=16384 one call and back to
+            # back, host sections of one forward
+    (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 120 torchrun --nproc-per-node 2 gpu_check_ep.py)
+    grep -h "PASS\|FAIL\|Error" "$LOGS/ep_check.log" | head -6
+    for run in 1 5; do
+      step "bench_16k_r$run" 150 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 \
+        16384 --transports symmetric_memory --backends mega_moe --repeat $run --iters 10 --warmup 3 \
+        --out "$LOGS/bench_16k_r$run.json"
+      tail -2 "$LOGS/bench_16k_r$run.log"
+    done
+    step sections_fwd 90 torchrun --nproc-per-node 2 scripts/call_timeline.py --host-sections --out "$LOGS/sections_fwd"
+    tail -42 "$LOGS/sections_fwd.rank0.txt" | head -12; grep -h "call:" "$LOGS"/sections_*.txt ;;
   pull)  # peers' blocks pulled at first use: EP check (both transports), 30B EP=2 T=16384 one call, its timeline
     (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 90 torchrun --nproc-per-node 2 gpu_check_ep.py)
     grep -h "bitwise" "$LOGS/ep_check.log" | head -3

@@ -12,11 +12,12 @@ rank). Each rank's part, with W ranks and capacity C:
     flags      [2, W]      int32  channel 0: "rank q published round n", channel 1: "rank q wrote its slot, round n"
 
 A round on rank r (see ``comm.transport``), with streams `compute` (the caller's) and `comm` (a side stream):
-- start: copy the routing into the workspace (compute; the own block's routing plan reads it next) and record an
-  event: what `comm` must wait for before it touches the block.
+- start: record an event (what `comm` must wait for before it touches the block). A block of fewer than C rows
+  has its routing padded into the workspace here (compute); a full block's own plan reads the caller's routing.
 - publish (at the first use of the own rows or of a peer's): on `comm`, copy the own block into a local [W*C, H]
-  buffer (copy engines, no SMs; an event), then into the workspace, and flag channel 0 on every peer. The forward
-  reads its own tokens straight from the caller's tensor, so its first GEMMs go out before any of this.
+  buffer (copy engines, no SMs; an event), then block and routing into the workspace, and flag channel 0 on every
+  peer. The forward reads its own tokens straight from the caller's tensor, so its first GEMMs go out before any of
+  this.
 - pull (at the first use of a peer's routing or rows, i.e. after the own block's first GEMMs are issued): publish,
   then `comm` waits for every peer's flag and copies each peer's block into the local buffer, an event per block.
   Forward: the peers' plans wait for the flags too and read their routing (a few kB) in place, while compute is
@@ -150,12 +151,16 @@ class SymmetricMemoryTransport(Transport):
             # peers may write them again (they do once this round's block is published).
             compute.wait_stream(ws.last_stream)
         ws.last_stream = compute
-        # Rows past num_rows stay as they are: no routing entry points at them (their ids are -1).
-        if routing is not None:  # on compute: the own block's plan reads it next
+        # A full block's routing is planned from the caller's tensors and published with the block (``_publish``);
+        # a partial one is padded here, on compute, where the own plan reads it next. Rows past num_rows stay as
+        # they are: no routing entry points at them (their ids are -1).
+        self._routing = None
+        if routing is not None and num_rows == c:
+            self._routing = routing
+        elif routing is not None:
             ws.local["index"][:num_rows].copy_(routing[0])  # copy_ converts to int32 / fp32
             ws.local["weights"][:num_rows].copy_(routing[1])
-            if num_rows < c:
-                ws.local["index"][num_rows:].fill_(-1)
+            ws.local["index"][num_rows:].fill_(-1)
         self._rows = block.new_empty(self.world * c, block.shape[1])
         # What the side stream waits for before publishing: the block, the rows' memory and the previous round's
         # sum, not the GEMMs the caller issues between now and then.
@@ -183,6 +188,10 @@ class SymmetricMemoryTransport(Transport):
             self._arrived[rank] = torch.cuda.Event()
             self._arrived[rank].record(comm)
             ws.local["rows"][: block.shape[0]].copy_(block)
+            if self._routing is not None:
+                for name, t in zip(("index", "weights"), self._routing):
+                    t.record_stream(comm)
+                    ws.local[name].copy_(t)  # copy_ converts to int32 / fp32
             for peer in self._peers():
                 ws.signal(peer, PUBLISHED, self.round)
         self._block = None
@@ -209,6 +218,8 @@ class SymmetricMemoryTransport(Transport):
         if any(q != self.rank for q in sources):
             self._pull()
             compute.wait_event(self._published)  # the peers' routing is read in place, over NVLink
+        if first == self.rank and count == 1 and self._routing is not None:
+            return self._routing  # a full block: the caller's own tensors, nothing to copy first
         if count == 1:
             return ws.views[first]["index"], ws.views[first]["weights"]
         return tuple(torch.cat([ws.views[q][name] for q in sources]) for name in ("index", "weights"))

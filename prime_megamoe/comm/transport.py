@@ -54,7 +54,8 @@ class Transport:
     def routing(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The published routing of source ranks [first, first + count) (a round started with routing): (ids
         [count*C, k] int32, weights [count*C, k] fp32), padding rows' ids -1, readable on the current stream. The
-        own block's needs no wait for the peers."""
+        own block's needs no wait for the peers (and may be the caller's own tensors, in their dtypes, when they
+        fill the block)."""
         raise NotImplementedError
 
     def wait_rows(self, source: int) -> None:
