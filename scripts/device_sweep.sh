@@ -258,6 +258,19 @@ case "${1:-}" in
     done
     step sections_fwd 90 torchrun --nproc-per-node 2 scripts/call_timeline.py --host-sections --out "$LOGS/sections_fwd"
     tail -42 "$LOGS/sections_fwd.rank0.txt" | head -12; grep -h "call:" "$LOGS"/sections_*.txt ;;
+  split)  # the own block's first piece at 3/4 of the local experts: EP check, then 30B EP=2 one call and back to
+          # back with the first piece at 1/2 and at 3/4
+    (cd scripts && PRIME_MEGAMOE_OWN_SPLIT=0.75 PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 120 torchrun --nproc-per-node 2 \
+      gpu_check_ep.py)
+    grep -h "PASS\|FAIL\|Error" "$LOGS/ep_check.log" | head -6
+    for split in 0.5 0.75; do
+      for run in 1 5; do
+        PRIME_MEGAMOE_OWN_SPLIT=$split step "bench_s${split}_r$run" 150 torchrun --nproc-per-node 2 -m prime_megamoe.bench \
+          --shape qwen3-30b-a3b --tokens 4096 16384 --transports symmetric_memory --backends mega_moe --repeat $run \
+          --iters 10 --warmup 3 --out "$LOGS/bench_s${split}_r$run.json"
+        tail -2 "$LOGS/bench_s${split}_r$run.log"
+      done
+    done ;;
   pull)  # peers' blocks pulled at first use: EP check (both transports), 30B EP=2 T=16384 one call, its timeline
     (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 90 torchrun --nproc-per-node 2 gpu_check_ep.py)
     grep -h "bitwise" "$LOGS/ep_check.log" | head -3

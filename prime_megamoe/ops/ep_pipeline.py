@@ -22,6 +22,8 @@ gathered rows [W*C, H] (for the W1 weight gradient), h = x W1^T in sorted order,
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..comm.transport import PAIR_RESULTS, ROW_RESULTS, Transport
@@ -38,6 +40,13 @@ def compute_order(transport: Transport):
     return [(own, 0, True, False), *peers, (own, 1, False, True)]
 
 
+def own_split(num_local: int) -> int:
+    """Local experts [0, split) form the own block's first piece. PRIME_MEGAMOE_OWN_SPLIT (a fraction, default 0.5)
+    is an A/B switch for measuring it."""
+    fraction = float(os.environ.get("PRIME_MEGAMOE_OWN_SPLIT", "0.5"))
+    return min(max(round(num_local * fraction), 0), num_local)
+
+
 class ExpertParallelExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, top_k_index, top_k_weights, w1, w2, transport: Transport, tile_m: int):
@@ -48,7 +57,7 @@ class ExpertParallelExperts(torch.autograd.Function):
         rank, capacity = transport.rank, transport.capacity
         rows = transport.start(x, (top_k_index, top_k_weights), (ROW_RESULTS,), top_k)
         plan = allocate_routing_plan(world * capacity, top_k, num_local_experts=num_local, tile_m=tile_m,
-                                     device=x.device, num_segments=world, split_expert=num_local // 2)
+                                     device=x.device, num_segments=world, split_expert=own_split(num_local))
         # The own block's plan needs only this rank's routing: its first GEMMs go out before the peers' routing is
         # waited for; the peers' plans follow, while the GPU computes the own block's first half.
         fill_routing_plan(plan, *transport.routing(rank, 1), expert_base=rank * num_local, first_segment=rank)
