@@ -258,7 +258,7 @@ case "${1:-}" in
     done
     step sections_fwd 90 torchrun --nproc-per-node 2 scripts/call_timeline.py --host-sections --out "$LOGS/sections_fwd"
     tail -42 "$LOGS/sections_fwd.rank0.txt" | head -12; grep -h "call:" "$LOGS"/sections_*.txt ;;
-  split)  # the own block's first piece at 3/4 of the local experts: EP check, then 30B EP=2 one call and back to
+  ownsplit)  # the own block's first piece at 3/4 of the local experts: EP check, then 30B EP=2 one call and back to
           # back with the first piece at 1/2 and at 3/4
     (cd scripts && PRIME_MEGAMOE_OWN_SPLIT=0.75 PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 120 torchrun --nproc-per-node 2 \
       gpu_check_ep.py)
