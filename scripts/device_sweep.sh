@@ -192,24 +192,6 @@ case "${1:-}" in
     done
     step timeline_fwd 60 torchrun --nproc-per-node 2 scripts/call_timeline.py --out "$LOGS/timeline_fwd"
     grep -h "call:\|fc1_swiglu" "$LOGS"/timeline_fwd.rank0.txt | head -4 ;;
-  s5)  # counting sort, peers pulled after the first GEMMs, pipelined wgrad: wgrad probe (GPU 0) beside the one-GPU
-       # tests (GPU 1); EP check; 30B EP=2 T=16384 with the pull at start vs deferred (one call, back to back); timeline
-    CUDA_VISIBLE_DEVICES=0 step wgrad_probe 200 python scripts/wgrad_probe.py --segments 2 &
-    CUDA_VISIBLE_DEVICES=1 step pytest_gpu 240 python -m pytest -q tests/test_mega_moe_gpu.py tests/test_tile_blocks.py -rA &
-    wait
-    cat "$LOGS/wgrad_probe.log"; tail -4 "$LOGS/pytest_gpu.log"
-    (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 120 torchrun --nproc-per-node 2 gpu_check_ep.py)
-    grep -h "bitwise" "$LOGS/ep_check.log" | head -3
-    for eager in 0 1; do
-      for r in 1 5; do
-        PRIME_MEGAMOE_EAGER_PULL=$eager step "bench_16k_e${eager}_r$r" 200 torchrun --nproc-per-node 2 -m prime_megamoe.bench \
-          --shape qwen3-30b-a3b --tokens 16384 --transports symmetric_memory --backends mega_moe --repeat $r --iters 10 \
-          --warmup 3 --out "$LOGS/bench_16k_e${eager}_r$r.json"
-        tail -1 "$LOGS/bench_16k_e${eager}_r$r.log"
-      done
-    done
-    step timeline_fwd 60 torchrun --nproc-per-node 2 scripts/call_timeline.py --out "$LOGS/timeline_fwd"
-    grep -h "call:\|fc1_swiglu" "$LOGS"/timeline_fwd.rank0.txt | head -4 ;;
   costs)  # wgrad probe (GPU 0) beside the fp8 GPU tests (GPU 1); host cost of the layer's pieces; host profile
     CUDA_VISIBLE_DEVICES=0 step wgrad_probe 200 python scripts/wgrad_probe.py --segments 2 &
     CUDA_VISIBLE_DEVICES=1 step pytest_fp8 240 python -m pytest -q tests/test_fp8_experts.py -k "gpu or half_tile" -rA &
@@ -258,19 +240,6 @@ case "${1:-}" in
     done
     step sections_fwd 90 torchrun --nproc-per-node 2 scripts/call_timeline.py --host-sections --out "$LOGS/sections_fwd"
     tail -42 "$LOGS/sections_fwd.rank0.txt" | head -12; grep -h "call:" "$LOGS"/sections_*.txt ;;
-  ownsplit)  # the own block's first piece at 3/4 of the local experts: EP check, then 30B EP=2 one call and back to
-          # back with the first piece at 1/2 and at 3/4
-    (cd scripts && PRIME_MEGAMOE_OWN_SPLIT=0.75 PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 120 torchrun --nproc-per-node 2 \
-      gpu_check_ep.py)
-    grep -h "PASS\|FAIL\|Error" "$LOGS/ep_check.log" | head -6
-    for split in 0.5 0.75; do
-      for run in 1 5; do
-        PRIME_MEGAMOE_OWN_SPLIT=$split step "bench_s${split}_r$run" 150 torchrun --nproc-per-node 2 -m prime_megamoe.bench \
-          --shape qwen3-30b-a3b --tokens 4096 16384 --transports symmetric_memory --backends mega_moe --repeat $run \
-          --iters 10 --warmup 3 --out "$LOGS/bench_s${split}_r$run.json"
-        tail -2 "$LOGS/bench_s${split}_r$run.log"
-      done
-    done ;;
   pull)  # peers' blocks pulled at first use: EP check (both transports), 30B EP=2 T=16384 one call, its timeline
     (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 90 torchrun --nproc-per-node 2 gpu_check_ep.py)
     grep -h "bitwise" "$LOGS/ep_check.log" | head -3

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 
 import torch
 import torch.distributed as dist
@@ -169,8 +168,6 @@ class SymmetricMemoryTransport(Transport):
         self._block, self._arrived, self._published = block, {}, None
         self._kinds = kinds
         self._staging = {}
-        if os.environ.get("PRIME_MEGAMOE_EAGER_PULL") == "1":  # A/B switch: publish and pull at start, as before
-            self._pull()
         return self._rows
 
     def _publish(self) -> None:

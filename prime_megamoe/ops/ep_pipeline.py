@@ -3,13 +3,14 @@
 Rank r of W holds experts [r*E_l, (r+1)*E_l). Every rank's tokens are padded to ``capacity`` rows (a block); the
 routing plan covers all W blocks, one segment per source rank (``RoutingPlan.segment``), so rank r computes its
 experts' share of each source's tokens segment by segment while the transport brings in the next block and carries
-finished results back. The own block is computed in two expert halves (``compute_order``): the first while the
-peers' blocks arrive, the second while the last peer's results travel back, so neither transfer waits alone.
+finished results back. The own block is computed in two pieces split by expert (``compute_order``, ``own_split``):
+the first while the peers' blocks arrive, the second while the last peer's results travel back, so neither transfer
+waits alone.
 
-forward   publish the routing -> plan the own block (own routing only) -> own block's first expert half (read from x
-          itself) -> publish x, pull and plan the peers' blocks (their routing) -> per piece: [wait block s]
-          FC1+SwiGLU, FC2; once a source is complete:
-          combine into s's result block, send -> each rank sums the W result blocks of its tokens in rank order (fp32)
+forward   plan the own block (own routing only) -> own block's first expert piece (read from x itself) -> publish
+          x, pull and plan the peers' blocks (their routing) -> per piece: [wait block s] FC1+SwiGLU, FC2; once a
+          source is complete: combine into s's result block, send -> each rank sums the W result blocks of its
+          tokens in rank order (fp32)
 backward  publish dy -> per piece: [wait block s] FC2 dgrad+dSwiGLU, FC1 dgrad; once a source is complete: combine
           into s's dx block and its top-k weight gradients, send -> weight gradients over all segments (local, while
           results travel) -> each rank sums its W dx blocks in rank order
@@ -22,8 +23,6 @@ gathered rows [W*C, H] (for the W1 weight gradient), h = x W1^T in sorted order,
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..comm.transport import PAIR_RESULTS, ROW_RESULTS, Transport
@@ -32,19 +31,20 @@ from .routing_plan import allocate_routing_plan, fill_routing_plan
 
 
 def compute_order(transport: Transport):
-    """(source, expert half, first piece of the source, last piece) in the order this rank computes them: the lower
-    half of its local experts on its own block (nothing to wait for, while the peers' blocks arrive), each peer's
-    block whole, then the upper half on its own block, which covers the return of the last peer's results."""
+    """(source, expert piece, first piece of the source, last piece) in the order this rank computes them: the lower
+    local experts (``own_split``) on its own block (nothing to wait for, while the peers' blocks arrive), each peer's
+    block whole, then the upper experts on its own block, which covers the return of the last peer's results."""
     own = transport.rank
     peers = [(s, None, True, True) for s in transport.source_order() if s != own]
     return [(own, 0, True, False), *peers, (own, 1, False, True)]
 
 
 def own_split(num_local: int) -> int:
-    """Local experts [0, split) form the own block's first piece. PRIME_MEGAMOE_OWN_SPLIT (a fraction, default 0.5)
-    is an A/B switch for measuring it."""
-    fraction = float(os.environ.get("PRIME_MEGAMOE_OWN_SPLIT", "0.5"))
-    return min(max(round(num_local * fraction), 0), num_local)
+    """Local experts [0, split) form the own block's first piece, the rest its last. Three quarters first: the host
+    issues the peers' routing plans, pull and first GEMMs while the GPU computes that piece, and a single call is
+    host-bound (an even split left the GPU idle there, 3.37-3.52 against 3.21-3.27 ms forward in an A/B on one
+    machine, BENCHMARKS.md); the last quarter still outlasts the return of the last peer's results."""
+    return num_local * 3 // 4
 
 
 class ExpertParallelExperts(torch.autograd.Function):
@@ -59,7 +59,7 @@ class ExpertParallelExperts(torch.autograd.Function):
         plan = allocate_routing_plan(world * capacity, top_k, num_local_experts=num_local, tile_m=tile_m,
                                      device=x.device, num_segments=world, split_expert=own_split(num_local))
         # The own block's plan needs only this rank's routing: its first GEMMs go out before the peers' routing is
-        # waited for; the peers' plans follow, while the GPU computes the own block's first half.
+        # waited for; the peers' plans follow, while the GPU computes the own block's first piece.
         fill_routing_plan(plan, *transport.routing(rank, 1), expert_base=rank * num_local, first_segment=rank)
         need_grad = any(ctx.needs_input_grad[i] for i in (0, 2, 3, 4))
         a = x.new_empty(plan.sorted_rows, inter)
