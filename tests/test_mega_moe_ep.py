@@ -126,6 +126,9 @@ def _transport_choice_body(rank, world):
     weights = torch.full((4, 2), 0.5)
     w1, w2 = torch.randn(1, 48, 32), torch.randn(1, 32, 24)
     auto = make_transport("auto", dist.group.WORLD, 4, x.device, 5.0)
+    # One transport per (name, group, capacity, device, timeout), reused by every call; other options, another one.
+    reused = make_transport("auto", dist.group.WORLD, 4, x.device, 5.0) is auto
+    distinct = make_transport("auto", dist.group.WORLD, 8, x.device, 5.0) is not auto
     errors = []
     for precision, transport in (("fp8", "symmetric_memory"), ("bf16", "symmetric_memory")):
         opts = DispatchConfig(type="mega_moe", max_tokens_per_rank=4, transport=transport)
@@ -133,12 +136,13 @@ def _transport_choice_body(rank, world):
             fused_experts(x, index, weights, w1, w2, dispatch=opts, precision=precision, group=dist.group.WORLD)
         except (NotImplementedError, ValueError, RuntimeError) as err:
             errors.append((precision, type(err).__name__, str(err)))
-    return type(auto).__name__, auto.source_order(), errors
+    return type(auto).__name__, auto.source_order(), errors, (reused, distinct)
 
 
 def test_transport_choice_on_cpu():
     results = run_on_ranks(_transport_choice_body, 2)
-    for rank, (auto, order, errors) in enumerate(results):
+    for rank, (auto, order, errors, cached) in enumerate(results):
+        assert cached == (True, True)
         assert auto == "CollectiveTransport"  # auto picks collectives off CUDA
         assert order == [rank, 1 - rank]  # own block first, then the peer
         assert len(errors) == 2, errors
