@@ -171,9 +171,10 @@ class SymmetricMemoryTransport(Transport):
         return self._rows
 
     def _publish(self) -> None:
-        """On the side stream, once per round (copy engines, no SMs): the own block into rows (an event), then into
-        the workspace, then flag channel 0 on every peer. Issued at the first use of the own rows or of a peer's, so
-        a caller that reads its own tokens directly (the forward) issues its first GEMMs before any of this."""
+        """On the side stream, once per round (copy engines, no SMs): the own block into rows (an event), then block
+        and (a full block's) routing into the workspace, then flag channel 0 on every peer. Issued at the first use
+        of the own rows or of a peer's, so a caller that reads its own tokens directly (the forward) issues its first
+        GEMMs before any of this."""
         if self._block is None:
             return
         ws, c, rank, block = self.workspace, self.capacity, self.rank, self._block

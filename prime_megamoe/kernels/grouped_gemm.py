@@ -103,13 +103,15 @@ def fc1_swiglu_kernel(
         for work in tl.range(tl.program_id(0), total, NUM_SMS, flatten=True):
             _fc1_swiglu_tile(x_ptr, row_src_ptr, w_ptr, h_ptr, a_ptr, tile_expert_ptr, tile_row_ptr,
                              expert_offsets_ptr, work // num_n, work % num_n, N, K, row_base, stride_xm, stride_we,
-                             stride_wn, stride_wk, stride_hm, stride_am, SAVE_H, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, TILE_M)
+                             stride_wn, stride_wk, stride_hm, stride_am, SAVE_H, CAST_F32, IEEE, BLOCK_M, BLOCK_N,
+                             BLOCK_K, TILE_M)
     else:
         pid_m = tl.program_id(1)
         if pid_m < tl.load(num_tiles_ptr) * (TILE_M // BLOCK_M):
             _fc1_swiglu_tile(x_ptr, row_src_ptr, w_ptr, h_ptr, a_ptr, tile_expert_ptr, tile_row_ptr,
                              expert_offsets_ptr, pid_m, tl.program_id(0), N, K, row_base, stride_xm, stride_we,
-                             stride_wn, stride_wk, stride_hm, stride_am, SAVE_H, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, TILE_M)
+                             stride_wn, stride_wk, stride_hm, stride_am, SAVE_H, CAST_F32, IEEE, BLOCK_M, BLOCK_N,
+                             BLOCK_K, TILE_M)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Routing metadata on the device: which rows each local expert takes, in which order, in which tiles.
 
 Three small kernels per fill (the whole plan, or a run of its segments: keys and counts, a stable counting sort,
-the plan), with static output sizes: no count is ever read back to the host, the host spends little time issuing it, and the layer can be captured
-in a CUDA graph.
+the plan), with static output sizes: no count is ever read back to the host, the host spends little time issuing
+it, and the layer can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
