@@ -11,6 +11,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .kernels.routing import expert_ids_in_range_kernel
+from .kernels.tuning import interpreting
+from .ops.compiled_launch import launch
+
 
 @dataclass(frozen=True)
 class ExpertShapes:
@@ -102,8 +106,13 @@ def check_expert_inputs(
 
 def check_expert_ids(top_k_index: torch.Tensor, num_experts: int, *, sync: bool) -> None:
     """Every id must lie in [0, num_experts). ``sync`` checks on the host (clear message, one device sync);
-    otherwise a device-side assertion keeps the call free of host syncs."""
+    otherwise a device-side assertion keeps the call free of host syncs (on a GPU, or in the Triton interpreter:
+    one small kernel and the assertion, two launches where the elementwise checks took six)."""
     if top_k_index.numel() == 0:
+        return
+    message = f"top_k_index holds an expert id outside [0, {num_experts})"
+    if not sync and (top_k_index.is_cuda or interpreting()):
+        torch._assert_async(expert_ids_in_range(top_k_index, num_experts), message)
         return
     bad = (top_k_index < 0) | (top_k_index >= num_experts)
     if sync:
@@ -114,4 +123,12 @@ def check_expert_ids(top_k_index: torch.Tensor, num_experts: int, *, sync: bool)
                 f"E_local * ep_size = {num_experts}"
             )
     else:
-        torch._assert_async(~bad.any(), f"top_k_index holds an expert id outside [0, {num_experts})")
+        torch._assert_async(~bad.any(), message)
+
+
+def expert_ids_in_range(top_k_index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int32 [1] on the ids' device: 1 if every id lies in [0, num_experts), else 0; computed on the device."""
+    ok = torch.empty(1, dtype=torch.int32, device=top_k_index.device)
+    launch(expert_ids_in_range_kernel, (1,), top_k_index.reshape(-1), ok, top_k_index.numel(), num_experts,
+           BLOCK=64 if interpreting() else 4096, num_warps=4)
+    return ok

@@ -246,6 +246,24 @@ case "${1:-}" in
     step bench_16k_r1 70 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
       --transports symmetric_memory --backends mega_moe --iters 10 --warmup 3 --out "$LOGS/bench_16k_r1.json"
     tail -1 "$LOGS/bench_16k_r1.log" ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull" >&2
+  s6ab)  # GPU tests (one GPU each: bf16 + validation, fp8), EP check, then 30B EP=2 T=16384 one call and back to back,
+         # this tree against the tree in ab_base/ (git archive of the base commit) on the same machine, alternating
+    CUDA_VISIBLE_DEVICES=1 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_gpu 240 python -m pytest -q tests/test_mega_moe_gpu.py \
+      tests/test_tile_blocks.py tests/test_validation.py -rA &
+    CUDA_VISIBLE_DEVICES=0 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_fp8 240 python -m pytest -q tests/test_fp8_experts.py \
+      -k "gpu or half_tile" -rA &
+    wait
+    tail -4 "$LOGS/pytest_gpu.log"; tail -4 "$LOGS/pytest_fp8.log"
+    (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 120 torchrun --nproc-per-node 2 gpu_check_ep.py)
+    grep -h "PASS\|FAIL\|Error" "$LOGS/ep_check.log" | head -6
+    for run in new_r1a base_r1a new_r5 base_r5 new_r1b base_r1b; do
+      tree=.; [ "${run%%_*}" = base ] && tree=ab_base
+      r=${run#*_r}; r=${r%[ab]}
+      (cd $tree && PYTHONPATH=/tmp/site:$PWD step "bench_$run" 150 torchrun --nproc-per-node 2 -m prime_megamoe.bench \
+        --shape qwen3-30b-a3b --tokens 16384 --transports symmetric_memory --backends mega_moe --repeat $r --iters 10 \
+        --warmup 3 --out "$LOGS/bench_$run.json")
+      tail -1 "$LOGS/bench_$run.log"
+    done ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab" >&2
      exit 2 ;;
 esac

@@ -18,7 +18,7 @@ from prime_megamoe.kernels.tuning import interpreting
 from prime_megamoe.kernels import tuning
 from prime_megamoe.ops.launch import combine_rows, dswiglu_buffers, fc2_dgrad_dswiglu, grouped_wgrad, sum_blocks
 from prime_megamoe.ops.routing_plan import (
-    allocate_routing_plan, build_routing_plan, fill_routing_plan, sort_pairs_by_expert,
+    allocate_routing_plan, build_routing_plan, fill_routing_plan, routing_keys,
 )
 
 from .oracle import (
@@ -183,7 +183,7 @@ def check_plan(ids, weights, base, num_local, tile_m):
 
 
 @pytest.mark.parametrize(
-    "rows, k, num_local, segments, base, block",
+    "rows, k, num_local, segments, base, chunk",
     [
         (700, 3, 8, 1, 0, 256),  # 2100 pairs: nine chunks of 256, a ragged last one
         (600, 4, 3, 2, 2, 512),  # two segments of 300 rows; most experts elsewhere
@@ -191,23 +191,49 @@ def check_plan(ids, weights, base, num_local, tile_m):
         (0, 2, 4, 1, 0, 1024),  # no pairs at all
     ],
 )
-def test_counting_sort_matches_stable_sort(rows, k, num_local, segments, base, block):
-    # The routing plan's sort (keys, per-chunk counts, one program per key and chunk) against torch's stable sort,
-    # over several chunks, ragged experts (a hot one, empty ones) and padding rows.
-    ids = _random_ids(rows, k, 8, seed=rows + k, pad_rows=7)[0] if rows else torch.empty(0, k, dtype=torch.long)
+def test_counting_sort_matches_stable_sort(rows, k, num_local, segments, base, chunk):
+    # The plan's counting sort (keys and per-chunk counts, then one program per key and chunk writing the plan)
+    # against torch's stable sort of the same keys, over several chunks and segments, ragged experts (a hot one,
+    # empty ones) and padding rows: every sorted row, weight and pair position exactly.
+    ids, weights = _random_ids(rows, k, 8, seed=rows + k, pad_rows=7) if rows else (
+        torch.empty(0, k, dtype=torch.long), torch.empty(0, k))
     if rows:
         ids[: rows // 2, 0] = base  # the first local expert takes one slot of half the rows
     ids[ids == base + 1] = -1  # the second local expert gets nothing
-    counts = torch.zeros(segments * num_local, dtype=torch.int32)
-    keys, order = sort_pairs_by_expert(ids, counts, segment_pairs=rows // segments * k, expert_base=base,
-                                       num_local_experts=num_local, block=block)
+    plan = allocate_routing_plan(rows, k, num_local_experts=num_local, tile_m=4, device=torch.device("cpu"),
+                                 num_segments=segments)
+    fill_routing_plan(plan, ids, weights, expert_base=base, chunk=chunk)
+    seg_pairs = max(rows // segments * k, 1)
+    keys, hist, bins = routing_keys(ids, torch.zeros(segments * num_local, dtype=torch.int32),
+                                    segment_pairs=seg_pairs, expert_base=base, num_local_experts=num_local,
+                                    chunk=chunk)
     local = ids.reshape(-1).long() - base
-    segment = torch.arange(rows * k) // max(rows // segments * k, 1)
-    expected_keys = torch.where((local >= 0) & (local < num_local), segment * num_local + local,
-                                segments * num_local)
+    segment = torch.arange(rows * k) // seg_pairs
+    skip = segments * num_local
+    expected_keys = torch.where((local >= 0) & (local < num_local), segment * num_local + local, skip)
     assert torch.equal(keys.long(), expected_keys)
-    assert torch.equal(order.long(), torch.sort(expected_keys, stable=True).indices)
-    assert torch.equal(counts.long(), torch.bincount(expected_keys, minlength=segments * num_local + 1)[:-1])
+    assert hist.shape == (max(-(-rows * k // chunk), 1) * bins,) and bins > skip + 1
+    counts = torch.bincount(expected_keys, minlength=skip + 1)[:-1]
+    assert torch.equal(plan.counts.long(), counts)
+    # Reference: stable sort by key; segment s's local pairs fill sorted rows [s * P, ...) in that order.
+    order = torch.sort(expected_keys, stable=True).indices
+    seg_starts = torch.cat([torch.zeros(1, dtype=torch.long), counts.view(segments, num_local).sum(1).cumsum(0)])
+    expected_pos = torch.full((rows * k,), -1, dtype=torch.long)
+    for place, pair in enumerate(order.tolist()):
+        key = int(expected_keys[pair])
+        if key < skip:
+            s = key // num_local
+            expected_pos[pair] = s * seg_pairs + place - int(seg_starts[s])
+    assert torch.equal(plan.pair_pos.reshape(-1).long(), expected_pos)
+    placed = expected_pos >= 0
+    pairs = torch.arange(rows * k)
+    assert torch.equal(plan.row_src.long()[expected_pos[placed]], pairs[placed] // k)
+    assert torch.equal(plan.row_weight[expected_pos[placed]], weights.reshape(-1)[placed].float())
+    offsets = plan.expert_offsets.long().view(segments, num_local + 1)
+    for s in range(segments):
+        expected = s * seg_pairs + torch.cat([torch.zeros(1, dtype=torch.long),
+                                              counts.view(segments, num_local)[s].cumsum(0)])
+        assert torch.equal(offsets[s], expected)
 
 
 @pytest.mark.parametrize("tile_m", [1, 4, 16])
@@ -476,6 +502,36 @@ def test_combine_rows_strided_source_and_no_rows():
     assert torch.equal(out, combine_reference(src.contiguous(), pair_pos, torch.float32))
     empty = combine_rows(src, pair_pos[:0], torch.float32)
     assert empty.shape == (0, 30)
+
+
+@pytest.mark.parametrize("top_k, pair_dtype", [(3, torch.float32), (4, torch.bfloat16), (1, torch.float32)])
+def test_combine_rows_pair_values_in_the_same_launch(top_k, pair_dtype):
+    # The backward's combine also returns each pair's value (the top-k weight gradient): equal to
+    # RoutingPlan.pair_values, zero for slots whose expert is elsewhere and for a row with no local slot.
+    gen = torch.Generator().manual_seed(40 + top_k)
+    rows, hidden = 7, 24
+    num_src = rows * top_k + 2
+    src = torch.randn(num_src, hidden, generator=gen)
+    values = torch.randn(num_src, generator=gen)
+    pair_pos = torch.randperm(num_src, generator=gen)[: rows * top_k].view(rows, top_k)
+    pair_pos = torch.where(torch.rand(rows, top_k, generator=gen) < 0.3, -1, pair_pos)
+    pair_pos[2] = -1
+    pair_pos = pair_pos.to(torch.int32)
+    pair_out = torch.full((rows, top_k), 7.0, dtype=pair_dtype)  # every entry must be overwritten
+    out = combine_rows(src, pair_pos, torch.float32, pair_src=values, pair_out=pair_out)
+    assert torch.equal(out, combine_reference(src, pair_pos, torch.float32))
+    pos = pair_pos.long()
+    expected = torch.where(pos >= 0, values[pos.clamp(min=0)], 0.0)
+    assert torch.equal(pair_out, to_kernel_dtype(expected, pair_dtype))
+    assert (pair_out[2] == 0).all()
+
+
+def test_combine_rows_pair_values_arguments_checked():
+    src, pair_pos = torch.randn(4, 8), torch.zeros(2, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="together"):
+        combine_rows(src, pair_pos, torch.float32, pair_src=torch.zeros(4))
+    with pytest.raises(ValueError, match=r"contiguous \[2, 2\]"):
+        combine_rows(src, pair_pos, torch.float32, pair_src=torch.zeros(4), pair_out=torch.zeros(2, 3))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

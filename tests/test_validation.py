@@ -9,7 +9,7 @@ import torch.distributed as dist
 from prime_megamoe import DispatchConfig, MoEBlock, MoEConfig, fused_experts
 from prime_megamoe.config import DISPATCH_TYPES, PRECISIONS
 from prime_megamoe.dispatch import get_backend
-from prime_megamoe.validation import check_expert_ids, check_expert_inputs
+from prime_megamoe.validation import check_expert_ids, check_expert_inputs, expert_ids_in_range
 
 from .distributed import run_on_ranks
 
@@ -89,6 +89,21 @@ def test_check_expert_ids_direct():
     check_expert_ids(torch.empty(0, 2, dtype=torch.long), 4, sync=True)
     with pytest.raises(ValueError, match=r"outside \[0, 3\)"):
         check_expert_ids(ids, 3, sync=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_expert_ids_in_range_flag(dtype):
+    # The device-side check's kernel: one flag over every id, ragged lengths past its block of 64 ids.
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 6, (67, 3), generator=gen).to(dtype)
+    if torch.cuda.is_available():  # compiled on a GPU machine, interpreted on CPU
+        ids = ids.cuda()
+    assert expert_ids_in_range(ids, 6).tolist() == [1]
+    for where, bad in (((66, 2), 6), ((0, 0), -1), ((40, 1), 1000)):  # last id, first id, one in between
+        wrong = ids.clone()
+        wrong[where] = bad
+        assert expert_ids_in_range(wrong, 6).tolist() == [0], (where, bad)
+    assert expert_ids_in_range(ids[:1, :1], 6).tolist() == [1]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -8,11 +8,13 @@ import triton.language as tl
 
 @triton.jit
 def combine_rows_kernel(
-    src_ptr, pos_ptr, out_ptr, H,
+    src_ptr, pos_ptr, out_ptr, pair_src_ptr, pair_out_ptr, H,
     stride_src, stride_out,
-    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PAIR_VALUES: tl.constexpr, K_BLOCK: tl.constexpr,
 ):
-    """out[t] = sum_j src[pos[t, j]] over slots with pos >= 0 (fp32 sum, j ascending); rows with none get zeros."""
+    """out[t] = sum_j src[pos[t, j]] over slots with pos >= 0 (fp32 sum, j ascending); rows with none get zeros.
+    PAIR_VALUES: also pair_out[t, j] = pair_src[pos[t, j]] (zero where pos < 0), from the first column block's
+    program: the per-pair values the backward returns with dx (top-k weight gradients), in the same launch."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_mask = cols < H
@@ -23,6 +25,13 @@ def combine_rows_kernel(
         row = tl.load(src_ptr + tl.maximum(p, 0) * stride_src + cols, mask=col_mask & (p >= 0), other=0.0)
         acc += row.to(tl.float32)
     tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
+    if PAIR_VALUES:
+        if tl.program_id(1) == 0:
+            slots = tl.arange(0, K_BLOCK)
+            slot_mask = slots < TOP_K
+            pos = tl.load(pos_ptr + t * TOP_K + slots, mask=slot_mask, other=-1).to(tl.int64)
+            value = tl.load(pair_src_ptr + tl.maximum(pos, 0), mask=slot_mask & (pos >= 0), other=0.0)
+            tl.store(pair_out_ptr + t * TOP_K + slots, value.to(pair_out_ptr.dtype.element_ty), mask=slot_mask)
 
 
 @triton.jit

@@ -116,19 +116,19 @@ def fc1_swiglu_kernel(
 
 # ----------------------------------------------------------------------------------------------------------------
 # Plain grouped GEMM with optional row gather and optional per-row scale:
-#   C[r] = scale[r] * A[src[r]] @ B[e]     (B addressed by strides, so W or W^T both work)
+#   C[r] = scale[r] * A[src[r] - row_base] @ B[e]     (B addressed by strides, so W or W^T both work)
 # Used for FC2 (A = SwiGLU output, scale = top-k weight) and the FC1 dgrad (A = d[gate, up], B = W1).
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _gemm_tile(
     a_ptr, row_src_ptr, b_ptr, c_ptr, row_scale_ptr, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
-    pid_m, pid_n, N, K, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
+    pid_m, pid_n, N, K, row_base, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
     GATHER_A: tl.constexpr, SCALE_ROWS: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_M: tl.constexpr,
 ):
     expert, rows, row_mask = tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M, TILE_M)
     if GATHER_A:
-        src = tl.load(row_src_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        src = tl.load(row_src_ptr + rows, mask=row_mask, other=row_base).to(tl.int64) - row_base
     else:
         src = rows.to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -155,7 +155,7 @@ def _gemm_tile(
 def grouped_gemm_kernel(
     a_ptr, row_src_ptr, b_ptr, c_ptr, row_scale_ptr,
     tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
-    N, K, M_BUCKET, NUM_SMS,
+    N, K, M_BUCKET, NUM_SMS, row_base,
     stride_am, stride_be, stride_bk, stride_bn, stride_cm,
     GATHER_A: tl.constexpr, SCALE_ROWS: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
     TILE_M: tl.constexpr,
@@ -168,14 +168,14 @@ def grouped_gemm_kernel(
         total = tl.load(num_tiles_ptr) * (TILE_M // BLOCK_M) * num_n
         for work in tl.range(tl.program_id(0), total, NUM_SMS, flatten=True):
             _gemm_tile(a_ptr, row_src_ptr, b_ptr, c_ptr, row_scale_ptr, tile_expert_ptr, tile_row_ptr,
-                       expert_offsets_ptr, work // num_n, work % num_n, N, K,
+                       expert_offsets_ptr, work // num_n, work % num_n, N, K, row_base,
                        stride_am, stride_be, stride_bk, stride_bn, stride_cm,
                        GATHER_A, SCALE_ROWS, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, TILE_M)
     else:
         pid_m = tl.program_id(1)
         if pid_m < tl.load(num_tiles_ptr) * (TILE_M // BLOCK_M):
             _gemm_tile(a_ptr, row_src_ptr, b_ptr, c_ptr, row_scale_ptr, tile_expert_ptr, tile_row_ptr,
-                       expert_offsets_ptr, pid_m, tl.program_id(0), N, K,
+                       expert_offsets_ptr, pid_m, tl.program_id(0), N, K, row_base,
                        stride_am, stride_be, stride_bk, stride_bn, stride_cm,
                        GATHER_A, SCALE_ROWS, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, TILE_M)
 

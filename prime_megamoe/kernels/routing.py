@@ -1,7 +1,7 @@
-"""Routing metadata kernels: per-expert counts, a stable counting sort of the pairs by expert, and from that order
-every row and tile index.
+"""Routing metadata kernels: per-expert counts, then a stable counting sort of the pairs by expert that writes every
+row and tile index of the plan directly.
 
-Three small launches replace a few dozen tiny framework ops (a general device sort alone is a dozen launches and
+Two small launches replace a few dozen tiny framework ops (a general device sort alone is a dozen launches and
 memsets for keys that take at most a few hundred values), so building the metadata costs little host time and never
 reads a count back to the host.
 """
@@ -36,108 +36,102 @@ def routing_keys_kernel(
 
 
 @triton.jit
-def routing_sort_kernel(
-    key_ptr, hist_ptr, counts_ptr, order_ptr, num_pairs,
-    NUM_BINS: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """Grid (SKIP + 1 keys, chunks of BLOCK pairs, as routing_keys_kernel's programs). Stable counting sort:
-    ``order[p]`` is the pair at sorted position p (keys ascending, pairs in index order within a key), what
-    ``torch.sort(keys, stable=True).indices`` gives. Program (b, c) places chunk c's pairs of key b after every pair
-    of a smaller key (``counts``; the SKIP key after all local ones) and after key b's pairs in earlier chunks
-    (``hist``). Each pair is written by exactly one program, at a position fixed by the keys alone."""
-    b = tl.program_id(0)
-    chunk = tl.program_id(1)
-    bins = tl.arange(0, NUM_BINS)
-    start = tl.sum(tl.load(counts_ptr + bins, mask=bins < b, other=0), 0)
-    for c0 in range(0, chunk, BLOCK):
-        earlier = c0 + tl.arange(0, BLOCK)
-        start += tl.sum(tl.load(hist_ptr + earlier * NUM_BINS + b, mask=earlier < chunk, other=0), 0)
-    offs = chunk * BLOCK + tl.arange(0, BLOCK)
-    hit = (tl.load(key_ptr + offs, mask=offs < num_pairs, other=-1) == b).to(tl.int32)
-    tl.store(order_ptr + start + tl.cumsum(hit, 0) - 1, offs, mask=hit > 0)
-
-
-@triton.jit
-def routing_plan_kernel(
-    order_ptr, weights_ptr, counts_ptr,
+def routing_place_kernel(
+    key_ptr, hist_ptr, weights_ptr, counts_ptr,
     row_src_ptr, row_weight_ptr, pair_pos_ptr, expert_offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
     half_tile_expert_ptr, half_tile_row_ptr, half_num_tiles_ptr,
-    num_pairs, num_segments, first_segment, pairs_per_segment, tiles_per_segment, split_expert,
-    TOP_K: tl.constexpr, NUM_LOCAL: tl.constexpr, EXPERT_BLOCK: tl.constexpr, SEGMENT_BLOCK: tl.constexpr,
-    TILE_M: tl.constexpr, BLOCK: tl.constexpr, TILE_BLOCK: tl.constexpr, HALVES: tl.constexpr,
+    num_pairs, first_segment, pairs_per_segment, tiles_per_segment, split_expert,
+    TOP_K: tl.constexpr, NUM_LOCAL: tl.constexpr, EXPERT_BLOCK: tl.constexpr, NUM_BINS: tl.constexpr,
+    SKIP: tl.constexpr, TILE_M: tl.constexpr, BLOCK: tl.constexpr, TILE_BLOCK: tl.constexpr, HALVES: tl.constexpr,
 ):
-    """Grid (programs, segments of this launch). Plans segments [first_segment, first_segment + num_segments) of the
-    plan from their pairs' sort (``order``: this launch's pair indices, sorted by key; ``weights``, ``counts``: this
-    launch's pairs and counts). Every segment has fixed places, so segments can be planned in separate launches
-    (a rank plans its own block before the peers' routing arrives):
+    """Grid (SKIP + 1 + segments of this launch, chunks of BLOCK pairs as routing_keys_kernel's programs). Plans
+    segments [first_segment, first_segment + SKIP // NUM_LOCAL) of the plan from their pairs' keys, counts and
+    per-chunk counts (``hist``). Every segment has fixed places, so segments can be planned in separate launches (a
+    rank plans its own block before the peers' routing arrives):
 
-    - sorted rows [s * P, s * P + count_s) (P = pairs_per_segment), expert-major: source row, weight, and the inverse
-      map from each pair to its sorted row (-1: not local);
+    - sorted rows [s * P, s * P + count_s) (P = pairs_per_segment), expert-major, pairs in index order within an
+      expert (a stable counting sort by key): source row, weight, and the inverse map from each pair to its sorted
+      row (-1: not local). Program (b, c), b <= SKIP, places chunk c's pairs of key b: after the segment's pairs of
+      smaller keys (``counts``) and key b's pairs in earlier chunks (``hist``); each pair is written by exactly one
+      program, at a place fixed by the keys alone.
     - expert offsets [s * (NUM_LOCAL + 1), (s + 1) * (NUM_LOCAL + 1)): expert e's rows are [off[e], off[e + 1]);
-    - tile slots [s * tiles_per_segment, (s + 1) * tiles_per_segment), of which num_tiles[s] are in use.
+    - tile slots [s * tiles_per_segment, (s + 1) * tiles_per_segment), of which num_tiles[s] are in use: programs
+      (SKIP + 1 + s, c), from the counts alone.
 
     HALVES: also split each segment's tiles at expert ``split_expert``: the lower experts' tiles are the first
     half_num_tiles[s, 0] of the segment's list; the upper experts' half_num_tiles[s, 1] tiles are copied, from slot
     s * tiles_per_segment on, into the half tile list, so either half can be launched on its own."""
-    pid = tl.program_id(0)
-    seg = tl.program_id(1)
-    experts = tl.arange(0, EXPERT_BLOCK)
-    e_mask = experts < NUM_LOCAL
-    counts = tl.load(counts_ptr + seg * NUM_LOCAL + experts, mask=e_mask, other=0)
-    plan_seg = first_segment + seg
-    seg_base = plan_seg * pairs_per_segment  # first sorted row of this segment
-    row_end = tl.cumsum(counts, 0)
-    tiles = (counts + TILE_M - 1) // TILE_M
-    tile_end = tl.cumsum(tiles, 0)
+    b = tl.program_id(0)
+    chunk = tl.program_id(1)
+    if b <= SKIP:
+        offs = chunk * BLOCK + tl.arange(0, BLOCK)
+        in_range = offs < num_pairs
+        hit = (tl.load(key_ptr + offs, mask=in_range, other=-1) == b).to(tl.int32)
+        global_pair = first_segment * pairs_per_segment + offs
+        if b == SKIP:  # pairs whose expert lives elsewhere
+            tl.store(pair_pos_ptr + global_pair, tl.full((BLOCK,), -1, tl.int32), mask=hit > 0)
+        else:
+            seg = b // NUM_LOCAL
+            bins = tl.arange(0, NUM_BINS)
+            before = (bins >= seg * NUM_LOCAL) & (bins < b)  # the segment's smaller keys
+            start = tl.sum(tl.load(counts_ptr + bins, mask=before, other=0), 0)
+            for c0 in range(0, chunk, BLOCK):
+                earlier = c0 + tl.arange(0, BLOCK)
+                start += tl.sum(tl.load(hist_ptr + earlier * NUM_BINS + b, mask=earlier < chunk, other=0), 0)
+            row = (first_segment + seg) * pairs_per_segment + start + tl.cumsum(hit, 0) - 1
+            local = hit > 0
+            tl.store(row_src_ptr + row, (global_pair // TOP_K).to(tl.int32), mask=local)
+            tl.store(row_weight_ptr + row, tl.load(weights_ptr + offs, mask=local, other=0.0).to(tl.float32),
+                     mask=local)
+            tl.store(pair_pos_ptr + global_pair, row.to(tl.int32), mask=local)
+    else:
+        seg = b - SKIP - 1
+        pid = chunk
+        experts = tl.arange(0, EXPERT_BLOCK)
+        e_mask = experts < NUM_LOCAL
+        counts = tl.load(counts_ptr + seg * NUM_LOCAL + experts, mask=e_mask, other=0)
+        plan_seg = first_segment + seg
+        seg_base = plan_seg * pairs_per_segment  # first sorted row of this segment
+        row_end = tl.cumsum(counts, 0)
+        tiles = (counts + TILE_M - 1) // TILE_M
+        tile_end = tl.cumsum(tiles, 0)
+        if pid == 0:
+            offsets = expert_offsets_ptr + plan_seg * (NUM_LOCAL + 1)
+            tl.store(offsets + experts + 1, (seg_base + row_end).to(tl.int32), mask=e_mask)
+            tl.store(offsets, seg_base.to(tl.int32))
+            tl.store(num_tiles_ptr + plan_seg, tl.sum(tiles, 0).to(tl.int32))
+            if HALVES:
+                lower = tl.sum(tl.where(experts < split_expert, tiles, 0), 0)
+                tl.store(half_num_tiles_ptr + 2 * plan_seg, lower.to(tl.int32))
+                tl.store(half_num_tiles_ptr + 2 * plan_seg + 1, (tl.sum(tiles, 0) - lower).to(tl.int32))
+        # Tile list: tile t belongs to the expert whose tile range holds it; programs share the static tile bound.
+        for t0 in range(pid * TILE_BLOCK, tiles_per_segment, tl.num_programs(1) * TILE_BLOCK):
+            t = t0 + tl.arange(0, TILE_BLOCK)
+            before_t = (tile_end[None, :] <= t[:, None]) & e_mask[None, :]  # experts wholly before t
+            expert = tl.minimum(tl.sum(before_t.to(tl.int32), 1), NUM_LOCAL - 1)
+            first_tile = tl.sum(tl.where(before_t, tiles[None, :], 0), 1)
+            first_row = tl.sum(tl.where(before_t, counts[None, :], 0), 1)
+            t_mask = t < tiles_per_segment
+            slot = plan_seg * tiles_per_segment + t
+            row = (seg_base + first_row + (t - first_tile) * TILE_M).to(tl.int32)
+            tl.store(tile_expert_ptr + slot, expert.to(tl.int32), mask=t_mask)
+            tl.store(tile_row_ptr + slot, row, mask=t_mask)
+            if HALVES:
+                # Tiles past the segment's count land past the upper half's count too: never read.
+                lower = tl.sum(tl.where(experts < split_expert, tiles, 0), 0)
+                upper = t_mask & (expert >= split_expert)
+                half_slot = slot - lower
+                tl.store(half_tile_expert_ptr + half_slot, expert.to(tl.int32), mask=upper)
+                tl.store(half_tile_row_ptr + half_slot, row, mask=upper)
 
-    if seg == 0:
-        # Sorted rows of every segment of this launch: position p of the sort holds a pair of segment
-        # pair // P, the (p - start of that segment in the sort)-th of its local pairs.
-        segs = tl.arange(0, SEGMENT_BLOCK)
-        s_mask = segs < num_segments
-        seg_counts = tl.load(counts_ptr + segs[:, None] * NUM_LOCAL + experts[None, :],
-                             mask=s_mask[:, None] & e_mask[None, :], other=0)
-        totals = tl.sum(seg_counts, 1)
-        starts = tl.cumsum(totals, 0) - totals
-        local_total = tl.sum(totals, 0)
-        pos = pid * BLOCK + tl.arange(0, BLOCK)
-        in_range = pos < num_pairs
-        pair = tl.load(order_ptr + pos, mask=in_range, other=0)
-        pair_seg = pair // pairs_per_segment
-        start = tl.sum(tl.where(segs[None, :] == pair_seg[:, None], starts[None, :], 0), 1)
-        row = (first_segment + pair_seg) * pairs_per_segment + pos - start
-        local = in_range & (pos < local_total)
-        global_pair = first_segment * pairs_per_segment + pair
-        tl.store(row_src_ptr + row, (global_pair // TOP_K).to(tl.int32), mask=local)
-        tl.store(row_weight_ptr + row, tl.load(weights_ptr + pair, mask=local, other=0.0).to(tl.float32), mask=local)
-        tl.store(pair_pos_ptr + global_pair, tl.where(local, row, -1).to(tl.int32), mask=in_range)
 
-    if pid == 0:
-        offsets = expert_offsets_ptr + plan_seg * (NUM_LOCAL + 1)
-        tl.store(offsets + experts + 1, (seg_base + row_end).to(tl.int32), mask=e_mask)
-        tl.store(offsets, seg_base.to(tl.int32))
-        tl.store(num_tiles_ptr + plan_seg, tl.sum(tiles, 0).to(tl.int32))
-        if HALVES:
-            lower = tl.sum(tl.where(experts < split_expert, tiles, 0), 0)
-            tl.store(half_num_tiles_ptr + 2 * plan_seg, lower.to(tl.int32))
-            tl.store(half_num_tiles_ptr + 2 * plan_seg + 1, (tl.sum(tiles, 0) - lower).to(tl.int32))
-
-    # Tile list: tile t belongs to the expert whose tile range holds it; programs share the static tile bound.
-    for t0 in range(pid * TILE_BLOCK, tiles_per_segment, tl.num_programs(0) * TILE_BLOCK):
-        t = t0 + tl.arange(0, TILE_BLOCK)
-        before = (tile_end[None, :] <= t[:, None]) & e_mask[None, :]  # experts wholly before t
-        expert = tl.minimum(tl.sum(before.to(tl.int32), 1), NUM_LOCAL - 1)
-        first_tile = tl.sum(tl.where(before, tiles[None, :], 0), 1)
-        first_row = tl.sum(tl.where(before, counts[None, :], 0), 1)
-        t_mask = t < tiles_per_segment
-        slot = plan_seg * tiles_per_segment + t
-        row = (seg_base + first_row + (t - first_tile) * TILE_M).to(tl.int32)
-        tl.store(tile_expert_ptr + slot, expert.to(tl.int32), mask=t_mask)
-        tl.store(tile_row_ptr + slot, row, mask=t_mask)
-        if HALVES:
-            # Tiles past the segment's count land past the upper half's count too: never read.
-            lower = tl.sum(tl.where(experts < split_expert, tiles, 0), 0)
-            upper = t_mask & (expert >= split_expert)
-            half_slot = slot - lower
-            tl.store(half_tile_expert_ptr + half_slot, expert.to(tl.int32), mask=upper)
-            tl.store(half_tile_row_ptr + half_slot, row, mask=upper)
+@triton.jit
+def expert_ids_in_range_kernel(index_ptr, ok_ptr, num_ids, num_experts, BLOCK: tl.constexpr):
+    """ok[0] = 1 if every id lies in [0, num_experts), else 0. One program: the flag is written once, with nothing
+    to zero first, and a few hundred thousand ids take it a few microseconds."""
+    bad = tl.zeros((BLOCK,), dtype=tl.int32)
+    for start in range(0, num_ids, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ids = tl.load(index_ptr + offs, mask=offs < num_ids, other=0)
+        bad = bad | ((ids < 0) | (ids >= num_experts)).to(tl.int32)
+    tl.store(ok_ptr, (tl.max(bad, 0) == 0).to(tl.int32))

@@ -11,9 +11,10 @@ forward   plan the own block (own routing only) -> own block's first expert piec
           x, pull and plan the peers' blocks (their routing) -> per piece: [wait block s] FC1+SwiGLU, FC2; once a
           source is complete: combine into s's result block, send -> each rank sums the W result blocks of its
           tokens in rank order (fp32)
-backward  publish dy -> per piece: [wait block s] FC2 dgrad+dSwiGLU, FC1 dgrad; once a source is complete: combine
-          into s's dx block and its top-k weight gradients, send -> weight gradients over all segments (local, while
-          results travel) -> each rank sums its W dx blocks in rank order
+backward  own block's first piece (read from dy itself) -> publish dy, pull the peers' -> per piece: [wait block s]
+          FC2 dgrad+dSwiGLU, FC1 dgrad; once a source is complete: combine into s's dx block and its top-k weight
+          gradients, send -> weight gradients over all segments (local, while results travel) -> each rank sums its
+          W dx blocks in rank order
 
 Fixed orders everywhere (rank order for the sums, segment order inside each expert's weight-gradient reduction), so
 outputs and gradients are bitwise repeatable, and the same under every transport. What the forward saves: the
@@ -96,27 +97,33 @@ class ExpertParallelExperts(torch.autograd.Function):
         rows, w1, w2, h = ctx.saved_tensors
         plan, transport = ctx.plan, ctx.transport
         num_tokens = grad_out.shape[0]
+        rank, capacity = transport.rank, transport.capacity
         kinds = (ROW_RESULTS, PAIR_RESULTS)
-        dy = transport.start(grad_out.to(rows.dtype), None, kinds, plan.top_k)
+        own_dy = grad_out.to(rows.dtype).contiguous()  # the own pieces read it row by row
+        dy = transport.start(own_dy, None, kinds, plan.top_k)
         buffers = launch.dswiglu_buffers(dy, w2, plan)
         _, dh, aw, dw_row = buffers
         dx_sorted = dy.new_empty(plan.sorted_rows, dy.shape[1])
         for s, half, first, last in compute_order(transport):
-            if first:
-                transport.wait_rows(s)
             piece = plan.segment(s, half)
-            launch.fc2_dgrad_dswiglu(dy, w2, h, piece, out=buffers)
+            if s == rank:  # straight from the caller's gradient, as the forward reads its tokens: no wait
+                launch.fc2_dgrad_dswiglu(own_dy, w2, h, piece, out=buffers, row_base=rank * capacity)
+            else:
+                if first:
+                    transport.wait_rows(s)
+                launch.fc2_dgrad_dswiglu(dy, w2, h, piece, out=buffers)
             launch.grouped_gemm(dh, w1, piece, transpose_b=False, out=dx_sorted)
             if last:
                 seg, results = plan.segment(s), transport.partial_buffers(s)
-                launch.combine_rows(dx_sorted, seg.pair_pos, rows.dtype, out=results[ROW_RESULTS])
-                results[PAIR_RESULTS].copy_(seg.pair_values(dw_row, torch.float32))
+                launch.combine_rows(dx_sorted, seg.pair_pos, rows.dtype, out=results[ROW_RESULTS],
+                                    pair_src=dw_row, pair_out=results[PAIR_RESULTS])
                 transport.send(s)
         # Weight gradients stay local; they run while the last result blocks travel.
         grad_w1 = grad_w2 = None
         if ctx.needs_input_grad[3]:
             grad_w1 = launch.grouped_wgrad(dh, rows, plan, torch.empty_like(w1), gather_a=False, gather_b=True)
         if ctx.needs_input_grad[4]:
+            transport.wait_rows(rank)  # this weight gradient reads the own block from the gathered rows
             grad_w2 = launch.grouped_wgrad(dy, aw, plan, torch.empty_like(w2), gather_a=True, gather_b=False)
         results = transport.finish()
         grad_x = launch.sum_blocks(results[ROW_RESULTS], num_tokens, rows.dtype)

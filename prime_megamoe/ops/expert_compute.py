@@ -27,6 +27,15 @@ def unquantized_forward(rows, w1, w2, plan: RoutingPlan, save_h: bool):
     return launch.combine_rows(out_sorted, plan.pair_pos, rows.dtype), h
 
 
+def combine_with_pair_values(dx_sorted, dw_row, plan: RoutingPlan, dx_dtype, weights_dtype):
+    """(dx [R, H], d top-k weights [R, k] or None when ``weights_dtype`` is None) in one combine launch."""
+    if weights_dtype is None:
+        return launch.combine_rows(dx_sorted, plan.pair_pos, dx_dtype), None
+    grad_weights = torch.empty(plan.pair_pos.shape, dtype=weights_dtype, device=dx_sorted.device)
+    grad_rows = launch.combine_rows(dx_sorted, plan.pair_pos, dx_dtype, pair_src=dw_row, pair_out=grad_weights)
+    return grad_rows, grad_weights
+
+
 class RoutedExperts(torch.autograd.Function):
     """rows [R, H], top_k_index [R, k] (global ids), top_k_weights [R, k], w1 [E_l, 2I, H], w2 [E_l, H, I]
     -> out [R, H]: for each row, the weighted sum over the slots whose expert lives here (zeros if none)."""
@@ -55,8 +64,9 @@ class RoutedExperts(torch.autograd.Function):
         grad_rows = grad_weights = grad_w1 = grad_w2 = None
         if ctx.needs_input_grad[0]:
             dx_sorted = launch.grouped_gemm(dh, w1, plan, transpose_b=False)
-            grad_rows = launch.combine_rows(dx_sorted, plan.pair_pos, rows.dtype)
-        if ctx.needs_input_grad[2]:
+            grad_rows, grad_weights = combine_with_pair_values(dx_sorted, dw_row, plan, rows.dtype,
+                                                               ctx.weights_dtype if ctx.needs_input_grad[2] else None)
+        elif ctx.needs_input_grad[2]:
             grad_weights = plan.pair_values(dw_row, ctx.weights_dtype)
         if ctx.needs_input_grad[3]:
             grad_w1 = launch.grouped_wgrad(dh, rows, plan, torch.empty_like(w1), gather_a=False, gather_b=True)

@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from ..kernels import tuning
 from ..kernels.fp8_gemm import (
@@ -33,6 +32,7 @@ from ..kernels.fp8_gemm import (
 )
 from ..kernels.quantize import dequantize_blocks_kernel, gather_quantize_cols_t_kernel, quantize_blocks_kernel
 from .routing_plan import RoutingPlan
+from .sizes import cdiv
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -89,7 +89,7 @@ def quantize_view(src: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tu
     if src.numel() == 0:
         return
     bm, bk = _quant_tile(qm, qk)
-    grid = (b1 * b2, triton.cdiv(m, bm), triton.cdiv(k, bk))
+    grid = (b1 * b2, cdiv(m, bm), cdiv(k, bk))
     quantize_blocks_kernel[grid](
         src, q, s, b2, m, k, *src.stride(), *q.stride(), *s.stride(),
         QM=qm, QK=qk, BM=bm, BK=bk, POW2=pow2, E8M0=e8m0, num_warps=4,
@@ -105,7 +105,7 @@ def dequantize_view(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, block: 
     if q.numel() == 0:
         return
     bm, bk = _quant_tile(qm, qk)
-    grid = (b1 * b2, triton.cdiv(m, bm), triton.cdiv(k, bk))
+    grid = (b1 * b2, cdiv(m, bm), cdiv(k, bk))
     dequantize_blocks_kernel[grid](
         q, s, out, b2, m, k, *q.stride(), *s.stride(), *out.stride(),
         QM=qm, QK=qk, BM=bm, BK=bk, E8M0=e8m0, num_warps=4,
@@ -120,7 +120,7 @@ def quantize_rows(x: torch.Tensor, fmt: QFormat, *, segments: int = 1) -> QTenso
     ``segments`` equal parts): scale [R, segments * cdiv(K / segments, group)]."""
     rows, k = x.shape
     seg = k // segments
-    ng = triton.cdiv(seg, fmt.group)
+    ng = cdiv(seg, fmt.group)
     q = torch.empty(rows, k, dtype=FP8_DTYPE, device=x.device)
     s = torch.empty(rows, segments * ng, dtype=fmt.scale_dtype, device=x.device)
     quantize_view(
@@ -151,7 +151,7 @@ def _weight_views(w: torch.Tensor, fmt: QFormat, *, n_halves: int, k_halves: int
     halves = max(n_halves, k_halves)
     n_part, k_part = n // n_halves, k // k_halves
     rows_blk = fmt.weight_rows
-    nb, kg = triton.cdiv(n_part, rows_blk), triton.cdiv(k_part, fmt.group)
+    nb, kg = cdiv(n_part, rows_blk), cdiv(k_part, fmt.group)
     q = torch.empty(e, n, k, dtype=FP8_DTYPE, device=w.device)
     s = torch.empty(e, n_halves * nb, k_halves * kg, dtype=fmt.scale_dtype, device=w.device)
     if n_halves == 2:  # [E, 2, n_part, K]
@@ -182,7 +182,7 @@ def dequantize_weight(qt: QTensor, fmt: QFormat, dtype=torch.float32, *, n_halve
     """Inverse of ``quantize_weight`` in the K-major layout [E, N, K]."""
     e, n, k = qt.data.shape
     n_part, k_part = n // n_halves, k // k_halves
-    nb, kg = triton.cdiv(n_part, fmt.weight_rows), triton.cdiv(k_part, fmt.group)
+    nb, kg = cdiv(n_part, fmt.weight_rows), cdiv(k_part, fmt.group)
     out = torch.empty(e, n, k, dtype=dtype, device=qt.data.device)
     if n_halves == 2:
         views = (qt.data.view(e, 2, n_part, k), qt.scale.view(e, 2, nb, kg), out.view(e, 2, n_part, k))
@@ -255,7 +255,7 @@ def quantize_sorted_cols_t(x: torch.Tensor, plan: RoutingPlan, fmt: QFormat) -> 
     k = x.shape[1]
     out = empty_cols_t(k, plan, fmt, x.device)
     block_k = 64  # a 128 x 64 tile per program (~8K elements)
-    gather_quantize_cols_t_kernel[(triton.cdiv(k, block_k), plan.max_tiles)](
+    gather_quantize_cols_t_kernel[(cdiv(k, block_k), plan.max_tiles)](
         x, plan.row_src, out.data, out.scale, *_tile_args(plan),
         k, x.stride(0), out.data.stride(0), out.scale.stride(0),
         POW2=fmt.pow2, E8M0=fmt.mx, GROUP_R=fmt.group, TILE=QTILE_M, BK=block_k, num_warps=4,
@@ -269,7 +269,7 @@ def quantize_sorted_cols_t(x: torch.Tensor, plan: RoutingPlan, fmt: QFormat) -> 
 
 
 def _tile_grid(plan: RoutingPlan, n: int):
-    return lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), plan.max_tiles * (QTILE_M // meta["BLOCK_M"]))
+    return lambda meta: (cdiv(n, meta["BLOCK_N"]), plan.max_tiles * (QTILE_M // meta["BLOCK_M"]))
 
 
 def _tile_args(plan: RoutingPlan):
@@ -286,15 +286,15 @@ def fp8_fc1_swiglu(xq: QTensor, w1q: QTensor, plan: RoutingPlan, fmt: QFormat, *
     a = silu(g) * u as a row-scaled QTensor [P, I]) in expert-sorted row order."""
     _check_plan(plan)
     num_pairs, hidden = plan.num_pairs, xq.data.shape[1]
-    ng_out = triton.cdiv(inter, fmt.group)
+    ng_out = cdiv(inter, fmt.group)
     aq = torch.empty(num_pairs, inter, dtype=FP8_DTYPE, device=xq.data.device)
     a_s = torch.empty(num_pairs, ng_out, dtype=fmt.scale_dtype, device=xq.data.device)
     save_h = h_dtype is not None
     h = torch.empty(num_pairs, 2 * inter, dtype=h_dtype, device=xq.data.device) if save_h else a_s
-    up_scale_off = triton.cdiv(inter, fmt.weight_rows)
+    up_scale_off = cdiv(inter, fmt.weight_rows)
     fp8_fc1_swiglu_kernel[_tile_grid(plan, inter)](
         xq.data, xq.scale, plan.row_src, w1q.data, w1q.scale, h, aq, a_s, *_tile_args(plan),
-        inter, hidden, triton.cdiv(hidden, fmt.group), ng_out, up_scale_off, num_pairs,
+        inter, hidden, cdiv(hidden, fmt.group), ng_out, up_scale_off, num_pairs,
         xq.data.stride(0), xq.scale.stride(0), w1q.data.stride(0), w1q.data.stride(1),
         w1q.scale.stride(0), w1q.scale.stride(1), h.stride(0), aq.stride(0), a_s.stride(0),
         SAVE_H=save_h, POW2=fmt.pow2, TILE_M=QTILE_M, **_fmt_args(fmt),
@@ -312,7 +312,7 @@ def fp8_grouped_gemm(aq: QTensor, bq: QTensor, plan: RoutingPlan, fmt: QFormat, 
     fp8_grouped_gemm_kernel[_tile_grid(plan, n)](
         aq.data, aq.scale, plan.row_src, bq.data, bq.scale, c,
         row_scale if row_scale is not None else plan.row_weight, *_tile_args(plan),
-        n, k, triton.cdiv(k, fmt.group), plan.num_pairs,
+        n, k, cdiv(k, fmt.group), plan.num_pairs,
         aq.data.stride(0), aq.scale.stride(0), bq.data.stride(0), bq.data.stride(1),
         bq.scale.stride(0), bq.scale.stride(1), c.stride(0),
         SEGS=segments, GATHER_A=gather, SCALE_ROWS=row_scale is not None, TILE_M=QTILE_M, **_fmt_args(fmt),
@@ -334,8 +334,8 @@ def fp8_fc2_dgrad_dswiglu(dyq: QTensor, w2q_bwd: QTensor, h: torch.Tensor, plan:
     _check_tile_space_plan(plan)
     inter, hidden = w2q_bwd.data.shape[1], w2q_bwd.data.shape[2]
     num_pairs, device = plan.num_pairs, h.device
-    ng = triton.cdiv(inter, fmt.group)
-    num_chunks = triton.cdiv(inter, DW_CHUNK_Q) + 256 // DW_CHUNK_Q
+    ng = cdiv(inter, fmt.group)
+    num_chunks = cdiv(inter, DW_CHUNK_Q) + 256 // DW_CHUNK_Q
     f8 = {"dtype": FP8_DTYPE, "device": device}
     sc = {"dtype": fmt.scale_dtype, "device": device}
     dh_rows = QTensor(torch.empty(num_pairs, 2 * inter, **f8), torch.empty(num_pairs, 2 * ng, **sc))
@@ -346,7 +346,7 @@ def fp8_fc2_dgrad_dswiglu(dyq: QTensor, w2q_bwd: QTensor, h: torch.Tensor, plan:
         dyq.data, dyq.scale, plan.row_src, w2q_bwd.data, w2q_bwd.scale, h, plan.row_weight,
         dh_rows.data, dh_rows.scale, dh_t.data, dh_t.scale, aw_t.data, aw_t.scale, dw_partial,
         *_tile_args(plan),
-        inter, hidden, triton.cdiv(hidden, fmt.group), ng, num_pairs,
+        inter, hidden, cdiv(hidden, fmt.group), ng, num_pairs,
         dyq.data.stride(0), dyq.scale.stride(0), w2q_bwd.data.stride(0), w2q_bwd.data.stride(1),
         w2q_bwd.scale.stride(0), w2q_bwd.scale.stride(1), h.stride(0),
         dh_rows.data.stride(0), dh_rows.scale.stride(0), dh_t.data.stride(0), dh_t.scale.stride(0),
@@ -384,7 +384,7 @@ def fp8_grouped_wgrad(a_t: QTensor, b_t: QTensor, plan: RoutingPlan, fmt: QForma
             )
     if out.shape != (plan.num_local_experts, m, n):
         raise ValueError(f"out must be [{plan.num_local_experts}, {m}, {n}], got {list(out.shape)}")
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), plan.num_local_experts)
+    grid = lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]), plan.num_local_experts)
     fp8_grouped_wgrad_kernel[grid](
         a_t.data, a_t.scale, b_t.data, b_t.scale, out, expert_tiles,
         m, n, plan.num_pairs,

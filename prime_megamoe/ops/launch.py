@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 
 from ..kernels import tuning
 from ..kernels.combine import combine_rows_kernel, sum_blocks_kernel
@@ -13,6 +12,7 @@ from ..kernels.grouped_gemm import fc1_swiglu_kernel, grouped_gemm_kernel, group
 from ..kernels.swiglu_grad import swiglu_backward_rows_kernel
 from .compiled_launch import launch
 from .routing_plan import RoutingPlan
+from .sizes import cdiv, next_power_of_2
 
 
 def _num_sms(device: torch.device) -> int:
@@ -37,7 +37,7 @@ def _tile_grid(plan: RoutingPlan, n: int, num_sms: int, cols_per_program: int = 
     def grid(meta):
         if meta["PERSISTENT"]:
             return (num_sms, 1)
-        return (triton.cdiv(n, cols_per_program * meta["BLOCK_N"]), plan.max_tiles * (plan.tile_m // meta["BLOCK_M"]))
+        return (cdiv(n, cols_per_program * meta["BLOCK_N"]), plan.max_tiles * (plan.tile_m // meta["BLOCK_M"]))
 
     return grid
 
@@ -76,8 +76,12 @@ def grouped_gemm(
     gather: bool = False,
     row_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    row_base: int = 0,
 ) -> torch.Tensor:
-    """C[r] = scale[r] * A[src[r] if gather else r] @ op(B[e]); op(B) = B[e]^T if transpose_b else B[e]."""
+    """C[r] = scale[r] * A[src[r] - row_base if gather else r] @ op(B[e]); op(B) = B[e]^T if transpose_b else B[e].
+    ``row_base`` (gather only): A holds source rows [row_base, row_base + len(A)), as in ``fc1_swiglu``."""
+    if row_base and not gather:
+        raise ValueError("grouped_gemm: row_base applies to gathered rows only (gather=True)")
     if transpose_b:  # B[e] is [N, K]
         n, k = b.shape[1], b.shape[2]
         stride_bk, stride_bn = b.stride(2), b.stride(1)
@@ -88,7 +92,7 @@ def grouped_gemm(
     num_sms = _num_sms(a.device)
     launch(grouped_gemm_kernel, _tile_grid(plan, n, num_sms),
         a, plan.row_src, b, c, row_scale if row_scale is not None else plan.row_weight, *_tile_args(plan),
-        n, k, plan.num_pairs, num_sms,
+        n, k, plan.num_pairs, num_sms, row_base,
         a.stride(0), b.stride(0), stride_bk, stride_bn, c.stride(0),
         GATHER_A=gather, SCALE_ROWS=row_scale is not None, TILE_M=plan.tile_m, **_flags(a),
     )
@@ -102,15 +106,17 @@ def dswiglu_buffers(dy: torch.Tensor, w2: torch.Tensor, plan: RoutingPlan):
             torch.empty(rows, dtype=torch.float32, device=dy.device))
 
 
-def fc2_dgrad_dswiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, out=None):
+def fc2_dgrad_dswiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, out=None,
+                      row_base: int = 0):
     """From dy [R, H] (source rows): (dh [P, 2I], aw [P, I] = w * a, dw_row [P] = <dy W2, a>) in sorted order: the
-    FC2 dgrad GEMM g_a = dy[src] @ W2[e], then the SwiGLU backward row pass (``kernels.swiglu_grad``).
-    ``out``: buffers from ``dswiglu_buffers`` shared by all segments; the rows of ``plan``'s tiles are written."""
+    FC2 dgrad GEMM g_a = dy[src - row_base] @ W2[e], then the SwiGLU backward row pass (``kernels.swiglu_grad``).
+    ``out``: buffers from ``dswiglu_buffers`` shared by all segments; the rows of ``plan``'s tiles are written.
+    ``row_base``: dy holds source rows [row_base, row_base + len(dy)), as in ``fc1_swiglu``."""
     g_a, dh, aw, dw_row = dswiglu_buffers(dy, w2, plan) if out is None else out
-    grouped_gemm(dy, w2, plan, transpose_b=False, gather=True, out=g_a)
+    grouped_gemm(dy, w2, plan, transpose_b=False, gather=True, out=g_a, row_base=row_base)
     inter = w2.shape[2]
     block_r = plan.tile_m if tuning.interpreting() else 16
-    block_c = min(triton.next_power_of_2(inter), 64 if tuning.interpreting() else 128)
+    block_c = min(next_power_of_2(inter), 64 if tuning.interpreting() else 128)
     launch(swiglu_backward_rows_kernel, (plan.max_tiles * (plan.tile_m // block_r),),
         g_a, h, plan.row_weight, dh, aw, dw_row, *_tile_args(plan),
         inter, g_a.stride(0), h.stride(0), dh.stride(0), aw.stride(0),
@@ -131,7 +137,7 @@ def grouped_wgrad(
     """out[e] = A[rows of e]^T @ B[rows of e] with A [*, M], B [*, N], out [E, M, N]; gathered operands are
     indexed by the source row of each sorted row. Expert e's rows of every segment are reduced, in segment order."""
     m, n = a.shape[1], b.shape[1]
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), plan.num_local_experts)
+    grid = lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]), plan.num_local_experts)
     launch(grouped_wgrad_kernel, grid,
         a, plan.row_src, b, plan.row_src, out, plan.expert_offsets,
         m, n, plan.num_pairs, plan.num_segments, plan.num_local_experts + 1,
@@ -141,19 +147,29 @@ def grouped_wgrad(
     return out
 
 
-def combine_rows(src: torch.Tensor, pair_pos: torch.Tensor, out_dtype: torch.dtype, out=None) -> torch.Tensor:
+def combine_rows(src: torch.Tensor, pair_pos: torch.Tensor, out_dtype: torch.dtype, out=None, *,
+                 pair_src: torch.Tensor | None = None, pair_out: torch.Tensor | None = None) -> torch.Tensor:
     """out [R, H]: out[r] = sum_j src[pair_pos[r, j]] (fixed slot order, fp32 sum), zeros where no slot is local.
-    ``out``: a row-contiguous [R, H] tensor to write into (it may live on a peer GPU)."""
+    ``out``: a row-contiguous [R, H] tensor to write into (it may live on a peer GPU). With ``pair_src`` (a value
+    per sorted row) and ``pair_out`` (contiguous [R, k]), the same launch also writes pair_out[r, j] =
+    pair_src[pair_pos[r, j]], zero where the slot is not local (``RoutingPlan.pair_values``)."""
     rows, top_k = pair_pos.shape
     hidden = src.shape[1]
     if out is None:
         out = torch.empty(rows, hidden, dtype=out_dtype, device=src.device)
+    pair_values = pair_src is not None
+    if pair_values != (pair_out is not None):
+        raise ValueError("combine_rows: pass pair_src and pair_out together")
+    if pair_values and (tuple(pair_out.shape) != (rows, top_k) or not pair_out.is_contiguous()):
+        raise ValueError(f"combine_rows: pair_out must be contiguous [{rows}, {top_k}], got "
+                         f"{tuple(pair_out.shape)} with strides {pair_out.stride()}")
     if rows == 0:
         return out
-    block_h = min(triton.next_power_of_2(hidden), 64 if tuning.interpreting() else 1024)
-    launch(combine_rows_kernel, (rows, triton.cdiv(hidden, block_h)),
-        src, pair_pos, out, hidden, src.stride(0), out.stride(0),
-        TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
+    block_h = min(next_power_of_2(hidden), 64 if tuning.interpreting() else 1024)
+    launch(combine_rows_kernel, (rows, cdiv(hidden, block_h)),
+        src, pair_pos, out, pair_src if pair_values else src, pair_out if pair_values else out,
+        hidden, src.stride(0), out.stride(0),
+        TOP_K=top_k, BLOCK_H=block_h, PAIR_VALUES=pair_values, K_BLOCK=next_power_of_2(top_k), num_warps=4,
     )
     return out
 
@@ -165,9 +181,9 @@ def sum_blocks(blocks: torch.Tensor, num_rows: int, out_dtype: torch.dtype) -> t
     if num_rows == 0:
         return out
     # A few rows per program: a program per row would mostly pay launch and (in the interpreter) per-program costs.
-    block_c = min(triton.next_power_of_2(cols), 64 if tuning.interpreting() else 512)
+    block_c = min(next_power_of_2(cols), 64 if tuning.interpreting() else 512)
     block_r = max(1, min(32, 4096 // block_c))
-    launch(sum_blocks_kernel, (triton.cdiv(num_rows, block_r), triton.cdiv(cols, block_c)),
+    launch(sum_blocks_kernel, (cdiv(num_rows, block_r), cdiv(cols, block_c)),
         blocks, out, num_rows, cols, blocks.stride(0), blocks.stride(1), out.stride(0),
         NUM_BLOCKS=world, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
     )

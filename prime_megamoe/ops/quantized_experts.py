@@ -86,7 +86,7 @@ from ..kernels import tuning
 from ..kernels.fp8_gemm import QTILE_M
 from . import fp8_launch as fl
 from . import launch
-from .expert_compute import unquantized_forward
+from .expert_compute import combine_with_pair_values, unquantized_forward
 from .routing_plan import RoutingPlan, build_routing_plan
 
 QUANTIZED_PRECISIONS = ("fp8", "fp8_bwd", "mxfp8")
@@ -273,11 +273,12 @@ class QuantizedRoutedExperts(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             w1q = cached_weight_operand(w1, "w1_bwd", fmt)
             dx_sorted = fl.fp8_grouped_gemm(d.dh_rows, w1q, plan, fmt, out_dtype=rows.dtype, segments=2)
-            grad_rows = launch.combine_rows(dx_sorted, plan.pair_pos, rows.dtype)
+            grad_rows, grad_weights = combine_with_pair_values(
+                dx_sorted, d.dw_row, plan, rows.dtype, ctx.weights_dtype if ctx.needs_input_grad[2] else None)
             del dx_sorted
-        d.dh_rows = None
-        if ctx.needs_input_grad[2]:
+        elif ctx.needs_input_grad[2]:
             grad_weights = plan.pair_values(d.dw_row, ctx.weights_dtype)
+        d.dh_rows = None
         # Weight gradients from K-major fp8 operands; the gathered [H, tiles * 128] copies of x and dy are made one
         # at a time, each freed after its GEMM.
         if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:

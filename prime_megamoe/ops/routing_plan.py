@@ -1,8 +1,8 @@
 """Routing metadata on the device: which rows each local expert takes, in which order, in which tiles.
 
-Three small kernels per fill (the whole plan, or a run of its segments: keys and counts, a stable counting sort,
-the plan), with static output sizes: no count is ever read back to the host, the host spends little time issuing
-it, and the layer can be captured in a CUDA graph.
+Two small kernels per fill (the whole plan, or a run of its segments: keys and counts, then a stable counting
+sort that writes the plan), with static output sizes: no count is ever read back to the host, the host spends little
+time issuing it, and the layer can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import triton
 
-from ..kernels.routing import routing_keys_kernel, routing_plan_kernel, routing_sort_kernel
+from ..kernels.routing import routing_keys_kernel, routing_place_kernel
 from .compiled_launch import launch
+from .sizes import cdiv, next_power_of_2
 
 
 @dataclass
@@ -139,32 +139,33 @@ def allocate_routing_plan(
     return plan
 
 
-def sort_pairs_by_expert(top_k_index: torch.Tensor, counts: torch.Tensor, *, segment_pairs: int, expert_base: int,
-                         num_local_experts: int, block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-    """(keys, order) of the (row, slot) pairs of ``top_k_index`` [n * R_s, k], both [n * R_s * k] int32: key =
-    segment * E_local + local expert, or n * E_local where the expert is elsewhere; order = the pairs sorted by key,
-    stably (as ``torch.sort(keys, stable=True).indices``). ``counts`` [n * E_local] int32, zeroed: gets each local
-    key's pairs added."""
+ROUTING_CHUNK = 1024  # pairs per program of the routing kernels
+
+
+def routing_keys(top_k_index: torch.Tensor, counts: torch.Tensor, *, segment_pairs: int, expert_base: int,
+                 num_local_experts: int, chunk: int = ROUTING_CHUNK) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(keys, hist, bins) of the (row, slot) pairs of ``top_k_index`` [n * R_s, k]: keys [n * R_s * k] int32, key =
+    segment * E_local + local expert, or n * E_local where the expert is elsewhere; hist [chunks, bins] int32, each
+    chunk's pairs per key (``bins`` a power of two > n * E_local + 1). ``counts`` [n * E_local] int32, zeroed: gets
+    each local key's pairs added."""
     num_pairs = top_k_index.numel()
-    bins = counts.numel()
-    chunks = max(triton.cdiv(num_pairs, block), 1)
-    num_bins = triton.next_power_of_2(bins + 2)  # keys 0..bins (bins: the elsewhere key), one more for padding lanes
-    scratch = torch.empty(2 * num_pairs + chunks * num_bins, dtype=torch.int32, device=top_k_index.device)
-    keys, order, hist = scratch[:num_pairs], scratch[num_pairs : 2 * num_pairs], scratch[2 * num_pairs :]
+    chunks = max(cdiv(num_pairs, chunk), 1)
+    num_bins = next_power_of_2(counts.numel() + 2)  # keys 0..n*E_l (the last: elsewhere), one for padding
+    scratch = torch.empty(num_pairs + chunks * num_bins, dtype=torch.int32, device=top_k_index.device)
+    keys, hist = scratch[:num_pairs], scratch[num_pairs:]
     launch(
         routing_keys_kernel, (chunks,), top_k_index.reshape(-1), keys, counts, hist, num_pairs, max(segment_pairs, 1),
-        expert_base, NUM_LOCAL=num_local_experts, NUM_BINS=num_bins, SKIP=bins, BLOCK=block,
+        expert_base, NUM_LOCAL=num_local_experts, NUM_BINS=num_bins, SKIP=counts.numel(), BLOCK=chunk,
     )
-    launch(routing_sort_kernel, (bins + 1, chunks), keys, hist, counts, order, num_pairs, NUM_BINS=num_bins,
-           BLOCK=block)
-    return keys, order
+    return keys, hist, num_bins
 
 
 def fill_routing_plan(plan: RoutingPlan, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
-                      expert_base: int, first_segment: int = 0) -> None:
+                      expert_base: int, first_segment: int = 0, chunk: int = ROUTING_CHUNK) -> None:
     """Plan segments [first_segment, first_segment + n) from their source rows' global expert ids ``top_k_index``
     [n * R_s, k] (ids outside [expert_base, expert_base + E_local), including -1 for padding rows, are other ranks'
-    and skipped) and weights. Segments filled in separate calls do not touch each other's parts of the plan."""
+    and skipped) and weights. Segments filled in separate calls do not touch each other's parts of the plan. Two
+    launches: keys and counts, then the sort that writes the plan (``kernels.routing``), ``chunk`` pairs a program."""
     seg_rows = plan.num_rows // plan.num_segments
     rows, top_k = top_k_index.shape
     num_segments = rows // seg_rows if seg_rows else plan.num_segments  # no rows: every segment is empty
@@ -176,25 +177,22 @@ def fill_routing_plan(plan: RoutingPlan, top_k_index: torch.Tensor, top_k_weight
         )
     experts = plan.num_local_experts
     seg_pairs = seg_rows * top_k
-    num_pairs = rows * top_k
     counts = plan.counts[first_segment * experts : (first_segment + num_segments) * experts]
-    block = 1024
-    _, order = sort_pairs_by_expert(top_k_index, counts, segment_pairs=seg_pairs, expert_base=expert_base,
-                                    num_local_experts=experts, block=block)
+    keys, hist, num_bins = routing_keys(top_k_index, counts, segment_pairs=seg_pairs, expert_base=expert_base,
+                                        num_local_experts=experts, chunk=chunk)
     halves = plan.split_expert is not None
-    tiles_per_segment = plan.max_tiles // plan.num_segments
+    skip = num_segments * experts
     launch(
-        routing_plan_kernel, (max(triton.cdiv(num_pairs, block), 1), num_segments),
-        order, top_k_weights.reshape(-1), counts,
+        routing_place_kernel, (skip + 1 + num_segments, hist.numel() // num_bins),
+        keys, hist, top_k_weights.reshape(-1), counts,
         plan.row_src, plan.row_weight, plan.pair_pos, plan.expert_offsets, plan.tile_expert, plan.tile_row,
         plan.num_tiles,
         plan.half_tile_expert if halves else plan.tile_expert, plan.half_tile_row if halves else plan.tile_row,
         plan.half_num_tiles if halves else plan.num_tiles,
-        num_pairs, num_segments, first_segment, max(seg_pairs, 1), tiles_per_segment,
+        keys.numel(), first_segment, max(seg_pairs, 1), plan.max_tiles // plan.num_segments,
         plan.split_expert if halves else experts,
-        TOP_K=top_k, NUM_LOCAL=experts, EXPERT_BLOCK=triton.next_power_of_2(experts),
-        SEGMENT_BLOCK=triton.next_power_of_2(max(num_segments, 2)), TILE_M=plan.tile_m, BLOCK=block, TILE_BLOCK=32,
-        HALVES=halves,
+        TOP_K=top_k, NUM_LOCAL=experts, EXPERT_BLOCK=next_power_of_2(experts), NUM_BINS=num_bins, SKIP=skip,
+        TILE_M=plan.tile_m, BLOCK=chunk, TILE_BLOCK=32, HALVES=halves,
     )
 
 
