@@ -120,14 +120,14 @@ def host_sections(step) -> list[str]:
     targets = [
         (functional, "check_expert_inputs"), (functional, "check_expert_ids"), (functional, "get_backend"),
         (mega_moe, "make_transport"), (mega_moe, "check_group_within_node"), (mega_moe, "expert_parallel_experts"),
-        (ep_pipeline, "allocate_routing_plan"), (ep_pipeline, "fill_routing_plan"),
+        (ep_pipeline, "reused_forward_plan"), (ep_pipeline, "fill_routing_plan"),
         (ops_launch, "fc1_swiglu"), (ops_launch, "grouped_gemm"), (ops_launch, "combine_rows"),
         (ops_launch, "sum_blocks"), (ops_launch, "fc2_dgrad_dswiglu"), (ops_launch, "grouped_wgrad"),
         (ops_launch, "dswiglu_buffers"),
         (SymmetricMemoryTransport, "start"), (SymmetricMemoryTransport, "_pull"),
         (SymmetricMemoryTransport, "routing"), (SymmetricMemoryTransport, "wait_rows"),
         (SymmetricMemoryTransport, "partial_buffers"), (SymmetricMemoryTransport, "send"),
-        (SymmetricMemoryTransport, "finish"), (RoutingPlan, "segment"),
+        (SymmetricMemoryTransport, "finish"), (RoutingPlan, "segment"), (RoutingPlan, "clone"),
     ]
     saved = [(obj, attr, getattr(obj, attr)) for obj, attr in targets]
     for obj, attr, fn in saved:

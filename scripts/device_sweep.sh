@@ -264,6 +264,25 @@ case "${1:-}" in
         --warmup 3 --out "$LOGS/bench_$run.json")
       tail -1 "$LOGS/bench_$run.log"
     done ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab" >&2
+  s6plan)  # the reused forward plan: one-GPU tests and EP check, this tree against ab_base/ (alternating, one call
+           # and back to back), host sections of one forward and of forward + backward
+    CUDA_VISIBLE_DEVICES=1 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_gpu 240 python -m pytest -q tests/test_mega_moe_gpu.py \
+      tests/test_tile_blocks.py -rA
+    tail -2 "$LOGS/pytest_gpu.log"
+    (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 120 torchrun --nproc-per-node 2 gpu_check_ep.py)
+    grep -h "PASS\|FAIL\|Error" "$LOGS/ep_check.log" | head -6
+    for run in new_r1a base_r1a new_r5 base_r5 new_r1b base_r1b; do
+      tree=.; [ "${run%%_*}" = base ] && tree=ab_base
+      r=${run#*_r}; r=${r%[ab]}
+      (cd $tree && PYTHONPATH=/tmp/site:$PWD step "bench_$run" 150 torchrun --nproc-per-node 2 -m prime_megamoe.bench \
+        --shape qwen3-30b-a3b --tokens 16384 --transports symmetric_memory --backends mega_moe --repeat $r --iters 10 \
+        --warmup 3 --out "$LOGS/bench_$run.json")
+      tail -1 "$LOGS/bench_$run.log"
+    done
+    step sections_fwd 90 torchrun --nproc-per-node 2 scripts/call_timeline.py --host-sections --out "$LOGS/sections_fwd"
+    step sections_grad 90 torchrun --nproc-per-node 2 scripts/call_timeline.py --host-sections --grad \
+      --out "$LOGS/sections_grad"
+    head -34 "$LOGS/sections_fwd.rank0.txt"; grep -h "call:" "$LOGS"/sections_*.txt ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan" >&2
      exit 2 ;;
 esac

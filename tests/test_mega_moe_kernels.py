@@ -97,6 +97,29 @@ def test_mega_moe_agrees_with_torch_backend_in_bf16():
         assert rel_err(a, b) <= 2e-2, name
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp8_bwd"])
+def test_forward_without_grad_mode_saves_nothing(monkeypatch, precision):
+    # Under torch.no_grad (evaluation, a checkpointed layer's first forward) the parameters still require grad,
+    # but no backward will run: FC1 must not write h, and the output must not require grad.
+    from prime_megamoe.ops import launch
+
+    calls = []
+    fc1 = launch.fc1_swiglu
+
+    def recording_fc1(*args, save_h, **kwargs):
+        calls.append(save_h)
+        return fc1(*args, save_h=save_h, **kwargs)
+
+    monkeypatch.setattr(launch, "fc1_swiglu", recording_fc1)
+    x, index, weights, w1, w2, _ = make_problem(12, 32, 16, 4, 2, torch.float32, seed=2)
+    x, weights, w1, w2 = (t.requires_grad_() for t in (x, weights, w1, w2))
+    with torch.no_grad():
+        out = fused_experts(x, index, weights, w1, w2, dispatch="mega_moe", precision=precision)
+    assert calls == [False] and not out.requires_grad
+    out = fused_experts(x, index, weights, w1, w2, dispatch="mega_moe", precision=precision)
+    assert calls == [False, True] and out.requires_grad
+
+
 def test_mega_moe_no_tokens_forward():
     x, index, weights, w1, w2, _ = make_problem(0, 32, 16, 4, 2, torch.float32, seed=1)
     out = fused_experts(x, index, weights, w1, w2, dispatch="mega_moe")

@@ -39,6 +39,8 @@ class Transport:
         self.rank = dist.get_rank(group)
         self.capacity = capacity
         self.timeout_s = timeout_s
+        # Buffers the layer keeps per transport and reuses round after round (``ep_pipeline.reused_forward_plan``)
+        self.reused: dict = {}
 
     def source_order(self) -> list[int]:
         """This rank's own block first (nothing to wait for), then the peers in ring order."""

@@ -28,7 +28,7 @@ import torch
 
 from ..comm.transport import PAIR_RESULTS, ROW_RESULTS, Transport
 from . import launch
-from .routing_plan import allocate_routing_plan, fill_routing_plan
+from .routing_plan import RoutingPlan, allocate_routing_plan, fill_routing_plan
 
 
 def compute_order(transport: Transport):
@@ -48,21 +48,49 @@ def own_split(num_local: int) -> int:
     return num_local * 3 // 4
 
 
+def reused_forward_plan(transport: Transport, top_k: int, num_local: int, tile_m: int,
+                        device: torch.device) -> RoutingPlan:
+    """The forward's routing plan for this transport's rounds at these sizes, emptied for a new fill. It is
+    allocated once, with its segment views, and refilled by every call, so a call's path to its first GEMM
+    allocates no plan and builds no views; a call that keeps its plan for the backward keeps a clone. Calls on one
+    stream use it in turn; a call on another stream first waits for the stream of the last one."""
+    key = ("forward_plan", top_k, num_local, tile_m, str(device))
+    entry = transport.reused.get(key)
+    fresh = entry is None
+    if fresh:
+        plan = allocate_routing_plan(transport.world * transport.capacity, top_k, num_local_experts=num_local,
+                                     tile_m=tile_m, device=device, num_segments=transport.world,
+                                     split_expert=own_split(num_local))
+        entry = transport.reused[key] = [plan, None]  # the plan, the stream of its last use
+        for s, half, _, last in compute_order(transport):  # the views every call asks for, made once
+            plan.segment(s, half)
+            if last:
+                plan.segment(s)
+    plan, last_stream = entry
+    if device.type == "cuda":
+        stream = torch.cuda.current_stream(device)
+        if last_stream is not None and last_stream != stream:
+            stream.wait_stream(last_stream)
+        entry[1] = stream
+    if not fresh:
+        plan.counts.zero_()
+    return plan
+
+
 class ExpertParallelExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, top_k_index, top_k_weights, w1, w2, transport: Transport, tile_m: int):
+    def forward(ctx, x, top_k_index, top_k_weights, w1, w2, transport: Transport, tile_m: int, grad_enabled: bool):
         x = x.contiguous()  # the own block's GEMMs read it row by row
         num_tokens, top_k = top_k_index.shape
         world = transport.world
         num_local, inter, hidden = w1.shape[0], w1.shape[1] // 2, w1.shape[2]
         rank, capacity = transport.rank, transport.capacity
         rows = transport.start(x, (top_k_index, top_k_weights), (ROW_RESULTS,), top_k)
-        plan = allocate_routing_plan(world * capacity, top_k, num_local_experts=num_local, tile_m=tile_m,
-                                     device=x.device, num_segments=world, split_expert=own_split(num_local))
+        plan = reused_forward_plan(transport, top_k, num_local, tile_m, x.device)
         # The own block's plan needs only this rank's routing: its first GEMMs go out before the peers' routing is
         # waited for; the peers' plans follow, while the GPU computes the own block's first piece.
         fill_routing_plan(plan, *transport.routing(rank, 1), expert_base=rank * num_local, first_segment=rank)
-        need_grad = any(ctx.needs_input_grad[i] for i in (0, 2, 3, 4))
+        need_grad = grad_enabled and any(ctx.needs_input_grad[i] for i in (0, 2, 3, 4))
         a = x.new_empty(plan.sorted_rows, inter)
         h = x.new_empty(plan.sorted_rows, 2 * inter) if need_grad else None
         y = x.new_empty(plan.sorted_rows, hidden)
@@ -88,7 +116,7 @@ class ExpertParallelExperts(torch.autograd.Function):
         out = launch.sum_blocks(transport.finish()[ROW_RESULTS], num_tokens, x.dtype)
         if need_grad:
             ctx.save_for_backward(rows, w1, w2, h)
-            ctx.plan, ctx.transport = plan, transport
+            ctx.plan, ctx.transport = plan.clone(), transport  # the next call refills this plan
             ctx.weights_dtype = top_k_weights.dtype
         return out
 
@@ -128,7 +156,7 @@ class ExpertParallelExperts(torch.autograd.Function):
         results = transport.finish()
         grad_x = launch.sum_blocks(results[ROW_RESULTS], num_tokens, rows.dtype)
         grad_weights = launch.sum_blocks(results[PAIR_RESULTS], num_tokens, ctx.weights_dtype)
-        return grad_x, None, grad_weights, grad_w1, grad_w2, None, None
+        return grad_x, None, grad_weights, grad_w1, grad_w2, None, None, None
 
 
 def expert_parallel_experts(x, top_k_index, top_k_weights, w1, w2, *, transport: Transport, tile_m: int):
@@ -139,4 +167,5 @@ def expert_parallel_experts(x, top_k_index, top_k_weights, w1, w2, *, transport:
             f"{x.shape[0]} tokens on rank {transport.rank} exceed max_tokens_per_rank = {transport.capacity}; raise "
             f"[model.moe.dispatch] max_tokens_per_rank or pass fewer tokens per call"
         )
-    return ExpertParallelExperts.apply(x, top_k_index, top_k_weights, w1, w2, transport, tile_m)
+    return ExpertParallelExperts.apply(x, top_k_index, top_k_weights, w1, w2, transport, tile_m,
+                                       torch.is_grad_enabled())

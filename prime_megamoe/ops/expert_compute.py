@@ -41,12 +41,12 @@ class RoutedExperts(torch.autograd.Function):
     -> out [R, H]: for each row, the weighted sum over the slots whose expert lives here (zeros if none)."""
 
     @staticmethod
-    def forward(ctx, rows, top_k_index, top_k_weights, w1, w2, expert_base: int, tile_m: int):
+    def forward(ctx, rows, top_k_index, top_k_weights, w1, w2, expert_base: int, tile_m: int, grad_enabled: bool):
         rows = rows.contiguous()
         plan = build_routing_plan(
             top_k_index, top_k_weights, expert_base=expert_base, num_local_experts=w1.shape[0], tile_m=tile_m
         )
-        need_grad = any(ctx.needs_input_grad[i] for i in (0, 2, 3, 4))
+        need_grad = grad_enabled and any(ctx.needs_input_grad[i] for i in (0, 2, 3, 4))
         out, h = unquantized_forward(rows, w1, w2, plan, save_h=need_grad)
         if need_grad:
             ctx.save_for_backward(rows, w1, w2, h)
@@ -72,8 +72,8 @@ class RoutedExperts(torch.autograd.Function):
             grad_w1 = launch.grouped_wgrad(dh, rows, plan, torch.empty_like(w1), gather_a=False, gather_b=True)
         if ctx.needs_input_grad[4]:
             grad_w2 = launch.grouped_wgrad(grad_out, aw, plan, torch.empty_like(w2), gather_a=True, gather_b=False)
-        return grad_rows, None, grad_weights, grad_w1, grad_w2, None, None
+        return grad_rows, None, grad_weights, grad_w1, grad_w2, None, None, None
 
 
 def routed_experts(rows, top_k_index, top_k_weights, w1, w2, *, expert_base: int, tile_m: int) -> torch.Tensor:
-    return RoutedExperts.apply(rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m)
+    return RoutedExperts.apply(rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, torch.is_grad_enabled())

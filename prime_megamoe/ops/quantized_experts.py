@@ -229,11 +229,11 @@ class QuantizedRoutedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, top_k_index, top_k_weights, w1, w2, expert_base: int, tile_m: int, precision: str,
-                pow2_scales: bool):
+                pow2_scales: bool, grad_enabled: bool):
         check_precision_supported(precision, rows.device)
         rows = rows.contiguous()
         num_local, inter = w1.shape[0], w1.shape[1] // 2
-        need_grad = any(ctx.needs_input_grad[i] for i in (0, 2, 3, 4))
+        need_grad = grad_enabled and any(ctx.needs_input_grad[i] for i in (0, 2, 3, 4))
         fmt = _format(precision, pow2_scales)
         if precision == "fp8_bwd":
             # bf16 forward: the bf16 kernels' own tile height, then (if it differs) the 128-row plan for the backward.
@@ -291,7 +291,7 @@ class QuantizedRoutedExperts(torch.autograd.Function):
             if ctx.needs_input_grad[4]:
                 dy_t = fl.quantize_sorted_cols_t(grad_out, plan, fmt)
                 grad_w2 = fl.fp8_grouped_wgrad(dy_t, d.aw_t, plan, fmt, torch.empty_like(w2), expert_tiles=tiles)
-        return grad_rows, None, grad_weights, grad_w1, grad_w2, None, None, None, None
+        return grad_rows, None, grad_weights, grad_w1, grad_w2, None, None, None, None, None
 
 
 def routed_experts_quantized(rows, top_k_index, top_k_weights, w1, w2, *, expert_base: int, tile_m: int,
@@ -309,5 +309,6 @@ def routed_experts_quantized(rows, top_k_index, top_k_weights, w1, w2, *, expert
     """
     _require_quantized(precision)
     return QuantizedRoutedExperts.apply(
-        rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, precision, bool(pow2_scales)
+        rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, precision, bool(pow2_scales),
+        torch.is_grad_enabled(),
     )

@@ -49,7 +49,10 @@ class RoutingPlan:
     half_num_tiles: torch.Tensor | None = None
     # [S * E_local] int32: local pairs per (segment, expert), as the plan's kernels count them
     counts: torch.Tensor | None = field(default=None, repr=False)
+    # The int32 buffer every part above is a view of (``allocate_routing_plan``); None for a segment view
+    storage: torch.Tensor | None = field(default=None, repr=False)
     _views: dict = field(default_factory=dict, repr=False, compare=False)  # segment views made so far
+    _scratch: torch.Tensor | None = field(default=None, repr=False, compare=False)  # the fills' keys and counts
 
     def __post_init__(self):
         if self.sorted_rows < 0:
@@ -96,6 +99,20 @@ class RoutingPlan:
             num_segments=1, sorted_rows=self.sorted_rows,
         )
 
+    def clone(self) -> "RoutingPlan":
+        """The filled plan in new memory (one allocation, one copy), for a caller that refills this one next."""
+        if self.storage is None:
+            raise ValueError("RoutingPlan.clone: a segment view has no storage of its own; clone the whole plan")
+        return _plan_over(self.storage.clone(), self.num_rows, self.top_k, self.num_local_experts, self.tile_m,
+                          self.num_segments, self.split_expert)
+
+    def scratch(self, size: int) -> torch.Tensor:
+        """int32 [size] working memory of a fill, kept with the plan (fills of one plan run one after another on a
+        stream)."""
+        if self._scratch is None or self._scratch.numel() < size:
+            self._scratch = torch.empty(size, dtype=torch.int32, device=self.row_src.device)
+        return self._scratch[:size]
+
     def pair_values(self, row_values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[R, k] from per-sorted-row values: each (row, slot) pair's value, zero where its expert is elsewhere."""
         pos = self.pair_pos.long()
@@ -119,23 +136,54 @@ def allocate_routing_plan(
         raise ValueError(f"{num_rows} source rows do not split into {num_segments} equal segments")
     if split_expert is not None and not 0 <= split_expert <= num_local_experts:
         raise ValueError(f"split_expert = {split_expert} is outside [0, {num_local_experts}]")
-    num_pairs = num_rows * top_k
-    tiles = num_segments * ((num_pairs // num_segments + tile_m - 1) // tile_m + num_local_experts)
+    _, total = _plan_layout(num_rows, top_k, num_local_experts, tile_m, num_segments, split_expert)
+    plan = _plan_over(torch.empty(total, dtype=torch.int32, device=device), num_rows, top_k, num_local_experts,
+                      tile_m, num_segments, split_expert)
+    plan.counts.zero_()
+    return plan
 
-    def ints(*shape):
-        return torch.empty(*shape, dtype=torch.int32, device=device)
+
+_PART_ALIGN = 64  # int32 elements (256 bytes), as separate allocations would be: kernels specialise on alignment
+
+
+def _plan_layout(num_rows, top_k, num_local, tile_m, num_segments, split_expert) -> tuple[dict, int]:
+    """{part: (first element, elements)} of a plan's int32 storage, and its size. One buffer for every part: an
+    allocation each would be a dozen host calls on the layer's path to its first GEMM."""
+    num_pairs = num_rows * top_k
+    tiles = num_segments * ((num_pairs // num_segments + tile_m - 1) // tile_m + num_local)
+    sizes = {  # row_weight's fp32 has int32's size
+        "counts": num_segments * num_local, "expert_offsets": num_segments * (num_local + 1), "row_src": num_pairs,
+        "row_weight": num_pairs, "pair_pos": num_pairs, "tile_expert": tiles, "tile_row": tiles,
+        "num_tiles": num_segments,
+    }
+    if split_expert is not None:
+        sizes.update(half_tile_expert=tiles, half_tile_row=tiles, half_num_tiles=2 * num_segments)
+    layout, total = {}, 0
+    for name, size in sizes.items():
+        layout[name] = (total, size)
+        total += -(-size // _PART_ALIGN) * _PART_ALIGN
+    return layout, total
+
+
+def _plan_over(storage, num_rows, top_k, num_local, tile_m, num_segments, split_expert) -> RoutingPlan:
+    """The plan whose parts are views of ``storage`` (laid out by ``_plan_layout``)."""
+    layout, _ = _plan_layout(num_rows, top_k, num_local, tile_m, num_segments, split_expert)
+
+    def part(name):
+        first, size = layout[name]
+        return storage[first : first + size]
 
     plan = RoutingPlan(
-        num_rows=num_rows, top_k=top_k, num_local_experts=num_local_experts, tile_m=tile_m,
-        expert_offsets=ints(num_segments * (num_local_experts + 1)), row_src=ints(num_pairs),
-        row_weight=torch.empty(num_pairs, dtype=torch.float32, device=device), pair_pos=ints(num_rows, top_k),
-        tile_expert=ints(tiles), tile_row=ints(tiles), num_tiles=ints(num_segments), num_segments=num_segments,
+        num_rows=num_rows, top_k=top_k, num_local_experts=num_local, tile_m=tile_m,
+        expert_offsets=part("expert_offsets"), row_src=part("row_src"),
+        row_weight=part("row_weight").view(torch.float32), pair_pos=part("pair_pos").view(num_rows, top_k),
+        tile_expert=part("tile_expert"), tile_row=part("tile_row"), num_tiles=part("num_tiles"),
+        num_segments=num_segments, counts=part("counts"), storage=storage,
     )
     if split_expert is not None:
         plan.split_expert = split_expert
-        plan.half_tile_expert, plan.half_tile_row = ints(tiles), ints(tiles)
-        plan.half_num_tiles = ints(num_segments, 2)
-    plan.counts = torch.zeros(num_segments * num_local_experts, dtype=torch.int32, device=device)
+        plan.half_tile_expert, plan.half_tile_row = part("half_tile_expert"), part("half_tile_row")
+        plan.half_num_tiles = part("half_num_tiles").view(num_segments, 2)
     return plan
 
 
@@ -143,15 +191,20 @@ ROUTING_CHUNK = 1024  # pairs per program of the routing kernels
 
 
 def routing_keys(top_k_index: torch.Tensor, counts: torch.Tensor, *, segment_pairs: int, expert_base: int,
-                 num_local_experts: int, chunk: int = ROUTING_CHUNK) -> tuple[torch.Tensor, torch.Tensor, int]:
+                 num_local_experts: int, chunk: int = ROUTING_CHUNK,
+                 scratch=None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(keys, hist, bins) of the (row, slot) pairs of ``top_k_index`` [n * R_s, k]: keys [n * R_s * k] int32, key =
     segment * E_local + local expert, or n * E_local where the expert is elsewhere; hist [chunks, bins] int32, each
     chunk's pairs per key (``bins`` a power of two > n * E_local + 1). ``counts`` [n * E_local] int32, zeroed: gets
-    each local key's pairs added."""
+    each local key's pairs added. ``scratch(size)``: where keys and hist go (a new tensor when None)."""
     num_pairs = top_k_index.numel()
     chunks = max(cdiv(num_pairs, chunk), 1)
     num_bins = next_power_of_2(counts.numel() + 2)  # keys 0..n*E_l (the last: elsewhere), one for padding
-    scratch = torch.empty(num_pairs + chunks * num_bins, dtype=torch.int32, device=top_k_index.device)
+    size = num_pairs + chunks * num_bins
+    if scratch is None:
+        scratch = torch.empty(size, dtype=torch.int32, device=top_k_index.device)
+    else:
+        scratch = scratch(size)
     keys, hist = scratch[:num_pairs], scratch[num_pairs:]
     launch(
         routing_keys_kernel, (chunks,), top_k_index.reshape(-1), keys, counts, hist, num_pairs, max(segment_pairs, 1),
@@ -179,7 +232,7 @@ def fill_routing_plan(plan: RoutingPlan, top_k_index: torch.Tensor, top_k_weight
     seg_pairs = seg_rows * top_k
     counts = plan.counts[first_segment * experts : (first_segment + num_segments) * experts]
     keys, hist, num_bins = routing_keys(top_k_index, counts, segment_pairs=seg_pairs, expert_base=expert_base,
-                                        num_local_experts=experts, chunk=chunk)
+                                        num_local_experts=experts, chunk=chunk, scratch=plan.scratch)
     halves = plan.split_expert is not None
     skip = num_segments * experts
     launch(
