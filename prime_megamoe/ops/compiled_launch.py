@@ -48,13 +48,14 @@ def direct_launch_enabled() -> bool:
 
 def _signature(kernel) -> tuple[list[str], frozenset]:
     """The kernel's parameter names (from the jitted function under autotuning / heuristics wrappers) and the
-    arguments of its autotuning key, looked up once per kernel."""
+    positions of its autotuning key's arguments, looked up once per kernel."""
     found = _SIGNATURES.get(id(kernel))
     if found is None:
         fn = kernel
         while not hasattr(fn, "arg_names"):
             fn = fn.fn
-        found = _SIGNATURES[id(kernel)] = (fn.arg_names, frozenset(getattr(kernel, "keys", ())))
+        keys = set(getattr(kernel, "keys", ()))
+        found = _SIGNATURES[id(kernel)] = (fn.arg_names, frozenset(i for i, n in enumerate(fn.arg_names) if n in keys))
     return found
 
 
@@ -69,24 +70,29 @@ def _current_stream(device: int) -> int:
 def _key(kernel, args, constexprs, device: int) -> tuple[tuple, list]:
     """(cache key, argument values for the launcher): tensors go to the launcher as their addresses, which it takes
     as they are; given a tensor it would call ``data_ptr`` and check the address with the driver, per argument and
-    launch."""
+    launch. Runs on every launch: type tests by identity first, an integer's class packed into one int."""
     parts = [id(kernel), device]
+    append = parts.append
     values = list(args)
     names, exact = _signature(kernel)
-    for i, (name, a) in enumerate(zip(names, args)):
-        if isinstance(a, torch.Tensor):
+    for i, a in enumerate(args):
+        kind = type(a)
+        if kind is int:
+            # exact (autotuning key): the value; otherwise 8 + (== 1, divisible by 16, 32-bit) as bits, never equal
+            # to a bool or None of the same position
+            append(a if i in exact else 8 | (a == 1) | (not a & 15) << 1 | (_I32[0] <= a < _I32[1]) << 2)
+        elif kind is bool or a is None:
+            append(a)
+        elif isinstance(a, torch.Tensor):
             ptr = a.data_ptr()
             values[i] = ptr
-            parts.append((a.dtype, ptr % 16 == 0))
-        elif isinstance(a, bool) or a is None:
-            parts.append(a)
-        elif isinstance(a, int):
-            parts.append(a if name in exact else (a == 1, a % 16 == 0, _I32[0] <= a < _I32[1]))
-        elif isinstance(a, float):
-            parts.append(float)
+            append(a.dtype)
+            append(not ptr & 15)
+        elif kind is float:
+            append(float)
         else:
-            raise TypeError(f"launch: argument {name} of {names} has unsupported type {type(a).__name__}")
-    parts.extend(sorted(constexprs.items()))
+            raise TypeError(f"launch: argument {names[i]} of {names} has unsupported type {kind.__name__}")
+    parts.extend(constexprs.items())  # keyword order is a call site's own: another order is only another entry
     return tuple(parts), values
 
 
