@@ -283,6 +283,25 @@ case "${1:-}" in
     step sections_grad 90 torchrun --nproc-per-node 2 scripts/call_timeline.py --host-sections --grad \
       --out "$LOGS/sections_grad"
     head -34 "$LOGS/sections_fwd.rank0.txt"; grep -h "call:" "$LOGS"/sections_*.txt ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan" >&2
+  s6final)  # GPU tests (one GPU each: bf16, fp8), EP check, the 30B EP=2 record with the torch backend (profiled) and
+            # back to back
+    CUDA_VISIBLE_DEVICES=1 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_gpu 200 python -m pytest -q tests/test_mega_moe_gpu.py \
+      tests/test_tile_blocks.py tests/test_validation.py -rA &
+    CUDA_VISIBLE_DEVICES=0 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_fp8 200 python -m pytest -q tests/test_fp8_experts.py \
+      -k "gpu or half_tile" -rA &
+    wait
+    tail -2 "$LOGS/pytest_gpu.log"; tail -2 "$LOGS/pytest_fp8.log"
+    (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 120 torchrun --nproc-per-node 2 gpu_check_ep.py)
+    grep -h "PASS\|FAIL\|Error" "$LOGS/ep_check.log" | head -6
+    record30 280 ;;
+  s6more)  # Qwen3-235B-A22B EP=2 (symmetric memory, torch backend), host sections of one call
+    step bench_235b 240 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-235b-a22b --tokens 4096 16384 \
+      --transports symmetric_memory --iters 5 --warmup 2 --out "$LOGS/bench_235b.json"
+    tail -5 "$LOGS/bench_235b.log"
+    step sections_fwd 90 torchrun --nproc-per-node 2 scripts/call_timeline.py --host-sections --out "$LOGS/sections_fwd"
+    step sections_grad 90 torchrun --nproc-per-node 2 scripts/call_timeline.py --host-sections --grad \
+      --out "$LOGS/sections_grad"
+    head -34 "$LOGS/sections_fwd.rank0.txt"; grep -h "call:" "$LOGS"/sections_*.txt ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more" >&2
      exit 2 ;;
 esac
