@@ -27,3 +27,18 @@ def test_half_tile_programs_compute_the_same(monkeypatch):
         parts = run_mega_moe(x, index, weights, w1, w2, g)
         for name, a, b in zip(NAMES, whole, parts):
             assert torch.equal(a, b), f"{name} differs with {half}-row programs (persistent={persistent})"
+
+
+def test_fc1_gate_and_up_in_one_dot_compute_the_same(monkeypatch):
+    # FC1 configs may compute gate and up as one MMA over interleaved weight rows (ONE_DOT) and split the
+    # accumulator: the layer's output and gradients must match the two-accumulator programs, whole and half tiles,
+    # with ragged routing and a column count that is not a multiple of the block (I = 24, blocks of 16).
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x, index, weights, w1, w2, g = make_problem(45, 32, 24, 4, 2, torch.float32, seed=4, routing="ragged",
+                                                device=device)
+    two = run_mega_moe(x, index, weights, w1, w2, g)
+    for block_m in (tuning.tile_m(), tuning.tile_m() // 2):
+        only_config(monkeypatch, fc1_swiglu_kernel, BLOCK_M=block_m, ONE_DOT=True)
+        one = run_mega_moe(x, index, weights, w1, w2, g)
+        for name, a, b in zip(NAMES, two, one):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=f"{name} with ONE_DOT, BLOCK_M={block_m}")

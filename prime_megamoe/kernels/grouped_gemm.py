@@ -54,6 +54,7 @@ def _fc1_swiglu_tile(
     N, K, row_base, stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_am,
     SAVE_H: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_M: tl.constexpr,
+    ONE_DOT: tl.constexpr,
 ):
     expert, rows, row_mask = tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M, TILE_M)
     src = tl.load(row_src_ptr + rows, mask=row_mask, other=row_base).to(tl.int64) - row_base
@@ -62,20 +63,38 @@ def _fc1_swiglu_tile(
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + src[:, None] * stride_xm + ks[None, :]
     w_base = w_ptr + expert.to(tl.int64) * stride_we
-    g_ptrs = w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wk
-    u_ptrs = g_ptrs + N * stride_wn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = (k0 + ks) < K
-        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        wg = tl.load(g_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        wu = tl.load(u_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        acc_g = _dot(a, wg, acc_g, CAST_F32, IEEE)
-        acc_u = _dot(a, wu, acc_u, CAST_F32, IEEE)
-        a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K * stride_wk
-        u_ptrs += BLOCK_K * stride_wk
+    if ONE_DOT:
+        # Gate and up columns interleaved in one [BLOCK_K, 2 * BLOCK_N] operand (even: gate row c, odd: up row
+        # N + c): one MMA per K step reads the row tile once for both, and the accumulator's column pairs (held by
+        # one thread) split back into gate and up without moving data.
+        pairs = tl.arange(0, 2 * BLOCK_N)
+        w_cols = pid_n * BLOCK_N + pairs // 2
+        w_rows = w_cols + (pairs % 2) * N
+        gu_ptrs = w_base + w_rows[None, :] * stride_wn + ks[:, None] * stride_wk
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = (k0 + ks) < K
+            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            wgu = tl.load(gu_ptrs, mask=k_mask[:, None] & (w_cols < N)[None, :], other=0.0)
+            acc = _dot(a, wgu, acc, CAST_F32, IEEE)
+            a_ptrs += BLOCK_K
+            gu_ptrs += BLOCK_K * stride_wk
+        acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    else:
+        g_ptrs = w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wk
+        u_ptrs = g_ptrs + N * stride_wn
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = (k0 + ks) < K
+            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            wg = tl.load(g_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            wu = tl.load(u_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            acc_g = _dot(a, wg, acc_g, CAST_F32, IEEE)
+            acc_u = _dot(a, wu, acc_u, CAST_F32, IEEE)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K * stride_wk
+            u_ptrs += BLOCK_K * stride_wk
     out_mask = row_mask[:, None] & col_mask[None, :]
     rows64 = rows.to(tl.int64)
     if SAVE_H:
@@ -96,6 +115,7 @@ def fc1_swiglu_kernel(
     SAVE_H: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
     TILE_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PERSISTENT: tl.constexpr,
+    ONE_DOT: tl.constexpr,
 ):
     if PERSISTENT:
         num_n = tl.cdiv(N, BLOCK_N)
@@ -104,14 +124,14 @@ def fc1_swiglu_kernel(
             _fc1_swiglu_tile(x_ptr, row_src_ptr, w_ptr, h_ptr, a_ptr, tile_expert_ptr, tile_row_ptr,
                              expert_offsets_ptr, work // num_n, work % num_n, N, K, row_base, stride_xm, stride_we,
                              stride_wn, stride_wk, stride_hm, stride_am, SAVE_H, CAST_F32, IEEE, BLOCK_M, BLOCK_N,
-                             BLOCK_K, TILE_M)
+                             BLOCK_K, TILE_M, ONE_DOT)
     else:
         pid_m = tl.program_id(1)
         if pid_m < tl.load(num_tiles_ptr) * (TILE_M // BLOCK_M):
             _fc1_swiglu_tile(x_ptr, row_src_ptr, w_ptr, h_ptr, a_ptr, tile_expert_ptr, tile_row_ptr,
                              expert_offsets_ptr, pid_m, tl.program_id(0), N, K, row_base, stride_xm, stride_we,
                              stride_wn, stride_wk, stride_hm, stride_am, SAVE_H, CAST_F32, IEEE, BLOCK_M, BLOCK_N,
-                             BLOCK_K, TILE_M)
+                             BLOCK_K, TILE_M, ONE_DOT)
 
 
 # ----------------------------------------------------------------------------------------------------------------

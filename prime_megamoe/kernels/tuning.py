@@ -58,17 +58,24 @@ def autotune_configs(kind: str) -> list[triton.Config]:
     """Candidates for one kernel family; evaluated when the module is imported (TRITON_INTERPRET is read then)."""
     if interpreting():
         extra = {"GROUP_M": 2} if kind == "wgrad" else {"PERSISTENT": True}
+        if kind == "fc1":
+            extra["ONE_DOT"] = False
         return [_cfg(16, 16, 16, 1, 1, **extra)]
     m = tile_m()
     h = m // 2  # half-tile programs (grouped_gemm.tile_rows): fewer accumulator registers, wider column blocks
-    if kind == "fc1":  # two accumulators (gate and up) per tile
+    if kind == "fc1":  # gate and up per tile: two accumulators, or one twice as wide (ONE_DOT)
         return [
-            _cfg(m, 128, 64, 8, 3, PERSISTENT=False),
-            _cfg(m, 128, 64, 8, 3, PERSISTENT=True),
-            _cfg(m, 128, 64, 8, 4, PERSISTENT=True),
-            _cfg(m, 64, 64, 8, 4, PERSISTENT=False),
-            _cfg(h, 256, 64, 8, 3, PERSISTENT=False),
-            _cfg(h, 128, 64, 4, 4, PERSISTENT=False),
+            _cfg(m, 128, 64, 8, 3, PERSISTENT=False, ONE_DOT=False),
+            _cfg(m, 128, 64, 8, 3, PERSISTENT=True, ONE_DOT=False),
+            _cfg(m, 128, 64, 8, 4, PERSISTENT=True, ONE_DOT=False),
+            _cfg(m, 64, 64, 8, 4, PERSISTENT=False, ONE_DOT=False),
+            _cfg(h, 256, 64, 8, 3, PERSISTENT=False, ONE_DOT=False),
+            _cfg(h, 128, 64, 4, 4, PERSISTENT=False, ONE_DOT=False),
+            _cfg(m, 128, 64, 8, 3, PERSISTENT=False, ONE_DOT=True),
+            _cfg(m, 128, 64, 8, 4, PERSISTENT=False, ONE_DOT=True),
+            _cfg(m, 128, 64, 8, 3, PERSISTENT=True, ONE_DOT=True),
+            _cfg(m, 64, 64, 8, 4, PERSISTENT=False, ONE_DOT=True),
+            _cfg(h, 128, 64, 4, 4, PERSISTENT=False, ONE_DOT=True),
         ]
     if kind == "gemm":
         return [
