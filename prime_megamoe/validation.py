@@ -14,6 +14,7 @@ import torch.distributed as dist
 from .kernels.routing import expert_ids_in_range_kernel
 from .kernels.tuning import interpreting
 from .ops.compiled_launch import launch
+from .ops.sizes import cdiv
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ def check_expert_inputs(
 def check_expert_ids(top_k_index: torch.Tensor, num_experts: int, *, sync: bool) -> None:
     """Every id must lie in [0, num_experts). ``sync`` checks on the host (clear message, one device sync);
     otherwise a device-side assertion keeps the call free of host syncs (on a GPU, or in the Triton interpreter:
-    one small kernel and the assertion, two launches where the elementwise checks took six)."""
+    a flag, one small kernel and the assertion, three launches where the elementwise checks took six)."""
     if top_k_index.numel() == 0:
         return
     message = f"top_k_index holds an expert id outside [0, {num_experts})"
@@ -128,7 +129,8 @@ def check_expert_ids(top_k_index: torch.Tensor, num_experts: int, *, sync: bool)
 
 def expert_ids_in_range(top_k_index: torch.Tensor, num_experts: int) -> torch.Tensor:
     """int32 [1] on the ids' device: 1 if every id lies in [0, num_experts), else 0; computed on the device."""
-    ok = torch.empty(1, dtype=torch.int32, device=top_k_index.device)
-    launch(expert_ids_in_range_kernel, (1,), top_k_index.reshape(-1), ok, top_k_index.numel(), num_experts,
-           BLOCK=64 if interpreting() else 4096, num_warps=4)
+    ok = torch.ones(1, dtype=torch.int32, device=top_k_index.device)
+    block = 64 if interpreting() else 4096
+    launch(expert_ids_in_range_kernel, (cdiv(top_k_index.numel(), block),), top_k_index.reshape(-1), ok,
+           top_k_index.numel(), num_experts, BLOCK=block, num_warps=4)
     return ok

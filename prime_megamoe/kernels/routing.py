@@ -43,49 +43,56 @@ def routing_place_kernel(
     num_pairs, first_segment, pairs_per_segment, tiles_per_segment, split_expert,
     TOP_K: tl.constexpr, NUM_LOCAL: tl.constexpr, EXPERT_BLOCK: tl.constexpr, NUM_BINS: tl.constexpr,
     SKIP: tl.constexpr, TILE_M: tl.constexpr, BLOCK: tl.constexpr, TILE_BLOCK: tl.constexpr, HALVES: tl.constexpr,
+    KEYS: tl.constexpr,
 ):
-    """Grid (SKIP + 1 + segments of this launch, chunks of BLOCK pairs as routing_keys_kernel's programs). Plans
+    """Grid (key programs + segments of this launch, chunks of BLOCK pairs as routing_keys_kernel's programs), a key
+    program per KEYS consecutive keys (keys 0..SKIP: fewer programs, each chunk's keys read fewer times). Plans
     segments [first_segment, first_segment + SKIP // NUM_LOCAL) of the plan from their pairs' keys, counts and
     per-chunk counts (``hist``). Every segment has fixed places, so segments can be planned in separate launches (a
     rank plans its own block before the peers' routing arrives):
 
     - sorted rows [s * P, s * P + count_s) (P = pairs_per_segment), expert-major, pairs in index order within an
       expert (a stable counting sort by key): source row, weight, and the inverse map from each pair to its sorted
-      row (-1: not local). Program (b, c), b <= SKIP, places chunk c's pairs of key b: after the segment's pairs of
-      smaller keys (``counts``) and key b's pairs in earlier chunks (``hist``); each pair is written by exactly one
-      program, at a place fixed by the keys alone.
+      row (-1: not local). Chunk c's pairs of key b are placed after the segment's pairs of smaller keys
+      (``counts``) and key b's pairs in earlier chunks (``hist``); each pair is written by exactly one program, at a
+      place fixed by the keys alone.
     - expert offsets [s * (NUM_LOCAL + 1), (s + 1) * (NUM_LOCAL + 1)): expert e's rows are [off[e], off[e + 1]);
     - tile slots [s * tiles_per_segment, (s + 1) * tiles_per_segment), of which num_tiles[s] are in use: programs
-      (SKIP + 1 + s, c), from the counts alone.
+      (key programs + s, c), from the counts alone.
 
     HALVES: also split each segment's tiles at expert ``split_expert``: the lower experts' tiles are the first
     half_num_tiles[s, 0] of the segment's list; the upper experts' half_num_tiles[s, 1] tiles are copied, from slot
     s * tiles_per_segment on, into the half tile list, so either half can be launched on its own."""
-    b = tl.program_id(0)
     chunk = tl.program_id(1)
-    if b <= SKIP:
+    key_programs = (SKIP + KEYS) // KEYS  # keys 0..SKIP, KEYS a program
+    if tl.program_id(0) < key_programs:
         offs = chunk * BLOCK + tl.arange(0, BLOCK)
         in_range = offs < num_pairs
-        hit = (tl.load(key_ptr + offs, mask=in_range, other=-1) == b).to(tl.int32)
+        # The chunk's keys and weights in one go (the weights' loads would otherwise wait for the key test).
+        keys = tl.load(key_ptr + offs, mask=in_range, other=-1)
+        weights = tl.load(weights_ptr + offs, mask=in_range, other=0.0).to(tl.float32)
         global_pair = first_segment * pairs_per_segment + offs
-        if b == SKIP:  # pairs whose expert lives elsewhere
-            tl.store(pair_pos_ptr + global_pair, tl.full((BLOCK,), -1, tl.int32), mask=hit > 0)
-        else:
-            seg = b // NUM_LOCAL
-            bins = tl.arange(0, NUM_BINS)
-            before = (bins >= seg * NUM_LOCAL) & (bins < b)  # the segment's smaller keys
-            start = tl.sum(tl.load(counts_ptr + bins, mask=before, other=0), 0)
-            for c0 in range(0, chunk, BLOCK):
-                earlier = c0 + tl.arange(0, BLOCK)
-                start += tl.sum(tl.load(hist_ptr + earlier * NUM_BINS + b, mask=earlier < chunk, other=0), 0)
-            row = (first_segment + seg) * pairs_per_segment + start + tl.cumsum(hit, 0) - 1
-            local = hit > 0
-            tl.store(row_src_ptr + row, (global_pair // TOP_K).to(tl.int32), mask=local)
-            tl.store(row_weight_ptr + row, tl.load(weights_ptr + offs, mask=local, other=0.0).to(tl.float32),
-                     mask=local)
-            tl.store(pair_pos_ptr + global_pair, row.to(tl.int32), mask=local)
+        bins = tl.arange(0, NUM_BINS)
+        counts = tl.load(counts_ptr + bins, mask=bins < SKIP, other=0)
+        for j in tl.static_range(KEYS):
+            b = tl.program_id(0) * KEYS + j
+            hit = (keys == b).to(tl.int32)
+            if b == SKIP:  # pairs whose expert lives elsewhere
+                tl.store(pair_pos_ptr + global_pair, tl.full((BLOCK,), -1, tl.int32), mask=hit > 0)
+            elif b < SKIP:
+                seg = b // NUM_LOCAL
+                before = (bins >= seg * NUM_LOCAL) & (bins < b)  # the segment's smaller keys
+                start = tl.sum(tl.where(before, counts, 0), 0)
+                for c0 in range(0, chunk, BLOCK):
+                    earlier = c0 + tl.arange(0, BLOCK)
+                    start += tl.sum(tl.load(hist_ptr + earlier * NUM_BINS + b, mask=earlier < chunk, other=0), 0)
+                row = (first_segment + seg) * pairs_per_segment + start + tl.cumsum(hit, 0) - 1
+                local = hit > 0
+                tl.store(row_src_ptr + row, (global_pair // TOP_K).to(tl.int32), mask=local)
+                tl.store(row_weight_ptr + row, weights, mask=local)
+                tl.store(pair_pos_ptr + global_pair, row.to(tl.int32), mask=local)
     else:
-        seg = b - SKIP - 1
+        seg = tl.program_id(0) - key_programs
         pid = chunk
         experts = tl.arange(0, EXPERT_BLOCK)
         e_mask = experts < NUM_LOCAL
@@ -127,11 +134,10 @@ def routing_place_kernel(
 
 @triton.jit
 def expert_ids_in_range_kernel(index_ptr, ok_ptr, num_ids, num_experts, BLOCK: tl.constexpr):
-    """ok[0] = 1 if every id lies in [0, num_experts), else 0. One program: the flag is written once, with nothing
-    to zero first, and a few hundred thousand ids take it a few microseconds."""
-    bad = tl.zeros((BLOCK,), dtype=tl.int32)
-    for start in range(0, num_ids, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        ids = tl.load(index_ptr + offs, mask=offs < num_ids, other=0)
-        bad = bad | ((ids < 0) | (ids >= num_experts)).to(tl.int32)
-    tl.store(ok_ptr, (tl.max(bad, 0) == 0).to(tl.int32))
+    """ok[0] (set to 1 before the launch) becomes 0 if any id lies outside [0, num_experts). A program per BLOCK
+    ids; every program that finds one stores the same 0, so the order of their stores does not matter."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ids = tl.load(index_ptr + offs, mask=offs < num_ids, other=0)
+    bad = ((ids < 0) | (ids >= num_experts)).to(tl.int32)
+    if tl.max(bad, 0) > 0:
+        tl.store(ok_ptr, 0)

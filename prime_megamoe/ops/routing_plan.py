@@ -235,8 +235,9 @@ def fill_routing_plan(plan: RoutingPlan, top_k_index: torch.Tensor, top_k_weight
                                         num_local_experts=experts, chunk=chunk, scratch=plan.scratch)
     halves = plan.split_expert is not None
     skip = num_segments * experts
+    keys_per_program = 4
     launch(
-        routing_place_kernel, (skip + 1 + num_segments, hist.numel() // num_bins),
+        routing_place_kernel, (cdiv(skip + 1, keys_per_program) + num_segments, hist.numel() // num_bins),
         keys, hist, top_k_weights.reshape(-1), counts,
         plan.row_src, plan.row_weight, plan.pair_pos, plan.expert_offsets, plan.tile_expert, plan.tile_row,
         plan.num_tiles,
@@ -245,7 +246,7 @@ def fill_routing_plan(plan: RoutingPlan, top_k_index: torch.Tensor, top_k_weight
         keys.numel(), first_segment, max(seg_pairs, 1), plan.max_tiles // plan.num_segments,
         plan.split_expert if halves else experts,
         TOP_K=top_k, NUM_LOCAL=experts, EXPERT_BLOCK=next_power_of_2(experts), NUM_BINS=num_bins, SKIP=skip,
-        TILE_M=plan.tile_m, BLOCK=chunk, TILE_BLOCK=32, HALVES=halves,
+        TILE_M=plan.tile_m, BLOCK=chunk, TILE_BLOCK=32, HALVES=halves, KEYS=keys_per_program,
     )
 
 
