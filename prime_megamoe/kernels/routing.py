@@ -73,7 +73,7 @@ def routing_place_kernel(
         weights = tl.load(weights_ptr + offs, mask=in_range, other=0.0).to(tl.float32)
         global_pair = first_segment * pairs_per_segment + offs
         bins = tl.arange(0, NUM_BINS)
-        counts = tl.load(counts_ptr + bins, mask=bins < SKIP, other=0)
+        key_counts = tl.load(counts_ptr + bins, mask=bins < SKIP, other=0)
         for j in tl.static_range(KEYS):
             b = tl.program_id(0) * KEYS + j
             hit = (keys == b).to(tl.int32)
@@ -82,7 +82,7 @@ def routing_place_kernel(
             elif b < SKIP:
                 seg = b // NUM_LOCAL
                 before = (bins >= seg * NUM_LOCAL) & (bins < b)  # the segment's smaller keys
-                start = tl.sum(tl.where(before, counts, 0), 0)
+                start = tl.sum(tl.where(before, key_counts, 0), 0)
                 for c0 in range(0, chunk, BLOCK):
                     earlier = c0 + tl.arange(0, BLOCK)
                     start += tl.sum(tl.load(hist_ptr + earlier * NUM_BINS + b, mask=earlier < chunk, other=0), 0)
