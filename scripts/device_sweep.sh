@@ -283,8 +283,8 @@ case "${1:-}" in
     step sections_grad 90 torchrun --nproc-per-node 2 scripts/call_timeline.py --host-sections --grad \
       --out "$LOGS/sections_grad"
     head -34 "$LOGS/sections_fwd.rank0.txt"; grep -h "call:" "$LOGS"/sections_*.txt ;;
-  s6final)  # GPU tests (one GPU each: bf16, fp8), EP check, the 30B EP=2 record with the torch backend (profiled),
-            # the autotuning results it produced
+  s6final)  # GPU tests (one GPU each: bf16, fp8), EP check, the 30B EP=2 record with the torch backend (profiled)
+            # and back to back, the autotuning results they produced
     CUDA_VISIBLE_DEVICES=1 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_gpu 200 python -m pytest -q tests/test_mega_moe_gpu.py \
       tests/test_tile_blocks.py tests/test_validation.py -rA &
     CUDA_VISIBLE_DEVICES=0 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_fp8 200 python -m pytest -q tests/test_fp8_experts.py \
@@ -298,20 +298,18 @@ case "${1:-}" in
       --transports symmetric_memory collectives --iters 10 --warmup 3 --out "$LOGS/bench_30b.json" --profile-dir "$LOGS" \
       --profile-backends mega_moe
     tail -8 "$LOGS/bench_30b.log"
+    step bench_30b_r5 120 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 16384 \
+      --transports symmetric_memory --backends mega_moe --repeat 5 --iters 10 --warmup 3 --out "$LOGS/bench_30b_r5.json"
+    tail -3 "$LOGS/bench_30b_r5.log"
     mkdir -p "$LOGS/autotune"; i=0  # every autotuning result of this run (the candidates' timings)
     for f in $(find "$TRITON_CACHE_DIR" -name "*.autotune.json" -newer /tmp/autotune_marker); do
       i=$((i + 1)); cp "$f" "$LOGS/autotune/${i}_$(basename "$f")"
     done ;;
-  s6more)  # 30B EP=2 back to back, Qwen3-235B-A22B EP=2 (symmetric memory, torch backend), host sections of one call
-    step bench_30b_r5 150 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 16384 \
-      --transports symmetric_memory --backends mega_moe --repeat 5 --iters 10 --warmup 3 --out "$LOGS/bench_30b_r5.json"
-    tail -3 "$LOGS/bench_30b_r5.log"
+  s6more)  # Qwen3-235B-A22B EP=2 (symmetric memory, torch backend), host sections of one forward
     step bench_235b 240 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-235b-a22b --tokens 4096 16384 \
       --transports symmetric_memory --iters 5 --warmup 2 --out "$LOGS/bench_235b.json"
     tail -5 "$LOGS/bench_235b.log"
     step sections_fwd 90 torchrun --nproc-per-node 2 scripts/call_timeline.py --host-sections --out "$LOGS/sections_fwd"
-    step sections_grad 90 torchrun --nproc-per-node 2 scripts/call_timeline.py --host-sections --grad \
-      --out "$LOGS/sections_grad"
     head -34 "$LOGS/sections_fwd.rank0.txt"; grep -h "call:" "$LOGS"/sections_*.txt ;;
   *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more" >&2
      exit 2 ;;
