@@ -305,12 +305,22 @@ case "${1:-}" in
     for f in $(find "$TRITON_CACHE_DIR" -name "*.autotune.json" -newer /tmp/autotune_marker); do
       i=$((i + 1)); cp "$f" "$LOGS/autotune/${i}_$(basename "$f")"
     done ;;
-  s6more)  # Qwen3-235B-A22B EP=2 (symmetric memory, torch backend), host sections of one forward
-    step bench_235b 240 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-235b-a22b --tokens 4096 16384 \
+  s6more)  # the tiny trainer on two GPUs (many layers on one reused plan, checkpointed), Qwen3-235B-A22B EP=2 T=16384
+    step train_tiny 150 torchrun --nproc-per-node 2 -m prime_megamoe.train configs/tiny.toml --train.steps 10 \
+      --output-dir /tmp/tiny
+    tail -3 "$LOGS/train_tiny.log"; cp /tmp/tiny/metrics.jsonl "$LOGS/metrics_tiny.jsonl"
+    step bench_235b 200 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-235b-a22b --tokens 16384 \
       --transports symmetric_memory --iters 5 --warmup 2 --out "$LOGS/bench_235b.json"
-    tail -5 "$LOGS/bench_235b.log"
-    step sections_fwd 90 torchrun --nproc-per-node 2 scripts/call_timeline.py --host-sections --out "$LOGS/sections_fwd"
-    head -34 "$LOGS/sections_fwd.rank0.txt"; grep -h "call:" "$LOGS"/sections_*.txt ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more" >&2
+    tail -3 "$LOGS/bench_235b.log" ;;
+  s6prio)  # the high-priority side stream and the backward's early exchange: EP check, 30B EP=2 T=16384 one call and
+           # back to back
+    (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 90 torchrun --nproc-per-node 2 gpu_check_ep.py)
+    grep -h "PASS\|FAIL\|Error" "$LOGS/ep_check.log" | head -6
+    for r in 1 5; do
+      step "bench_16k_r$r" 90 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+        --transports symmetric_memory --backends mega_moe --repeat $r --iters 10 --warmup 3 --out "$LOGS/bench_16k_r$r.json"
+      tail -1 "$LOGS/bench_16k_r$r.log"
+    done ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio" >&2
      exit 2 ;;
 esac

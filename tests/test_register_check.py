@@ -1,6 +1,7 @@
 """scripts/register_check.py compiles kernels for sm_90 without a GPU: the SwiGLU backward row pass and the plain
-FC2 dgrad GEMM config that replaced the fused epilogue must fit in registers (no spills). Runs Triton's compiler in a
-subprocess, outside the interpreter the rest of the CPU suite uses."""
+FC2 dgrad GEMM config that replaced the fused epilogue must fit in registers (no spills), and the kernels the
+interpreter alone cannot vouch for must compile. Runs Triton's compiler in a subprocess, outside the interpreter the
+rest of the CPU suite uses."""
 
 from __future__ import annotations
 
@@ -34,3 +35,35 @@ def test_kernel_compiles_for_hopper_without_spills(kernel, constexprs, extra):
     for _, registers, spill, smem in rows:
         assert 0 < int(registers) <= 255 and int(smem) >= 0
         assert int(spill) == 0, f"{kernel} spills {spill} bytes per thread"
+
+
+# Kernels whose compiled form the interpreter cannot vouch for (it accepts, for one, a name bound to two shapes in
+# the two branches of an if, which the compiler rejects): each must compile for sm_90.
+ROUTING = {"TOP_K": 8, "NUM_LOCAL": 64, "EXPERT_BLOCK": 64, "TILE_M": 128, "BLOCK": 1024, "TILE_BLOCK": 32, "KEYS": 4}
+COMPILES = [
+    ("prime_megamoe.kernels.routing:routing_keys_kernel", {"NUM_LOCAL": 64, "NUM_BINS": 128, "SKIP": 64, "BLOCK": 1024},
+     ["--types", '{"index_ptr": "*i64", "hist_ptr": "*i32"}']),
+    ("prime_megamoe.kernels.routing:routing_place_kernel", {**ROUTING, "NUM_BINS": 128, "SKIP": 64, "HALVES": True},
+     ["--types", '{"weights_ptr": "*bf16", "row_weight_ptr": "*fp32", "hist_ptr": "*i32"}']),
+    ("prime_megamoe.kernels.routing:routing_place_kernel", {**ROUTING, "NUM_BINS": 256, "SKIP": 128, "HALVES": False},
+     ["--types", '{"weights_ptr": "*fp32", "row_weight_ptr": "*fp32", "hist_ptr": "*i32"}']),
+    ("prime_megamoe.kernels.routing:expert_ids_in_range_kernel", {"BLOCK": 4096}, ["--types", '{"index_ptr": "*i64"}']),
+    ("prime_megamoe.kernels.combine:combine_rows_kernel", {"TOP_K": 8, "BLOCK_H": 1024, "PAIR_VALUES": True, "K_BLOCK": 8},
+     ["--types", '{"pair_src_ptr": "*fp32", "pair_out_ptr": "*fp32"}']),
+    ("prime_megamoe.kernels.grouped_gemm:fc1_swiglu_kernel",
+     {"SAVE_H": True, "CAST_F32": False, "IEEE": False, "TILE_M": 128, "PERSISTENT": True, "ONE_DOT": True},
+     ["--config", "128,128,64,8,3", "--ones", "stride_wk"]),
+]
+
+
+@pytest.mark.parametrize("kernel, constexprs, extra", COMPILES,
+                         ids=["routing_keys", "routing_place_halves", "routing_place", "expert_ids", "combine_pairs",
+                              "fc1_one_dot"])
+def test_kernel_compiles_for_hopper(kernel, constexprs, extra):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent.parent), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, str(SCRIPT), kernel, "--constexprs", json.dumps(constexprs), *extra],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines()[1:] if line.strip()]
+    assert rows and all(0 < int(registers) <= 255 for _, registers, _, _ in rows), out.stdout

@@ -14,14 +14,14 @@ rank). Each rank's part, with W ranks and capacity C:
 A round on rank r (see ``comm.transport``), with streams `compute` (the caller's) and `comm` (a side stream):
 - start: record an event (what `comm` must wait for before it touches the block). A block of fewer than C rows
   has its routing padded into the workspace here (compute); a full block's own plan reads the caller's routing.
-- publish (at the first use of the own rows or of a peer's): on `comm`, copy the own block into a local [W*C, H]
-  buffer (copy engines, no SMs; an event), then block and routing into the workspace, and flag channel 0 on every
-  peer. The forward reads its own tokens straight from the caller's tensor, so its first GEMMs go out before any of
-  this.
-- pull (at the first use of a peer's routing or rows, i.e. after the own block's first GEMMs are issued): publish,
-  then `comm` waits for every peer's flag and copies each peer's block into the local buffer, an event per block.
-  Forward: the peers' plans wait for the flags too and read their routing (a few kB) in place, while compute is
-  busy with the own block.
+- publish (at the first use of the own rows or of a peer's, or at ``exchange_now``): on `comm`, copy the own block
+  into a local [W*C, H] buffer (copy engines, no SMs; an event), then block and routing into the workspace, and flag
+  channel 0 on every peer. The forward reads its own tokens straight from the caller's tensor, so its first GEMMs go
+  out before any of this; the backward calls ``exchange_now`` first (it is not host-bound).
+- pull (at the first use of a peer's routing or rows, or at ``exchange_now``): publish, then `comm` waits for every
+  peer's flag and copies each peer's block into the local buffer, an event per block. Forward: the peers' plans wait
+  for the flags too and read their routing (a few kB) in place, while compute is busy with the own block.
+  `comm` has high priority, so its flag kernels take the first free SM rather than queue behind a GEMM's blocks.
 - send(s): results for rank s's tokens go straight into rank r's own slot when s = r; otherwise into a staging
   buffer that `comm` copies into rank s's slot r, then flags channel 1 on rank s.
 - finish: wait (compute) for channel 1 from every peer, then return the slots; the caller sums them in rank order.
@@ -90,7 +90,9 @@ class SymmetricWorkspace:
         self.own_flags = [[self.views[peer]["flags"][channel, rank:] for channel in (PUBLISHED, RETURNED)]
                           for peer in range(world)]
         self.round = 0
-        self.comm_stream = torch.cuda.Stream(device=device)
+        # High priority: the flag kernels on this stream get an SM as soon as one frees up, instead of queueing
+        # behind every block of a GEMM launched before them (which held a peer's block back by a whole GEMM).
+        self.comm_stream = torch.cuda.Stream(device=device, priority=-1)
         self.last_stream: torch.cuda.Stream | None = None  # the stream the last round computed on
         log.info(
             "prime_megamoe: symmetric-memory workspace for EP = %d, max_tokens_per_rank = %d, H = %d, k = %d, %s: "
@@ -224,6 +226,9 @@ class SymmetricMemoryTransport(Transport):
 
     def _peers(self) -> list[int]:
         return [q for q in self.source_order() if q != self.rank]
+
+    def exchange_now(self):
+        self._pull()
 
     def wait_rows(self, source):
         self._publish()

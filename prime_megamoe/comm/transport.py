@@ -63,6 +63,11 @@ class Transport:
     def wait_rows(self, source: int) -> None:
         raise NotImplementedError
 
+    def exchange_now(self) -> None:
+        """Publish this rank's block and start bringing in the peers' now, on the side, without making the caller's
+        stream wait (a transport may otherwise do it at the first use of a peer's block)."""
+        raise NotImplementedError
+
     def partial_buffers(self, source: int) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
@@ -99,6 +104,9 @@ class CollectiveTransport(Transport):
         return tuple(t[first * c : (first + count) * c] for t in self._routing)
 
     def wait_rows(self, source):
+        pass  # the all_gather has completed
+
+    def exchange_now(self):
         pass  # the all_gather has completed
 
     def partial_buffers(self, source):

@@ -11,15 +11,15 @@ forward   plan the own block (own routing only) -> own block's first expert piec
           x, pull and plan the peers' blocks (their routing) -> per piece: [wait block s] FC1+SwiGLU, FC2; once a
           source is complete: combine into s's result block, send -> each rank sums the W result blocks of its
           tokens in rank order (fp32)
-backward  own block's first piece (read from dy itself) -> publish dy, pull the peers' -> per piece: [wait block s]
-          FC2 dgrad+dSwiGLU, FC1 dgrad; once a source is complete: combine into s's dx block and its top-k weight
-          gradients, send -> weight gradients over all segments (local, while results travel) -> each rank sums its
-          W dx blocks in rank order
+backward  publish dy, pull the peers' (side stream) -> own block's first piece (read from dy itself) -> per piece:
+          [wait block s] FC2 dgrad+dSwiGLU, FC1 dgrad; once a source is complete: combine into s's dx block and its
+          top-k weight gradients, send -> weight gradients over all segments (local, while results travel) -> each
+          rank sums its W dx blocks in rank order
 
 Fixed orders everywhere (rank order for the sums, segment order inside each expert's weight-gradient reduction), so
 outputs and gradients are bitwise repeatable, and the same under every transport. What the forward saves: the
-gathered rows [W*C, H] (for the W1 weight gradient), h = x W1^T in sorted order, and the plan; see
-``expert_compute`` for why h and not a recompute.
+gathered rows [W*C, H] (for the W1 weight gradient), h = x W1^T in sorted order, and a copy of the plan (the next
+call refills the plan itself, ``reused_forward_plan``); see ``expert_compute`` for why h and not a recompute.
 """
 
 from __future__ import annotations
@@ -129,6 +129,9 @@ class ExpertParallelExperts(torch.autograd.Function):
         kinds = (ROW_RESULTS, PAIR_RESULTS)
         own_dy = grad_out.to(rows.dtype).contiguous()  # the own pieces read it row by row
         dy = transport.start(own_dy, None, kinds, plan.top_k)
+        # Publish and pull before the own GEMMs are queued: the side stream's flag kernels need an SM, and queued
+        # behind the own piece they held the peers' blocks back by a whole GEMM (the backward is not host-bound).
+        transport.exchange_now()
         buffers = launch.dswiglu_buffers(dy, w2, plan)
         _, dh, aw, dw_row = buffers
         dx_sorted = dy.new_empty(plan.sorted_rows, dy.shape[1])
