@@ -33,6 +33,28 @@ record30() {  # record30 LIMIT: the Qwen3-30B-A3B EP=2 record (torch, both trans
     --transports symmetric_memory --backends mega_moe --repeat 5 --iters 10 --warmup 3 --out "$LOGS/bench_30b_r5.json"
   tail -3 "$LOGS/bench_30b_r5.log"
 }
+gpu_tests() {  # one-GPU tests side by side (bf16 and validation on GPU 1, the quantised precisions on GPU 0), then
+               # the EP check (both transports, bitwise)
+  CUDA_VISIBLE_DEVICES=1 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_gpu 240 python -m pytest -q tests/test_mega_moe_gpu.py \
+    tests/test_tile_blocks.py tests/test_validation.py -rA &
+  CUDA_VISIBLE_DEVICES=0 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_fp8 240 python -m pytest -q tests/test_fp8_experts.py \
+    -k "gpu or half_tile" -rA &
+  wait
+  tail -2 "$LOGS/pytest_gpu.log"; tail -2 "$LOGS/pytest_fp8.log"
+  (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 120 torchrun --nproc-per-node 2 gpu_check_ep.py)
+  grep -h "PASS\|FAIL\|Error" "$LOGS/ep_check.log" | head -6
+}
+ab16k() {  # 30B EP=2 T=16384 one call and back to back, this tree against ab_base/ (a git archive of a base commit's
+           # prime_megamoe), alternating on one machine
+  for run in new_r1a base_r1a new_r5 base_r5 new_r1b base_r1b; do
+    tree=.; [ "${run%%_*}" = base ] && tree=ab_base
+    r=${run#*_r}; r=${r%[ab]}
+    (cd $tree && PYTHONPATH=/tmp/site:$PWD step "bench_$run" 150 torchrun --nproc-per-node 2 -m prime_megamoe.bench \
+      --shape qwen3-30b-a3b --tokens 16384 --transports symmetric_memory --backends mega_moe --repeat $r --iters 10 \
+      --warmup 3 --out "$LOGS/bench_$run.json")
+    tail -1 "$LOGS/bench_$run.log"
+  done
+}
 timelines() {  # one-call timelines from launch events: the no-grad forward, then forward + backward
   step timeline_fwd 100 torchrun --nproc-per-node 2 scripts/call_timeline.py --out "$LOGS/timeline_fwd"
   step timeline_grad 120 torchrun --nproc-per-node 2 scripts/call_timeline.py --grad --out "$LOGS/timeline_grad"
@@ -248,22 +270,8 @@ case "${1:-}" in
     tail -1 "$LOGS/bench_16k_r1.log" ;;
   s6ab)  # GPU tests (one GPU each: bf16 + validation, fp8), EP check, then 30B EP=2 T=16384 one call and back to back,
          # this tree against the tree in ab_base/ (git archive of the base commit) on the same machine, alternating
-    CUDA_VISIBLE_DEVICES=1 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_gpu 240 python -m pytest -q tests/test_mega_moe_gpu.py \
-      tests/test_tile_blocks.py tests/test_validation.py -rA &
-    CUDA_VISIBLE_DEVICES=0 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_fp8 240 python -m pytest -q tests/test_fp8_experts.py \
-      -k "gpu or half_tile" -rA &
-    wait
-    tail -4 "$LOGS/pytest_gpu.log"; tail -4 "$LOGS/pytest_fp8.log"
-    (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 120 torchrun --nproc-per-node 2 gpu_check_ep.py)
-    grep -h "PASS\|FAIL\|Error" "$LOGS/ep_check.log" | head -6
-    for run in new_r1a base_r1a new_r5 base_r5 new_r1b base_r1b; do
-      tree=.; [ "${run%%_*}" = base ] && tree=ab_base
-      r=${run#*_r}; r=${r%[ab]}
-      (cd $tree && PYTHONPATH=/tmp/site:$PWD step "bench_$run" 150 torchrun --nproc-per-node 2 -m prime_megamoe.bench \
-        --shape qwen3-30b-a3b --tokens 16384 --transports symmetric_memory --backends mega_moe --repeat $r --iters 10 \
-        --warmup 3 --out "$LOGS/bench_$run.json")
-      tail -1 "$LOGS/bench_$run.log"
-    done ;;
+    gpu_tests
+    ab16k ;;
   s6plan)  # the reused forward plan: one-GPU tests and EP check, this tree against ab_base/ (alternating, one call
            # and back to back), host sections of one forward and of forward + backward
     CUDA_VISIBLE_DEVICES=1 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_gpu 240 python -m pytest -q tests/test_mega_moe_gpu.py \
@@ -271,36 +279,16 @@ case "${1:-}" in
     tail -2 "$LOGS/pytest_gpu.log"
     (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 120 torchrun --nproc-per-node 2 gpu_check_ep.py)
     grep -h "PASS\|FAIL\|Error" "$LOGS/ep_check.log" | head -6
-    for run in new_r1a base_r1a new_r5 base_r5 new_r1b base_r1b; do
-      tree=.; [ "${run%%_*}" = base ] && tree=ab_base
-      r=${run#*_r}; r=${r%[ab]}
-      (cd $tree && PYTHONPATH=/tmp/site:$PWD step "bench_$run" 150 torchrun --nproc-per-node 2 -m prime_megamoe.bench \
-        --shape qwen3-30b-a3b --tokens 16384 --transports symmetric_memory --backends mega_moe --repeat $r --iters 10 \
-        --warmup 3 --out "$LOGS/bench_$run.json")
-      tail -1 "$LOGS/bench_$run.log"
-    done
+    ab16k
     step sections_fwd 90 torchrun --nproc-per-node 2 scripts/call_timeline.py --host-sections --out "$LOGS/sections_fwd"
     step sections_grad 90 torchrun --nproc-per-node 2 scripts/call_timeline.py --host-sections --grad \
       --out "$LOGS/sections_grad"
     head -34 "$LOGS/sections_fwd.rank0.txt"; grep -h "call:" "$LOGS"/sections_*.txt ;;
   s6final)  # GPU tests (one GPU each: bf16, fp8), EP check, the 30B EP=2 record with the torch backend (profiled)
             # and back to back, the autotuning results they produced
-    CUDA_VISIBLE_DEVICES=1 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_gpu 200 python -m pytest -q tests/test_mega_moe_gpu.py \
-      tests/test_tile_blocks.py tests/test_validation.py -rA &
-    CUDA_VISIBLE_DEVICES=0 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_fp8 200 python -m pytest -q tests/test_fp8_experts.py \
-      -k "gpu or half_tile" -rA &
-    wait
-    tail -2 "$LOGS/pytest_gpu.log"; tail -2 "$LOGS/pytest_fp8.log"
-    (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 120 torchrun --nproc-per-node 2 gpu_check_ep.py)
-    grep -h "PASS\|FAIL\|Error" "$LOGS/ep_check.log" | head -6
+    gpu_tests
     touch /tmp/autotune_marker
-    step bench_30b 300 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 16384 \
-      --transports symmetric_memory collectives --iters 10 --warmup 3 --out "$LOGS/bench_30b.json" --profile-dir "$LOGS" \
-      --profile-backends mega_moe
-    tail -8 "$LOGS/bench_30b.log"
-    step bench_30b_r5 120 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 16384 \
-      --transports symmetric_memory --backends mega_moe --repeat 5 --iters 10 --warmup 3 --out "$LOGS/bench_30b_r5.json"
-    tail -3 "$LOGS/bench_30b_r5.log"
+    record30 300
     mkdir -p "$LOGS/autotune"; i=0  # every autotuning result of this run (the candidates' timings)
     for f in $(find "$TRITON_CACHE_DIR" -name "*.autotune.json" -newer /tmp/autotune_marker); do
       i=$((i + 1)); cp "$f" "$LOGS/autotune/${i}_$(basename "$f")"

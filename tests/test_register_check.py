@@ -23,8 +23,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("kernel, constexprs, extra", CASES, ids=["swiglu_rows", "fc2_dgrad_gemm"])
-def test_kernel_compiles_for_hopper_without_spills(kernel, constexprs, extra):
+def compile_for_hopper(kernel: str, constexprs: dict, extra: list[str]) -> list[list[str]]:
+    """The script's rows (config, registers, spill bytes, shared bytes) for ``kernel``; fails on a compile error."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent.parent), env.get("PYTHONPATH", "")])
     out = subprocess.run([sys.executable, str(SCRIPT), kernel, "--constexprs", json.dumps(constexprs), *extra],
@@ -32,7 +32,12 @@ def test_kernel_compiles_for_hopper_without_spills(kernel, constexprs, extra):
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line.split() for line in out.stdout.splitlines()[1:] if line.strip()]
     assert rows, out.stdout
-    for _, registers, spill, smem in rows:
+    return rows
+
+
+@pytest.mark.parametrize("kernel, constexprs, extra", CASES, ids=["swiglu_rows", "fc2_dgrad_gemm"])
+def test_kernel_compiles_for_hopper_without_spills(kernel, constexprs, extra):
+    for _, registers, spill, smem in compile_for_hopper(kernel, constexprs, extra):
         assert 0 < int(registers) <= 255 and int(smem) >= 0
         assert int(spill) == 0, f"{kernel} spills {spill} bytes per thread"
 
@@ -60,10 +65,5 @@ COMPILES = [
                          ids=["routing_keys", "routing_place_halves", "routing_place", "expert_ids", "combine_pairs",
                               "fc1_one_dot"])
 def test_kernel_compiles_for_hopper(kernel, constexprs, extra):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent.parent), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, str(SCRIPT), kernel, "--constexprs", json.dumps(constexprs), *extra],
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = [line.split() for line in out.stdout.splitlines()[1:] if line.strip()]
-    assert rows and all(0 < int(registers) <= 255 for _, registers, _, _ in rows), out.stdout
+    rows = compile_for_hopper(kernel, constexprs, extra)
+    assert all(0 < int(registers) <= 255 for _, registers, _, _ in rows), rows
