@@ -136,9 +136,7 @@ def allocate_routing_plan(
         raise ValueError(f"{num_rows} source rows do not split into {num_segments} equal segments")
     if split_expert is not None and not 0 <= split_expert <= num_local_experts:
         raise ValueError(f"split_expert = {split_expert} is outside [0, {num_local_experts}]")
-    _, total = _plan_layout(num_rows, top_k, num_local_experts, tile_m, num_segments, split_expert)
-    plan = _plan_over(torch.empty(total, dtype=torch.int32, device=device), num_rows, top_k, num_local_experts,
-                      tile_m, num_segments, split_expert)
+    plan = _plan_over(None, num_rows, top_k, num_local_experts, tile_m, num_segments, split_expert, device)
     plan.counts.zero_()
     return plan
 
@@ -165,9 +163,12 @@ def _plan_layout(num_rows, top_k, num_local, tile_m, num_segments, split_expert)
     return layout, total
 
 
-def _plan_over(storage, num_rows, top_k, num_local, tile_m, num_segments, split_expert) -> RoutingPlan:
-    """The plan whose parts are views of ``storage`` (laid out by ``_plan_layout``)."""
-    layout, _ = _plan_layout(num_rows, top_k, num_local, tile_m, num_segments, split_expert)
+def _plan_over(storage, num_rows, top_k, num_local, tile_m, num_segments, split_expert, device=None) -> RoutingPlan:
+    """The plan whose parts are views of ``storage`` (laid out by ``_plan_layout``; a new buffer on ``device`` when
+    None)."""
+    layout, total = _plan_layout(num_rows, top_k, num_local, tile_m, num_segments, split_expert)
+    if storage is None:
+        storage = torch.empty(total, dtype=torch.int32, device=device)
 
     def part(name):
         first, size = layout[name]
