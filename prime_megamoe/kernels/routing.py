@@ -102,13 +102,14 @@ def routing_place_kernel(
         row_end = tl.cumsum(counts, 0)
         tiles = (counts + TILE_M - 1) // TILE_M
         tile_end = tl.cumsum(tiles, 0)
+        if HALVES:
+            lower = tl.sum(tl.where(experts < split_expert, tiles, 0), 0)  # the lower experts' tiles
         if pid == 0:
             offsets = expert_offsets_ptr + plan_seg * (NUM_LOCAL + 1)
             tl.store(offsets + experts + 1, (seg_base + row_end).to(tl.int32), mask=e_mask)
             tl.store(offsets, seg_base.to(tl.int32))
             tl.store(num_tiles_ptr + plan_seg, tl.sum(tiles, 0).to(tl.int32))
             if HALVES:
-                lower = tl.sum(tl.where(experts < split_expert, tiles, 0), 0)
                 tl.store(half_num_tiles_ptr + 2 * plan_seg, lower.to(tl.int32))
                 tl.store(half_num_tiles_ptr + 2 * plan_seg + 1, (tl.sum(tiles, 0) - lower).to(tl.int32))
         # Tile list: tile t belongs to the expert whose tile range holds it; programs share the static tile bound.
@@ -125,7 +126,6 @@ def routing_place_kernel(
             tl.store(tile_row_ptr + slot, row, mask=t_mask)
             if HALVES:
                 # Tiles past the segment's count land past the upper half's count too: never read.
-                lower = tl.sum(tl.where(experts < split_expert, tiles, 0), 0)
                 upper = t_mask & (expert >= split_expert)
                 half_slot = slot - lower
                 tl.store(half_tile_expert_ptr + half_slot, expert.to(tl.int32), mask=upper)

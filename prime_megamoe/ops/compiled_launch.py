@@ -77,18 +77,18 @@ def _key(kernel, args, constexprs, device: int) -> tuple[tuple, list]:
     names, exact = _signature(kernel)
     for i, a in enumerate(args):
         kind = type(a)
-        if kind is int:
+        if kind is bool or a is None:
+            append(a)
+        elif kind is int or isinstance(a, int):
             # exact (autotuning key): the value; otherwise 8 + (== 1, divisible by 16, 32-bit) as bits, never equal
             # to a bool or None of the same position
             append(a if i in exact else 8 | (a == 1) | (not a & 15) << 1 | (_I32[0] <= a < _I32[1]) << 2)
-        elif kind is bool or a is None:
-            append(a)
         elif isinstance(a, torch.Tensor):
             ptr = a.data_ptr()
             values[i] = ptr
             append(a.dtype)
             append(not ptr & 15)
-        elif kind is float:
+        elif isinstance(a, float):
             append(float)
         else:
             raise TypeError(f"launch: argument {names[i]} of {names} has unsupported type {kind.__name__}")

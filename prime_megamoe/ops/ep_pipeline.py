@@ -51,8 +51,8 @@ def own_split(num_local: int) -> int:
 def reused_forward_plan(transport: Transport, top_k: int, num_local: int, tile_m: int,
                         device: torch.device) -> RoutingPlan:
     """The forward's routing plan for this transport's rounds at these sizes, emptied for a new fill. It is
-    allocated once, with its segment views, and refilled by every call, so a call's path to its first GEMM
-    allocates no plan and builds no views; a call that keeps its plan for the backward keeps a clone. Calls on one
+    allocated once and refilled by every call, and the segment views it caches stay valid, so a call's path to its
+    first GEMM allocates no plan and (after the first call) builds no views; a call that keeps its plan for the backward keeps a clone. Calls on one
     stream use it in turn; a call on another stream first waits for the stream of the last one."""
     key = ("forward_plan", top_k, num_local, tile_m, str(device))
     entry = transport.reused.get(key)
@@ -62,10 +62,6 @@ def reused_forward_plan(transport: Transport, top_k: int, num_local: int, tile_m
                                      tile_m=tile_m, device=device, num_segments=transport.world,
                                      split_expert=own_split(num_local))
         entry = transport.reused[key] = [plan, None]  # the plan, the stream of its last use
-        for s, half, _, last in compute_order(transport):  # the views every call asks for, made once
-            plan.segment(s, half)
-            if last:
-                plan.segment(s)
     plan, last_stream = entry
     if device.type == "cuda":
         stream = torch.cuda.current_stream(device)
