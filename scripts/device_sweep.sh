@@ -309,6 +309,17 @@ case "${1:-}" in
         --transports symmetric_memory --backends mega_moe --repeat $r --iters 10 --warmup 3 --out "$LOGS/bench_16k_r$r.json"
       tail -1 "$LOGS/bench_16k_r$r.log"
     done ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio" >&2
+  s7probe)  # weight-gradient variants at an EP=2 rank's rows (GPU 0), then a profiled 30B EP=2 T=16384 run of this
+            # tree (one call) and its stage timeline
+    step wgrad_variants 300 env CUDA_VISIBLE_DEVICES=0 python scripts/wgrad_variants.py --shape qwen3-30b-a3b \
+      --tokens 16384 --segments 2 --experts 64
+    sed -n '/best per case/,$p' "$LOGS/wgrad_variants.log"
+    step bench_16k_prof 200 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+      --transports symmetric_memory --backends mega_moe --iters 10 --warmup 3 --out "$LOGS/bench_16k.json" \
+      --profile-dir "$LOGS"
+    tail -2 "$LOGS/bench_16k_prof.log"
+    for t in "$LOGS"/*symmetric_memory*.trace.json.gz; do python scripts/trace_stages.py "$t" > "$LOGS/stages.txt"; done
+    tail -4 "$LOGS/stages.txt" ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe" >&2
      exit 2 ;;
 esac
