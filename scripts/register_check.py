@@ -9,7 +9,8 @@ memory, per config: a register-pressure check before spending GPU time.
 Each --config is BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages (for kernels with those block names). Arguments are
 typed by name: ``*_ptr`` are pointers (int32 for index-like names, fp32 for weights / scales, else --dtype); other
 non-constexpr arguments are int32, divisible by 16 unless named in --ones (specialised to 1, as a unit stride is at
-run time); --types overrides any of these by name. Uses Triton's own ptxas and cuobjdump; needs TRITON_INTERPRET unset.
+run time); --types overrides any of these by name (a TMA descriptor: "tensordesc<bf16[64, 256]>"; a descriptor the
+config leaves unused: null in --constexprs). Uses Triton's own ptxas and cuobjdump; needs TRITON_INTERPRET unset.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def resource_usage(kernel, constexprs: dict, num_warps: int, num_stages: int, dt
     signature = {n: "constexpr" if n in constexprs else pointer_type(n, dtype) if n.endswith("_ptr") else "i32"
                  for n in names}
     signature.update({n: t for n, t in (types or {}).items() if n in signature and signature[n] != "constexpr"})
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if signature[n] != "constexpr"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if signature[n] != "constexpr" and not signature[n].startswith("tensordesc")}
     src = ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items() if k in names}, attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})

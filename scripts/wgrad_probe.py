@@ -1,10 +1,12 @@
 """Every autotuning candidate of the weight-gradient kernel, checked and timed at a layer's shape (one GPU, bf16).
 
-    python scripts/wgrad_probe.py [--shape qwen3-30b-a3b] [--tokens 16384] [--segments 2]
+    python scripts/wgrad_probe.py [--shape qwen3-30b-a3b] [--tokens 16384] [--segments 2] [--experts 64]
 
 For dW1 = dh^T x[src] (x gathered) and dW2 = dy[src]^T aw, with ragged routing (expert 0 gets no rows, so its
 gradient must be zeros): the error of each candidate against a float32 per-expert reference, its time and TFLOP/s.
-``--segments 2`` plans the rows as two source blocks, as expert parallelism over two ranks does.
+``--segments 2`` plans the rows as two source blocks, as expert parallelism over two ranks does; ``--experts 64``
+folds the routing onto 64 experts (an EP=2 rank's rows per expert). Every candidate runs with the sorted operand read
+through pointers and, where the GPU has TMA, through a tensor descriptor.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import argparse
 import torch
 import triton
 from triton.testing import do_bench
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from prime_megamoe.bench import make_inputs
 from prime_megamoe.kernels.grouped_gemm import grouped_wgrad_kernel
 from prime_megamoe.kernels.tuning import tile_m
+from prime_megamoe.ops.launch import tma_readable
 from prime_megamoe.ops.routing_plan import build_routing_plan
 
 
@@ -36,10 +40,13 @@ def main():
     p.add_argument("--shape", default="qwen3-30b-a3b")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--segments", type=int, default=2)
+    p.add_argument("--experts", type=int, default=0, help="fold the routing onto this many experts")
     args = p.parse_args()
     x, index, weights, w1, w2 = make_inputs(args.shape, args.tokens, 0, 1, seed=0, dtype=torch.bfloat16, device="cuda")
-    index[index == 0] = 1  # expert 0: no rows
     num_experts = w1.shape[0]
+    if args.experts:
+        index, num_experts = index % args.experts, args.experts
+    index[index == 0] = 1  # expert 0: no rows
     plan = build_routing_plan(index, weights, expert_base=0, num_local_experts=num_experts, tile_m=tile_m(),
                               num_segments=args.segments)
     src = plan.row_src.long()
@@ -50,31 +57,44 @@ def main():
         "dW1": (dh, x, False, True, reference(dh, x[src], plan, num_experts)),
         "dW2": (dy, aw, True, False, reference(dy[src], aw, plan, num_experts)),
     }
-    print(f"{'case':5s} {'config':58s} {'rel err':>9s} {'ms':>7s} {'TFLOP/s':>8s}")
+    print(f"{'case':5s} {'config':64s} {'rel err':>9s} {'ms':>7s} {'TFLOP/s':>8s}")
+    best = {}
     for name, (a, b, gather_a, gather_b, want) in cases.items():
         m, n = a.shape[1], b.shape[1]
         flops = 2 * plan.num_pairs * m * n
-        for cfg in grouped_wgrad_kernel.configs:
-            kw = cfg.kwargs
-            out = torch.full((num_experts, m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-            grid = (triton.cdiv(m, kw["BLOCK_M"]) * triton.cdiv(n, kw["BLOCK_N"]), num_experts)
+        dense, gathered = (b, a) if gather_a else (a, b)
+        for use_tma in (False, True) if tma_readable(dense) else (False,):
+            for cfg in grouped_wgrad_kernel.configs:
+                kw = cfg.kwargs
+                out = torch.full((num_experts, m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                grid = (triton.cdiv(m, kw["BLOCK_M"]) * triton.cdiv(n, kw["BLOCK_N"]), num_experts)
+                desc = None
+                if use_tma:
+                    desc = TensorDescriptor(dense, list(dense.shape), list(dense.stride()),
+                                            [kw["BLOCK_K"], kw["BLOCK_M"] if not gather_a else kw["BLOCK_N"]])
 
-            def run():
-                grouped_wgrad_kernel.fn[grid](
-                    a, plan.row_src, b, plan.row_src, out, plan.expert_offsets,
-                    m, n, plan.num_pairs, plan.num_segments, num_experts + 1,
-                    a.stride(0), b.stride(0), out.stride(0), out.stride(1), out.stride(2),
-                    GATHER_A=gather_a, GATHER_B=gather_b, CAST_F32=False, IEEE=False,
-                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **kw,
-                )
+                def run(kw=kw, cfg=cfg, out=out, grid=grid, desc=desc, use_tma=use_tma):
+                    grouped_wgrad_kernel.fn[grid](
+                        desc, dense, gathered, plan.row_src, out, plan.expert_offsets,
+                        m, n, plan.num_pairs, num_experts + 1,
+                        dense.stride(0), gathered.stride(0), out.stride(0), out.stride(1), out.stride(2),
+                        DENSE_A=not gather_a, USE_TMA=use_tma, NUM_SEGMENTS=plan.num_segments,
+                        SEGMENT_BLOCK=triton.next_power_of_2(plan.num_segments), CAST_F32=False, IEEE=False,
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **kw,
+                    )
 
-            run()
-            err = ((out.float() - want).norm() / want.norm()).item()
-            zeros = bool((out[0] == 0).all())
-            ms = do_bench(run, warmup=25, rep=100)
-            label = f"{kw} w{cfg.num_warps} s{cfg.num_stages}"
-            flag = "" if zeros and err < 1e-2 else "  WRONG"
-            print(f"{name:5s} {label:58s} {err:9.2e} {ms:7.3f} {flops / ms / 1e9:8.1f}{flag}")
+                run()
+                err = ((out.float() - want).norm() / want.norm()).item()
+                zeros = bool((out[0] == 0).all())
+                ms = do_bench(run, warmup=25, rep=100)
+                label = f"{'tma' if use_tma else 'ptr'} {kw} w{cfg.num_warps} s{cfg.num_stages}"
+                flag = "" if zeros and err < 1e-2 else "  WRONG"
+                print(f"{name:5s} {label:64s} {err:9.2e} {ms:7.3f} {flops / ms / 1e9:8.1f}{flag}", flush=True)
+                if not flag and ms < best.get(name, (float("inf"),))[0]:
+                    best[name] = (ms, label)
+    print("\nbest:")
+    for name, (ms, label) in best.items():
+        print(f"  {name} {ms:7.3f} ms  {label}")
 
 
 if __name__ == "__main__":

@@ -121,6 +121,7 @@ def make_problem(num_tokens, hidden, inter, experts, top_k, dtype, *, seed, rout
 def only_config(monkeypatch, kernel, **changes):
     """Make an autotuned kernel run its first candidate with ``changes`` (e.g. a smaller BLOCK_M)."""
     first = kernel.configs[0]
-    config = triton.Config({**first.kwargs, **changes}, num_warps=first.num_warps, num_stages=first.num_stages)
+    config = triton.Config({**first.kwargs, **changes}, num_warps=first.num_warps, num_stages=first.num_stages,
+                           pre_hook=first.pre_hook)
     monkeypatch.setattr(kernel, "configs", [config])
     monkeypatch.setattr(kernel, "cache", {})

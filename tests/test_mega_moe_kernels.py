@@ -16,13 +16,15 @@ from hypothesis import strategies as st
 from prime_megamoe import DispatchConfig, fused_experts
 from prime_megamoe.kernels.tuning import interpreting
 from prime_megamoe.kernels import tuning
+from prime_megamoe.kernels.grouped_gemm import grouped_wgrad_kernel
 from prime_megamoe.ops.launch import combine_rows, dswiglu_buffers, fc2_dgrad_dswiglu, grouped_wgrad, sum_blocks
 from prime_megamoe.ops.routing_plan import (
     allocate_routing_plan, build_routing_plan, fill_routing_plan, routing_keys,
 )
 
 from .oracle import (
-    NAMES, TOL, assert_matches_oracle, make_problem, oracle_with_grads, ragged_routing, rel_err, run_mega_moe,
+    NAMES, TOL, assert_matches_oracle, make_problem, only_config, oracle_with_grads, ragged_routing, rel_err,
+    run_mega_moe,
 )
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -388,20 +390,28 @@ def test_expert_halves_split_each_segments_tiles(segments, num_local, split):
 
 
 @pytest.mark.parametrize("gather_a", [False, True])
-def test_weight_gradient_reduces_every_segment(gather_a):
-    # dW[e] = sum over segments, then rows, of A^T B: the wgrad kernel walks expert e's rows segment by segment.
-    # More rows than one BLOCK_K step per expert, an expert with no rows (zeros) and an all-padding segment.
-    rows, k, num_local, segments, m, n = 13, 2, 4, 3, 24, 20
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("use_tma", [False, True])
+def test_weight_gradient_reduces_every_segment(gather_a, flat, use_tma, monkeypatch):
+    # dW[e] = sum over segments, then rows, of A^T B: the wgrad kernel walks expert e's rows segment by segment
+    # (FLAT: every segment's whole chunks in one loop, then each segment's partial chunk), the sorted operand read
+    # through pointers or a tensor descriptor. More rows than one BLOCK_K step per expert, an expert with no rows
+    # (zeros), an all-padding segment, and three segments (not a power of two).
+    only_config(monkeypatch, grouped_wgrad_kernel, FLAT=flat)
+    block_k = grouped_wgrad_kernel.configs[0].kwargs["BLOCK_K"]
+    rows, k, num_local, segments, m, n = 5 * block_k // 2, 2, 4, 3, 24, 20
     ids, weights = _random_ids(rows * segments, k, num_local, seed=5, pad_rows=rows)
     ids[ids == 3] = 1  # expert 3 gets nothing
     plan = build_routing_plan(ids, weights, expert_base=0, num_local_experts=num_local, tile_m=4,
                               num_segments=segments)
+    per_segment = plan.expert_offsets.view(segments, num_local + 1).diff(dim=1)
+    assert (per_segment >= 2 * block_k).any() and ((per_segment % block_k) != 0).any()  # whole and partial chunks
     gen = torch.Generator().manual_seed(6)
     sorted_op = torch.randn(plan.sorted_rows, m if not gather_a else n, generator=gen)
     src = torch.randn(rows * segments, n if not gather_a else m, generator=gen)
     a, b = (src, sorted_op) if gather_a else (sorted_op, src)
     got = grouped_wgrad(a, b, plan, torch.full((num_local, m, n), float("nan")), gather_a=gather_a,
-                        gather_b=not gather_a)
+                        gather_b=not gather_a, use_tma=use_tma)
     pos = plan.pair_pos.long()
     want = torch.zeros(num_local, m, n, dtype=torch.float64)
     for r in range(rows * segments):

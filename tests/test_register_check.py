@@ -58,12 +58,20 @@ COMPILES = [
     ("prime_megamoe.kernels.grouped_gemm:fc1_swiglu_kernel",
      {"SAVE_H": True, "CAST_F32": False, "IEEE": False, "TILE_M": 128, "PERSISTENT": True, "ONE_DOT": True},
      ["--config", "128,128,64,8,3", "--ones", "stride_wk"]),
+    ("prime_megamoe.kernels.grouped_gemm:grouped_wgrad_kernel",
+     {"DENSE_A": True, "USE_TMA": True, "NUM_SEGMENTS": 2, "SEGMENT_BLOCK": 2, "CAST_F32": False, "IEEE": False,
+      "GROUP_M": 8, "FLAT": True},
+     ["--config", "256,128,64,8,3", "--ones", "stride_cn", "--types", '{"d_desc": "tensordesc<bf16[64, 256]>"}']),
+    ("prime_megamoe.kernels.grouped_gemm:grouped_wgrad_kernel",
+     {"d_desc": None, "DENSE_A": False, "USE_TMA": False, "NUM_SEGMENTS": 4, "SEGMENT_BLOCK": 4, "CAST_F32": False,
+      "IEEE": False, "GROUP_M": 8, "FLAT": False},
+     ["--config", "128,256,64,8,3", "--ones", "stride_cn"]),
 ]
 
 
 @pytest.mark.parametrize("kernel, constexprs, extra", COMPILES,
                          ids=["routing_keys", "routing_place_halves", "routing_place", "expert_ids", "combine_pairs",
-                              "fc1_one_dot"])
+                              "fc1_one_dot", "wgrad_tma_flat", "wgrad_pointers"])
 def test_kernel_compiles_for_hopper(kernel, constexprs, extra):
     rows = compile_for_hopper(kernel, constexprs, extra)
     assert all(0 < int(registers) <= 255 for _, registers, _, _ in rows), rows

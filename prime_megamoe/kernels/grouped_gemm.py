@@ -201,68 +201,127 @@ def grouped_gemm_kernel(
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Weight gradient:  C[e] = A[rows of e]^T @ B[rows of e],  the reduction over each expert's rows (either operand may
-# be gathered). dW1[e] = dh^T @ x[src];  dW2[e] = dy[src]^T @ aw. Experts with no rows get zeros.
+# Weight gradient:  C[e] = A[rows of e]^T @ B[rows of e],  the reduction over each expert's rows. One operand is dense
+# (D: in sorted row order, read in row chunks, by TMA where the GPU has it), the other gathered (G: row src[r]).
+# dW1[e] = dh^T @ x[src] (D = A);  dW2[e] = dy[src]^T @ aw (D = B). Experts with no rows get zeros.
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
-def wgrad_tile_offsets(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """Output tile of a weight-gradient program: an expert's tiles are consecutive programs, grouped GROUP_M row
-    blocks at a time so that neighbouring programs share A and B panels."""
+def wgrad_tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Output tile (pid_m, pid_n) of a weight-gradient program: an expert's tiles are consecutive programs, grouped
+    GROUP_M row blocks at a time so that neighbouring programs share A and B panels."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     group_size = GROUP_M * num_n
     first_m = (pid // group_size) * GROUP_M
     rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_size) % rows_in_group
-    pid_n = (pid % group_size) // rows_in_group
+    return first_m + (pid % group_size) % rows_in_group, (pid % group_size) // rows_in_group
+
+
+@triton.jit
+def wgrad_tile_offsets(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Row and column indices of a weight-gradient program's output tile, and their masks."""
+    pid_m, pid_n = wgrad_tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     return offs_m, offs_n, offs_m < M, offs_n < N
 
 
 @triton.jit
-def wgrad_rows(a_src_ptr, b_src_ptr, r, end, GATHER_A: tl.constexpr, GATHER_B: tl.constexpr):
-    """Rows of A and B that sorted rows ``r`` read (the gathered operand's source rows); rows at or past ``end`` read
-    row 0 of a gathered operand (masked out by the caller)."""
-    if GATHER_A:
-        ra = tl.load(a_src_ptr + r, mask=r < end, other=0).to(tl.int64)
+def _wgrad_step(d_desc, d_ptr, g_ptr, rg, row, r_mask, d_cols, d_col_mask, d_col0, g_cols, g_col_mask, ks, acc,
+                stride_dm, stride_gm, DENSE_A: tl.constexpr, USE_TMA: tl.constexpr, CAST_F32: tl.constexpr,
+                IEEE: tl.constexpr):
+    """acc += one BLOCK_K chunk of rows starting at sorted row ``row`` (gathered operand at rows ``rg``); rows
+    outside ``r_mask`` read zeros. A TMA chunk reads whole rows: callers give it only chunks inside the expert."""
+    if USE_TMA:
+        d = d_desc.load([row, d_col0])
     else:
-        ra = r.to(tl.int64)
-    if GATHER_B:
-        rb = tl.load(b_src_ptr + r, mask=r < end, other=0).to(tl.int64)
+        d = tl.load(d_ptr + (row + ks).to(tl.int64)[:, None] * stride_dm + d_cols[None, :],
+                    mask=r_mask[:, None] & d_col_mask[None, :], other=0.0)
+    g = tl.load(g_ptr + rg[:, None] * stride_gm + g_cols[None, :], mask=r_mask[:, None] & g_col_mask[None, :],
+                other=0.0)
+    if DENSE_A:
+        return _dot(tl.trans(d), g, acc, CAST_F32, IEEE)
     else:
-        rb = r.to(tl.int64)
-    return ra, rb
+        return _dot(tl.trans(g), d, acc, CAST_F32, IEEE)
+
+
+@triton.jit
+def _chunk_row(c, starts, first_chunk, seg_ids, BLOCK_K: tl.constexpr):
+    """First sorted row of whole chunk ``c`` of the expert's chunks over all segments (segment order)."""
+    seg = tl.sum((first_chunk <= c).to(tl.int32)) - 1
+    return tl.sum(tl.where(seg_ids == seg, starts + (c - first_chunk) * BLOCK_K, 0))
 
 
 @autotune(autotune_configs("wgrad"), key=["M", "N", "M_BUCKET"])
 @triton.jit
 def grouped_wgrad_kernel(
-    a_ptr, a_src_ptr, b_ptr, b_src_ptr, c_ptr, expert_offsets_ptr,
-    M, N, M_BUCKET, num_segments, offsets_per_segment,
-    stride_am, stride_bm, stride_ce, stride_cm, stride_cn,
-    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
+    d_desc, d_ptr, g_ptr, g_src_ptr, c_ptr, expert_offsets_ptr,
+    M, N, M_BUCKET, offsets_per_segment,
+    stride_dm, stride_gm, stride_ce, stride_cm, stride_cn,
+    DENSE_A: tl.constexpr, USE_TMA: tl.constexpr, NUM_SEGMENTS: tl.constexpr, SEGMENT_BLOCK: tl.constexpr,
+    CAST_F32: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FLAT: tl.constexpr,
 ):
     expert = tl.program_id(1)
-    offs_m, offs_n, m_mask, n_mask = wgrad_tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = wgrad_tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if DENSE_A:
+        d_cols, d_col0, g_cols = offs_m, pid_m * BLOCK_M, offs_n
+        d_col_mask, g_col_mask = offs_m < M, offs_n < N
+    else:
+        d_cols, d_col0, g_cols = offs_n, pid_n * BLOCK_N, offs_m
+        d_col_mask, g_col_mask = offs_n < N, offs_m < M
     ks = tl.arange(0, BLOCK_K)
+    all_rows = ks >= 0
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for seg in range(0, num_segments):  # the expert's rows of each segment (source rank), in a fixed order
-        start = tl.load(expert_offsets_ptr + seg * offsets_per_segment + expert)
-        end = tl.load(expert_offsets_ptr + seg * offsets_per_segment + expert + 1)
-        ra, rb = wgrad_rows(a_src_ptr, b_src_ptr, start + ks, end, GATHER_A, GATHER_B)
-        for k0 in range(start, end, BLOCK_K):
-            r_mask = (k0 + ks) < end
-            a = tl.load(a_ptr + ra[:, None] * stride_am + offs_m[None, :], mask=r_mask[:, None] & m_mask[None, :],
-                        other=0.0)
-            b = tl.load(b_ptr + rb[:, None] * stride_bm + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :],
-                        other=0.0)
-            # The next step's gathered row ids, read one step ahead: a row load whose address comes from a load of
-            # the same step leaves the compiler's software pipeline two buffers deep, waiting on every copy each
-            # step; with the ids carried over, the operand loads run several steps ahead as for dense rows.
-            ra, rb = wgrad_rows(a_src_ptr, b_src_ptr, k0 + BLOCK_K + ks, end, GATHER_A, GATHER_B)
-            acc = _dot(tl.trans(a), b, acc, CAST_F32, IEEE)
+    # Each segment's (source rank's) rows of the expert, in a fixed order: first the whole BLOCK_K chunks, with no
+    # row masks (a TMA copy cannot mask rows), then one masked chunk for the rest.
+    if FLAT:
+        # The whole chunks of every segment as one loop: the compiler's pipeline fills once per tile, not once per
+        # segment. The gathered operand's row ids are read one chunk ahead (see below).
+        seg_ids = tl.arange(0, SEGMENT_BLOCK)  # a power of two: lanes past NUM_SEGMENTS hold empty segments
+        real = seg_ids < NUM_SEGMENTS
+        starts = tl.load(expert_offsets_ptr + seg_ids * offsets_per_segment + expert, mask=real, other=0)
+        ends = tl.load(expert_offsets_ptr + seg_ids * offsets_per_segment + expert + 1, mask=real, other=0)
+        whole = (ends - starts) // BLOCK_K
+        first_chunk = tl.cumsum(whole, 0) - whole
+        num_chunks = tl.sum(whole)
+        row = _chunk_row(0, starts, first_chunk, seg_ids, BLOCK_K)
+        rg = tl.load(g_src_ptr + row + ks, mask=ks < num_chunks * BLOCK_K, other=0).to(tl.int64)
+        for c in range(0, num_chunks):
+            acc = _wgrad_step(d_desc, d_ptr, g_ptr, rg, row, all_rows, d_cols, d_col_mask, d_col0, g_cols,
+                              g_col_mask, ks, acc, stride_dm, stride_gm, DENSE_A, USE_TMA, CAST_F32, IEEE)
+            row = _chunk_row(c + 1, starts, first_chunk, seg_ids, BLOCK_K)
+            rg = tl.load(g_src_ptr + row + ks, mask=ks < (num_chunks - c - 1) * BLOCK_K, other=0).to(tl.int64)
+        for seg in range(0, NUM_SEGMENTS):
+            start = tl.load(expert_offsets_ptr + seg * offsets_per_segment + expert)
+            end = tl.load(expert_offsets_ptr + seg * offsets_per_segment + expert + 1)
+            tail = end - (end - start) % BLOCK_K
+            if tail < end:
+                r_mask = tail + ks < end
+                rg = tl.load(g_src_ptr + tail + ks, mask=r_mask, other=0).to(tl.int64)
+                acc = _wgrad_step(d_desc, d_ptr, g_ptr, rg, tail, r_mask, d_cols, d_col_mask, d_col0, g_cols,
+                                  g_col_mask, ks, acc, stride_dm, stride_gm, DENSE_A, False, CAST_F32, IEEE)
+    else:
+        for seg in range(0, NUM_SEGMENTS):
+            start = tl.load(expert_offsets_ptr + seg * offsets_per_segment + expert)
+            end = tl.load(expert_offsets_ptr + seg * offsets_per_segment + expert + 1)
+            tail = end - (end - start) % BLOCK_K
+            rg = tl.load(g_src_ptr + start + ks, mask=start + ks < tail, other=0).to(tl.int64)
+            for k0 in range(start, tail, BLOCK_K):
+                acc = _wgrad_step(d_desc, d_ptr, g_ptr, rg, k0, all_rows, d_cols, d_col_mask, d_col0, g_cols,
+                                  g_col_mask, ks, acc, stride_dm, stride_gm, DENSE_A, USE_TMA, CAST_F32, IEEE)
+                # The next chunk's gathered row ids, read one chunk ahead: a row load whose address comes from a
+                # load of the same step leaves the compiler's software pipeline two buffers deep, waiting on every
+                # copy each step; with the ids carried over, the operand loads run several steps ahead.
+                rg = tl.load(g_src_ptr + k0 + BLOCK_K + ks, mask=k0 + BLOCK_K + ks < tail, other=0).to(tl.int64)
+            if tail < end:
+                r_mask = tail + ks < end
+                rg = tl.load(g_src_ptr + tail + ks, mask=r_mask, other=0).to(tl.int64)
+                acc = _wgrad_step(d_desc, d_ptr, g_ptr, rg, tail, r_mask, d_cols, d_col_mask, d_col0, g_cols,
+                                  g_col_mask, ks, acc, stride_dm, stride_gm, DENSE_A, False, CAST_F32, IEEE)
     c_ptrs = c_ptr + expert.to(tl.int64) * stride_ce + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])

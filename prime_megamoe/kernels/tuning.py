@@ -50,14 +50,23 @@ def autotune(configs: list[triton.Config], key: list[str]):
                            prune_configs_by={"early_config_prune": prune_small_problems(*dims)})
 
 
-def _cfg(bm, bn, bk, warps, stages, **extra):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, **extra}, num_warps=warps, num_stages=stages)
+def _cfg(bm, bn, bk, warps, stages, pre_hook=None, **extra):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, **extra}, num_warps=warps, num_stages=stages,
+                         pre_hook=pre_hook)
+
+
+def dense_chunk_shape(nargs) -> None:
+    """A weight-gradient config's pre-launch hook: the dense operand's tensor descriptor (when the launch has one)
+    gets the config's chunk shape, [BLOCK_K rows, the output tile's extent along the dense operand's columns]."""
+    desc = nargs["d_desc"]
+    if desc is not None:
+        desc.block_shape = [nargs["BLOCK_K"], nargs["BLOCK_M"] if nargs["DENSE_A"] else nargs["BLOCK_N"]]
 
 
 def autotune_configs(kind: str) -> list[triton.Config]:
     """Candidates for one kernel family; evaluated when the module is imported (TRITON_INTERPRET is read then)."""
     if interpreting():
-        extra = {"GROUP_M": 2} if kind == "wgrad" else {"PERSISTENT": True}
+        extra = {"GROUP_M": 2, "FLAT": False, "pre_hook": dense_chunk_shape} if kind == "wgrad" else {"PERSISTENT": True}
         if kind == "fc1":
             extra["ONE_DOT"] = False
         return [_cfg(16, 16, 16, 1, 1, **extra)]
@@ -89,13 +98,10 @@ def autotune_configs(kind: str) -> list[triton.Config]:
             _cfg(h, 256, 64, 4, 4, PERSISTENT=False),
         ]
     if kind == "wgrad":
-        # At Qwen3-30B-A3B, T = 16384, 128 x 128 x 64 leads (scripts/wgrad_probe.py; a persistent variant and one
-        # loop over all segments' rows were 10-40% slower); the wider tiles stay for the larger shapes.
-        return [
-            _cfg(128, 128, 64, 8, 3, GROUP_M=8),
-            _cfg(128, 128, 32, 4, 4, GROUP_M=8),
-            _cfg(128, 256, 64, 8, 4, GROUP_M=8),
-            _cfg(256, 128, 64, 8, 3, GROUP_M=8),
-            _cfg(128, 256, 32, 8, 4, GROUP_M=8),
-        ]
+        # At Qwen3-30B-A3B, T = 16384, an EP=2 rank's rows (scripts/wgrad_variants.py): with the dense operand read
+        # by TMA, 256 x 128 leads for dW1 and 128 x 256 for dW2 (the dense operand on the wide side), 8-10% ahead of
+        # the best pointer-loaded program. FLAT runs every segment's whole chunks as one pipelined loop.
+        tiles = [(128, 128, 64, 8, 3), (256, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 3),
+                 (128, 128, 32, 4, 4)]
+        return [_cfg(*t, GROUP_M=8, FLAT=flat, pre_hook=dense_chunk_shape) for flat in (False, True) for t in tiles]
     raise ValueError(f"unknown kernel family {kind!r}")

@@ -4,7 +4,8 @@ A forward of the expert-parallel layer issues about 15 Triton launches. Through 
 its ~25 arguments, recomputes Triton's specialisation key and (for autotuned kernels) the autotuning key, which adds up
 to a large share of the host time of a call: single calls are host-bound (see BENCHMARKS.md). ``launch`` does the
 first launch of each specialisation the regular way (compiling and autotuning as usual), keeps the compiled kernel and
-the config autotuning chose, and afterwards calls that compiled kernel straight away.
+the config autotuning chose, and afterwards calls that compiled kernel straight away. Tensor descriptors (TMA) pass
+through to the launcher, which fills them with the compiled kernel's block shape.
 
 The cache key holds everything the compiled kernel depends on, so a hit can only reuse a kernel Triton itself would
 have picked: each tensor's dtype and 16-byte alignment, each integer's specialisation class (== 1, divisible by 16,
@@ -20,6 +21,7 @@ import os
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernels.tuning import interpreting
 
@@ -90,6 +92,14 @@ def _key(kernel, args, constexprs, device: int) -> tuple[tuple, list]:
             append(not ptr & 15)
         elif isinstance(a, float):
             append(float)
+        elif kind is TensorDescriptor:
+            # The launcher builds the TMA descriptor from the compiled kernel's block shape; what can vary between
+            # calls of one compiled kernel is the tensor, its shape and strides (integers, classed as above).
+            append(a.base.dtype)
+            append(getattr(a, "padding", None))  # (fields of newer Triton versions)
+            append(getattr(a, "round_f32_to_tf32", None))
+            for v in (*a.shape, *a.strides):
+                append(8 | (v == 1) | (not v & 15) << 1 | (_I32[0] <= v < _I32[1]) << 2)
         else:
             raise TypeError(f"launch: argument {names[i]} of {names} has unsupported type {kind.__name__}")
     parts.extend(constexprs.items())  # keyword order is a call site's own: another order is only another entry

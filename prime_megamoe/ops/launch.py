@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernels import tuning
 from ..kernels.combine import combine_rows_kernel, sum_blocks_kernel
@@ -125,6 +126,21 @@ def fc2_dgrad_dswiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, plan:
     return dh, aw, dw_row
 
 
+def tma_readable(t: torch.Tensor) -> bool:
+    """Whether ``t`` can be read through a TMA tensor descriptor: a GPU with TMA (compute capability 9 or later), a
+    contiguous last dim, and a 16-byte aligned base and row stride. Under the interpreter descriptors are emulated, so
+    the layer runs the pointer path there and tests choose either."""
+    if t.device.type != "cuda" or tuning.interpreting() or t.dim() != 2 or t.stride(1) != 1:
+        return False
+    return (_cuda_capability(t.device.index if t.device.index is not None else torch.cuda.current_device())[0] >= 9
+            and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def grouped_wgrad(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -133,16 +149,26 @@ def grouped_wgrad(
     *,
     gather_a: bool,
     gather_b: bool,
+    use_tma: bool | None = None,
 ) -> torch.Tensor:
-    """out[e] = A[rows of e]^T @ B[rows of e] with A [*, M], B [*, N], out [E, M, N]; gathered operands are
-    indexed by the source row of each sorted row. Expert e's rows of every segment are reduced, in segment order."""
+    """out[e] = A[rows of e]^T @ B[rows of e] with A [*, M], B [*, N], out [E, M, N]; exactly one operand is gathered
+    (indexed by the source row of each sorted row), the other is in sorted row order. Expert e's rows of every segment
+    are reduced, in segment order. ``use_tma``: read the sorted operand by TMA (default: where ``tma_readable``)."""
+    if gather_a == gather_b:
+        raise ValueError("grouped_wgrad: exactly one of gather_a / gather_b must be set (one operand is gathered)")
+    dense, gathered = (b, a) if gather_a else (a, b)
+    if use_tma is None:
+        use_tma = tma_readable(dense)
+    # The descriptor's block shape is set per config by the autotuner's pre-launch hook (tuning.dense_chunk_shape).
+    desc = TensorDescriptor(dense, list(dense.shape), list(dense.stride()), [16, 16]) if use_tma else None
     m, n = a.shape[1], b.shape[1]
     grid = lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]), plan.num_local_experts)
     launch(grouped_wgrad_kernel, grid,
-        a, plan.row_src, b, plan.row_src, out, plan.expert_offsets,
-        m, n, plan.num_pairs, plan.num_segments, plan.num_local_experts + 1,
-        a.stride(0), b.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        GATHER_A=gather_a, GATHER_B=gather_b, **_flags(a),
+        desc, dense, gathered, plan.row_src, out, plan.expert_offsets,
+        m, n, plan.num_pairs, plan.num_local_experts + 1,
+        dense.stride(0), gathered.stride(0), out.stride(0), out.stride(1), out.stride(2),
+        DENSE_A=not gather_a, USE_TMA=use_tma, NUM_SEGMENTS=plan.num_segments,
+        SEGMENT_BLOCK=next_power_of_2(plan.num_segments), **_flags(a),
     )
     return out
 
