@@ -76,10 +76,9 @@ def main():
                 def run(kw=kw, cfg=cfg, out=out, grid=grid, desc=desc, use_tma=use_tma):
                     grouped_wgrad_kernel.fn[grid](
                         desc, dense, gathered, plan.row_src, out, plan.expert_offsets,
-                        m, n, plan.num_pairs, num_experts + 1,
+                        m, n, plan.num_pairs, plan.num_segments, num_experts + 1,
                         dense.stride(0), gathered.stride(0), out.stride(0), out.stride(1), out.stride(2),
-                        DENSE_A=not gather_a, USE_TMA=use_tma, NUM_SEGMENTS=plan.num_segments,
-                        SEGMENT_BLOCK=triton.next_power_of_2(plan.num_segments), CAST_F32=False, IEEE=False,
+                        DENSE_A=not gather_a, USE_TMA=use_tma, CAST_F32=False, IEEE=False,
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **kw,
                     )
 

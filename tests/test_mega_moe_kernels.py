@@ -17,13 +17,15 @@ from prime_megamoe import DispatchConfig, fused_experts
 from prime_megamoe.kernels.tuning import interpreting
 from prime_megamoe.kernels import tuning
 from prime_megamoe.kernels.grouped_gemm import grouped_wgrad_kernel
-from prime_megamoe.ops.launch import combine_rows, dswiglu_buffers, fc2_dgrad_dswiglu, grouped_wgrad, sum_blocks
+from prime_megamoe.ops.launch import (
+    combine_rows, dswiglu_buffers, fc2_dgrad_dswiglu, grouped_gemm, grouped_wgrad, sum_blocks,
+)
 from prime_megamoe.ops.routing_plan import (
     allocate_routing_plan, build_routing_plan, fill_routing_plan, routing_keys,
 )
 
 from .oracle import (
-    NAMES, TOL, assert_matches_oracle, make_problem, only_config, oracle_with_grads, ragged_routing, rel_err,
+    NAMES, TOL, assert_matches_oracle, make_problem, oracle_with_grads, ragged_routing, rel_err,
     run_mega_moe,
 )
 
@@ -390,14 +392,12 @@ def test_expert_halves_split_each_segments_tiles(segments, num_local, split):
 
 
 @pytest.mark.parametrize("gather_a", [False, True])
-@pytest.mark.parametrize("flat", [False, True])
 @pytest.mark.parametrize("use_tma", [False, True])
-def test_weight_gradient_reduces_every_segment(gather_a, flat, use_tma, monkeypatch):
+def test_weight_gradient_reduces_every_segment(gather_a, use_tma):
     # dW[e] = sum over segments, then rows, of A^T B: the wgrad kernel walks expert e's rows segment by segment
-    # (FLAT: every segment's whole chunks in one loop, then each segment's partial chunk), the sorted operand read
-    # through pointers or a tensor descriptor. More rows than one BLOCK_K step per expert, an expert with no rows
-    # (zeros), an all-padding segment, and three segments (not a power of two).
-    only_config(monkeypatch, grouped_wgrad_kernel, FLAT=flat)
+    # (whole BLOCK_K chunks, then a masked partial one), the sorted operand read through pointers or a tensor
+    # descriptor. Several whole chunks per expert, partial ones, an expert with no rows (zeros) and an all-padding
+    # segment.
     block_k = grouped_wgrad_kernel.configs[0].kwargs["BLOCK_K"]
     rows, k, num_local, segments, m, n = 5 * block_k // 2, 2, 4, 3, 24, 20
     ids, weights = _random_ids(rows * segments, k, num_local, seed=5, pad_rows=rows)
@@ -424,6 +424,34 @@ def test_weight_gradient_reduces_every_segment(gather_a, flat, use_tma, monkeypa
             want[e] += lhs[:, None] * rhs[None, :]
     assert torch.equal(got[3], torch.zeros(m, n))
     assert rel_err(got, want) < 1e-6
+
+
+@pytest.mark.parametrize("transpose_b", [False, True])
+@pytest.mark.parametrize("gather", [False, True])
+def test_grouped_gemm_tma_reads_match_pointer_reads(transpose_b, gather):
+    # The grouped GEMM with B (and A when it is not gathered) read by TMA boxes must give what pointer loads give:
+    # boxes run past an expert's last row (into the next expert's rows) and past K and N (into the next expert's
+    # weights or zeros). Ragged routing (an expert with no rows, one with most), K and N not multiples of a block.
+    rows, k, num_local, kdim, n = 37, 2, 4, 40, 24
+    ids, weights = _random_ids(rows, k, num_local, seed=8)
+    ids[ids == 2] = 0  # expert 2 gets nothing, expert 0 most
+    plan = build_routing_plan(ids, weights, expert_base=0, num_local_experts=num_local, tile_m=tuning.tile_m())
+    gen = torch.Generator().manual_seed(9)
+    a = torch.randn(rows if gather else plan.sorted_rows, kdim, generator=gen)
+    w = torch.randn(num_local, *((n, kdim) if transpose_b else (kdim, n)), generator=gen)
+    got = {tma: grouped_gemm(a, w, plan, transpose_b=transpose_b, gather=gather, row_scale=plan.row_weight,
+                             use_tma=tma) for tma in (False, True)}
+    assert torch.equal(got[True][: plan.num_pairs], got[False][: plan.num_pairs])
+    src, off = plan.row_src.long(), plan.expert_offsets.tolist()
+    for e in range(num_local):
+        lo, hi = off[e], off[e + 1]
+        if hi == lo:
+            continue
+        lhs = (a[src[lo:hi]] if gather else a[lo:hi]).double()
+        rhs = (w[e].T if transpose_b else w[e]).double()
+        want = plan.row_weight[lo:hi].double()[:, None] * (lhs @ rhs)
+        assert rel_err(got[True][lo:hi], want) < 1e-6
+    assert off[3] - off[2] == 0 and off[1] - off[0] > plan.num_pairs // 3
 
 
 def test_fc2_dgrad_swiglu_backward_per_segment_piece():

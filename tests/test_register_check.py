@@ -18,7 +18,8 @@ CASES = [
     ("prime_megamoe.kernels.swiglu_grad:swiglu_backward_rows_kernel", {"TILE_M": 128, "BLOCK_R": 16, "BLOCK_C": 128},
      ["--warps", "4"]),
     ("prime_megamoe.kernels.grouped_gemm:grouped_gemm_kernel",
-     {"GATHER_A": True, "SCALE_ROWS": False, "CAST_F32": False, "IEEE": False, "TILE_M": 128, "PERSISTENT": False},
+     {"a_desc": None, "b_desc": None, "GATHER_A": True, "SCALE_ROWS": False, "CAST_F32": False, "IEEE": False,
+      "A_TMA": False, "B_TMA": False, "B_KMAJOR": False, "TILE_M": 128, "PERSISTENT": False},
      ["--config", "128,128,64,8,4", "--ones", "stride_bn"]),
 ]
 
@@ -58,20 +59,28 @@ COMPILES = [
     ("prime_megamoe.kernels.grouped_gemm:fc1_swiglu_kernel",
      {"SAVE_H": True, "CAST_F32": False, "IEEE": False, "TILE_M": 128, "PERSISTENT": True, "ONE_DOT": True},
      ["--config", "128,128,64,8,3", "--ones", "stride_wk"]),
+    ("prime_megamoe.kernels.grouped_gemm:grouped_gemm_kernel",
+     {"GATHER_A": False, "SCALE_ROWS": True, "CAST_F32": False, "IEEE": False, "A_TMA": True, "B_TMA": True,
+      "B_KMAJOR": True, "TILE_M": 128, "PERSISTENT": True},
+     ["--config", "128,256,64,8,3", "--ones", "stride_bk", "--types",
+      '{"a_desc": "tensordesc<bf16[128, 64]>", "b_desc": "tensordesc<bf16[256, 64]>"}']),
+    ("prime_megamoe.kernels.grouped_gemm:grouped_gemm_kernel",
+     {"a_desc": None, "GATHER_A": True, "SCALE_ROWS": False, "CAST_F32": False, "IEEE": False, "A_TMA": False,
+      "B_TMA": True, "B_KMAJOR": False, "TILE_M": 128, "PERSISTENT": False},
+     ["--config", "128,128,64,8,4", "--ones", "stride_bn", "--types", '{"b_desc": "tensordesc<bf16[64, 128]>"}']),
     ("prime_megamoe.kernels.grouped_gemm:grouped_wgrad_kernel",
-     {"DENSE_A": True, "USE_TMA": True, "NUM_SEGMENTS": 2, "SEGMENT_BLOCK": 2, "CAST_F32": False, "IEEE": False,
-      "GROUP_M": 8, "FLAT": True},
+     {"DENSE_A": True, "USE_TMA": True, "CAST_F32": False, "IEEE": False, "GROUP_M": 8},
      ["--config", "256,128,64,8,3", "--ones", "stride_cn", "--types", '{"d_desc": "tensordesc<bf16[64, 256]>"}']),
     ("prime_megamoe.kernels.grouped_gemm:grouped_wgrad_kernel",
-     {"d_desc": None, "DENSE_A": False, "USE_TMA": False, "NUM_SEGMENTS": 4, "SEGMENT_BLOCK": 4, "CAST_F32": False,
-      "IEEE": False, "GROUP_M": 8, "FLAT": False},
+     {"d_desc": None, "DENSE_A": False, "USE_TMA": False, "CAST_F32": False, "IEEE": False, "GROUP_M": 8},
      ["--config", "128,256,64,8,3", "--ones", "stride_cn"]),
 ]
 
 
 @pytest.mark.parametrize("kernel, constexprs, extra", COMPILES,
                          ids=["routing_keys", "routing_place_halves", "routing_place", "expert_ids", "combine_pairs",
-                              "fc1_one_dot", "wgrad_tma_flat", "wgrad_pointers"])
+                              "fc1_one_dot", "gemm_tma_both", "gemm_tma_weights", "wgrad_tma",
+                              "wgrad_pointers"])
 def test_kernel_compiles_for_hopper(kernel, constexprs, extra):
     rows = compile_for_hopper(kernel, constexprs, extra)
     assert all(0 < int(registers) <= 255 for _, registers, _, _ in rows), rows

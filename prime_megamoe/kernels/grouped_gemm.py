@@ -29,16 +29,23 @@ def _dot(a, b, acc, CAST_F32: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr):
-    """Expert, row indices and row mask of row block ``pid_m``. The tile list has TILE_M-row tiles; a program may
-    take BLOCK_M rows of one (BLOCK_M divides TILE_M): block ``pid_m`` is part ``pid_m % (TILE_M // BLOCK_M)`` of
-    tile ``pid_m // (TILE_M // BLOCK_M)``. Smaller blocks hold fewer accumulators, for configs that need the room."""
+def tile_span(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr):
+    """Expert, first row and the expert's row end of row block ``pid_m``. The tile list has TILE_M-row tiles; a
+    program may take BLOCK_M rows of one (BLOCK_M divides TILE_M): block ``pid_m`` is part ``pid_m % (TILE_M //
+    BLOCK_M)`` of tile ``pid_m // (TILE_M // BLOCK_M)``. Smaller blocks hold fewer accumulators, for configs that
+    need the room."""
     tl.static_assert(TILE_M % BLOCK_M == 0)
     PARTS: tl.constexpr = TILE_M // BLOCK_M
     tile = pid_m // PARTS
     expert = tl.load(tile_expert_ptr + tile)
     row_start = tl.load(tile_row_ptr + tile) + (pid_m % PARTS) * BLOCK_M
-    row_end = tl.load(expert_offsets_ptr + expert + 1)
+    return expert, row_start, tl.load(expert_offsets_ptr + expert + 1)
+
+
+@triton.jit
+def tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr):
+    """Expert, row indices and row mask of row block ``pid_m`` (see ``tile_span``)."""
+    expert, row_start, row_end = tile_span(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M, TILE_M)
     rows = row_start + tl.arange(0, BLOCK_M)
     return expert, rows, rows < row_end
 
@@ -138,29 +145,50 @@ def fc1_swiglu_kernel(
 # Plain grouped GEMM with optional row gather and optional per-row scale:
 #   C[r] = scale[r] * A[src[r] - row_base] @ B[e]     (B addressed by strides, so W or W^T both work)
 # Used for FC2 (A = SwiGLU output, scale = top-k weight) and the FC1 dgrad (A = d[gate, up], B = W1).
+# With A_TMA, an A that is not gathered is read by TMA in [BLOCK_M, BLOCK_K] boxes from its sorted rows (rows past the
+# expert's end are read and their output rows not stored); with B_TMA, B[e] is read by TMA from the weights viewed as
+# 2D: [E * N, K] boxes [BLOCK_N, BLOCK_K] when B_KMAJOR (B[e] = W[e]^T, K contiguous), else [E * K, N] boxes
+# [BLOCK_K, BLOCK_N]. A box past K or N reads zeros or a neighbouring expert's rows; those meet zero A columns (the
+# K tail) or land in output columns that are not stored (the N tail).
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _gemm_tile(
-    a_ptr, row_src_ptr, b_ptr, c_ptr, row_scale_ptr, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
-    pid_m, pid_n, N, K, row_base, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
+    a_desc, b_desc, a_ptr, row_src_ptr, b_ptr, c_ptr, row_scale_ptr, tile_expert_ptr, tile_row_ptr,
+    expert_offsets_ptr, pid_m, pid_n, N, K, row_base, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
     GATHER_A: tl.constexpr, SCALE_ROWS: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
+    A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_M: tl.constexpr,
 ):
-    expert, rows, row_mask = tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M, TILE_M)
+    expert, row_start, row_end = tile_span(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M, TILE_M)
+    rows = row_start + tl.arange(0, BLOCK_M)
+    row_mask = rows < row_end
     if GATHER_A:
         src = tl.load(row_src_ptr + rows, mask=row_mask, other=row_base).to(tl.int64) - row_base
     else:
         src = rows.to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = pid_n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + src[:, None] * stride_am + ks[None, :]
     b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bn
+    if B_KMAJOR:  # the expert's first row in the 2D view of the weights
+        b_row0 = expert * N
+    else:
+        b_row0 = expert * K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_mask = (k0 + ks) < K
-        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        if A_TMA:
+            a = a_desc.load([row_start, k0])
+        else:
+            a = tl.load(a_ptrs, mask=row_mask[:, None] & ((k0 + ks) < K)[None, :], other=0.0)
+        if B_TMA:
+            if B_KMAJOR:
+                b = tl.trans(b_desc.load([b_row0 + n0, k0]))
+            else:
+                b = b_desc.load([b_row0 + k0, n0])
+        else:
+            b = tl.load(b_ptrs, mask=((k0 + ks) < K)[:, None] & col_mask[None, :], other=0.0)
         acc = _dot(a, b, acc, CAST_F32, IEEE)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_bk
@@ -173,12 +201,12 @@ def _gemm_tile(
 @autotune(autotune_configs("gemm"), key=["N", "K", "M_BUCKET"])
 @triton.jit
 def grouped_gemm_kernel(
-    a_ptr, row_src_ptr, b_ptr, c_ptr, row_scale_ptr,
+    a_desc, b_desc, a_ptr, row_src_ptr, b_ptr, c_ptr, row_scale_ptr,
     tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
     N, K, M_BUCKET, NUM_SMS, row_base,
     stride_am, stride_be, stride_bk, stride_bn, stride_cm,
     GATHER_A: tl.constexpr, SCALE_ROWS: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
-    TILE_M: tl.constexpr,
+    A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_KMAJOR: tl.constexpr, TILE_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
     if PERSISTENT:
@@ -187,17 +215,19 @@ def grouped_gemm_kernel(
         num_n = tl.cdiv(N, BLOCK_N)
         total = tl.load(num_tiles_ptr) * (TILE_M // BLOCK_M) * num_n
         for work in tl.range(tl.program_id(0), total, NUM_SMS, flatten=True):
-            _gemm_tile(a_ptr, row_src_ptr, b_ptr, c_ptr, row_scale_ptr, tile_expert_ptr, tile_row_ptr,
-                       expert_offsets_ptr, work // num_n, work % num_n, N, K, row_base,
+            _gemm_tile(a_desc, b_desc, a_ptr, row_src_ptr, b_ptr, c_ptr, row_scale_ptr, tile_expert_ptr,
+                       tile_row_ptr, expert_offsets_ptr, work // num_n, work % num_n, N, K, row_base,
                        stride_am, stride_be, stride_bk, stride_bn, stride_cm,
-                       GATHER_A, SCALE_ROWS, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, TILE_M)
+                       GATHER_A, SCALE_ROWS, CAST_F32, IEEE, A_TMA, B_TMA, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K,
+                       TILE_M)
     else:
         pid_m = tl.program_id(1)
         if pid_m < tl.load(num_tiles_ptr) * (TILE_M // BLOCK_M):
-            _gemm_tile(a_ptr, row_src_ptr, b_ptr, c_ptr, row_scale_ptr, tile_expert_ptr, tile_row_ptr,
-                       expert_offsets_ptr, pid_m, tl.program_id(0), N, K, row_base,
+            _gemm_tile(a_desc, b_desc, a_ptr, row_src_ptr, b_ptr, c_ptr, row_scale_ptr, tile_expert_ptr,
+                       tile_row_ptr, expert_offsets_ptr, pid_m, tl.program_id(0), N, K, row_base,
                        stride_am, stride_be, stride_bk, stride_bn, stride_cm,
-                       GATHER_A, SCALE_ROWS, CAST_F32, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, TILE_M)
+                       GATHER_A, SCALE_ROWS, CAST_F32, IEEE, A_TMA, B_TMA, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K,
+                       TILE_M)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -246,23 +276,14 @@ def _wgrad_step(d_desc, d_ptr, g_ptr, rg, row, r_mask, d_cols, d_col_mask, d_col
         return _dot(tl.trans(g), d, acc, CAST_F32, IEEE)
 
 
-@triton.jit
-def _chunk_row(c, starts, first_chunk, seg_ids, BLOCK_K: tl.constexpr):
-    """First sorted row of whole chunk ``c`` of the expert's chunks over all segments (segment order)."""
-    seg = tl.sum((first_chunk <= c).to(tl.int32)) - 1
-    return tl.sum(tl.where(seg_ids == seg, starts + (c - first_chunk) * BLOCK_K, 0))
-
-
 @autotune(autotune_configs("wgrad"), key=["M", "N", "M_BUCKET"])
 @triton.jit
 def grouped_wgrad_kernel(
     d_desc, d_ptr, g_ptr, g_src_ptr, c_ptr, expert_offsets_ptr,
-    M, N, M_BUCKET, offsets_per_segment,
+    M, N, M_BUCKET, num_segments, offsets_per_segment,
     stride_dm, stride_gm, stride_ce, stride_cm, stride_cn,
-    DENSE_A: tl.constexpr, USE_TMA: tl.constexpr, NUM_SEGMENTS: tl.constexpr, SEGMENT_BLOCK: tl.constexpr,
-    CAST_F32: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLAT: tl.constexpr,
+    DENSE_A: tl.constexpr, USE_TMA: tl.constexpr, CAST_F32: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     expert = tl.program_id(1)
     pid_m, pid_n = wgrad_tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -278,50 +299,24 @@ def grouped_wgrad_kernel(
     all_rows = ks >= 0
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # Each segment's (source rank's) rows of the expert, in a fixed order: first the whole BLOCK_K chunks, with no
-    # row masks (a TMA copy cannot mask rows), then one masked chunk for the rest.
-    if FLAT:
-        # The whole chunks of every segment as one loop: the compiler's pipeline fills once per tile, not once per
-        # segment. The gathered operand's row ids are read one chunk ahead (see below).
-        seg_ids = tl.arange(0, SEGMENT_BLOCK)  # a power of two: lanes past NUM_SEGMENTS hold empty segments
-        real = seg_ids < NUM_SEGMENTS
-        starts = tl.load(expert_offsets_ptr + seg_ids * offsets_per_segment + expert, mask=real, other=0)
-        ends = tl.load(expert_offsets_ptr + seg_ids * offsets_per_segment + expert + 1, mask=real, other=0)
-        whole = (ends - starts) // BLOCK_K
-        first_chunk = tl.cumsum(whole, 0) - whole
-        num_chunks = tl.sum(whole)
-        row = _chunk_row(0, starts, first_chunk, seg_ids, BLOCK_K)
-        rg = tl.load(g_src_ptr + row + ks, mask=ks < num_chunks * BLOCK_K, other=0).to(tl.int64)
-        for c in range(0, num_chunks):
-            acc = _wgrad_step(d_desc, d_ptr, g_ptr, rg, row, all_rows, d_cols, d_col_mask, d_col0, g_cols,
+    # row masks (a TMA copy cannot mask rows), then one masked chunk for the rest. (One loop over every segment's
+    # whole chunks, so the pipeline fills once per tile, measured 2-10% slower: scripts/wgrad_probe.py history.)
+    for seg in range(0, num_segments):
+        start = tl.load(expert_offsets_ptr + seg * offsets_per_segment + expert)
+        end = tl.load(expert_offsets_ptr + seg * offsets_per_segment + expert + 1)
+        tail = end - (end - start) % BLOCK_K
+        rg = tl.load(g_src_ptr + start + ks, mask=start + ks < tail, other=0).to(tl.int64)
+        for k0 in range(start, tail, BLOCK_K):
+            acc = _wgrad_step(d_desc, d_ptr, g_ptr, rg, k0, all_rows, d_cols, d_col_mask, d_col0, g_cols,
                               g_col_mask, ks, acc, stride_dm, stride_gm, DENSE_A, USE_TMA, CAST_F32, IEEE)
-            row = _chunk_row(c + 1, starts, first_chunk, seg_ids, BLOCK_K)
-            rg = tl.load(g_src_ptr + row + ks, mask=ks < (num_chunks - c - 1) * BLOCK_K, other=0).to(tl.int64)
-        for seg in range(0, NUM_SEGMENTS):
-            start = tl.load(expert_offsets_ptr + seg * offsets_per_segment + expert)
-            end = tl.load(expert_offsets_ptr + seg * offsets_per_segment + expert + 1)
-            tail = end - (end - start) % BLOCK_K
-            if tail < end:
-                r_mask = tail + ks < end
-                rg = tl.load(g_src_ptr + tail + ks, mask=r_mask, other=0).to(tl.int64)
-                acc = _wgrad_step(d_desc, d_ptr, g_ptr, rg, tail, r_mask, d_cols, d_col_mask, d_col0, g_cols,
-                                  g_col_mask, ks, acc, stride_dm, stride_gm, DENSE_A, False, CAST_F32, IEEE)
-    else:
-        for seg in range(0, NUM_SEGMENTS):
-            start = tl.load(expert_offsets_ptr + seg * offsets_per_segment + expert)
-            end = tl.load(expert_offsets_ptr + seg * offsets_per_segment + expert + 1)
-            tail = end - (end - start) % BLOCK_K
-            rg = tl.load(g_src_ptr + start + ks, mask=start + ks < tail, other=0).to(tl.int64)
-            for k0 in range(start, tail, BLOCK_K):
-                acc = _wgrad_step(d_desc, d_ptr, g_ptr, rg, k0, all_rows, d_cols, d_col_mask, d_col0, g_cols,
-                                  g_col_mask, ks, acc, stride_dm, stride_gm, DENSE_A, USE_TMA, CAST_F32, IEEE)
-                # The next chunk's gathered row ids, read one chunk ahead: a row load whose address comes from a
-                # load of the same step leaves the compiler's software pipeline two buffers deep, waiting on every
-                # copy each step; with the ids carried over, the operand loads run several steps ahead.
-                rg = tl.load(g_src_ptr + k0 + BLOCK_K + ks, mask=k0 + BLOCK_K + ks < tail, other=0).to(tl.int64)
-            if tail < end:
-                r_mask = tail + ks < end
-                rg = tl.load(g_src_ptr + tail + ks, mask=r_mask, other=0).to(tl.int64)
-                acc = _wgrad_step(d_desc, d_ptr, g_ptr, rg, tail, r_mask, d_cols, d_col_mask, d_col0, g_cols,
-                                  g_col_mask, ks, acc, stride_dm, stride_gm, DENSE_A, False, CAST_F32, IEEE)
+            # The next chunk's gathered row ids, read one chunk ahead: a row load whose address comes from a
+            # load of the same step leaves the compiler's software pipeline two buffers deep, waiting on every
+            # copy each step; with the ids carried over, the operand loads run several steps ahead.
+            rg = tl.load(g_src_ptr + k0 + BLOCK_K + ks, mask=k0 + BLOCK_K + ks < tail, other=0).to(tl.int64)
+        if tail < end:
+            r_mask = tail + ks < end
+            rg = tl.load(g_src_ptr + tail + ks, mask=r_mask, other=0).to(tl.int64)
+            acc = _wgrad_step(d_desc, d_ptr, g_ptr, rg, tail, r_mask, d_cols, d_col_mask, d_col0, g_cols,
+                              g_col_mask, ks, acc, stride_dm, stride_gm, DENSE_A, False, CAST_F32, IEEE)
     c_ptrs = c_ptr + expert.to(tl.int64) * stride_ce + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])

@@ -78,9 +78,11 @@ def grouped_gemm(
     row_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     row_base: int = 0,
+    use_tma: bool | None = None,
 ) -> torch.Tensor:
     """C[r] = scale[r] * A[src[r] - row_base if gather else r] @ op(B[e]); op(B) = B[e]^T if transpose_b else B[e].
-    ``row_base`` (gather only): A holds source rows [row_base, row_base + len(A)), as in ``fc1_swiglu``."""
+    ``row_base`` (gather only): A holds source rows [row_base, row_base + len(A)), as in ``fc1_swiglu``.
+    ``use_tma``: read B, and A when it is not gathered, by TMA (default: where ``tma_readable``)."""
     if row_base and not gather:
         raise ValueError("grouped_gemm: row_base applies to gathered rows only (gather=True)")
     if transpose_b:  # B[e] is [N, K]
@@ -89,15 +91,29 @@ def grouped_gemm(
     else:  # B[e] is [K, N]
         k, n = b.shape[1], b.shape[2]
         stride_bk, stride_bn = b.stride(1), b.stride(2)
+    b_2d = b.view(-1, b.shape[2]) if b.is_contiguous() else None  # [E * N, K] (transpose_b) or [E * K, N]
+    if use_tma is None:
+        use_tma = b_2d is not None and tma_readable(b_2d) and (gather or tma_readable(a))
+    if use_tma and b_2d is None:
+        raise ValueError("grouped_gemm: use_tma needs contiguous weights")
+    # The descriptors' boxes are set per config by the autotuner's pre-launch hook (tuning.gemm_tma_boxes).
+    a_desc = _descriptor(a) if use_tma and not gather else None
+    b_desc = _descriptor(b_2d) if use_tma else None
     c = a.new_empty(plan.sorted_rows, n) if out is None else out
     num_sms = _num_sms(a.device)
     launch(grouped_gemm_kernel, _tile_grid(plan, n, num_sms),
-        a, plan.row_src, b, c, row_scale if row_scale is not None else plan.row_weight, *_tile_args(plan),
-        n, k, plan.num_pairs, num_sms, row_base,
+        a_desc, b_desc, a, plan.row_src, b, c, row_scale if row_scale is not None else plan.row_weight,
+        *_tile_args(plan), n, k, plan.num_pairs, num_sms, row_base,
         a.stride(0), b.stride(0), stride_bk, stride_bn, c.stride(0),
-        GATHER_A=gather, SCALE_ROWS=row_scale is not None, TILE_M=plan.tile_m, **_flags(a),
+        GATHER_A=gather, SCALE_ROWS=row_scale is not None, A_TMA=a_desc is not None, B_TMA=use_tma,
+        B_KMAJOR=transpose_b, TILE_M=plan.tile_m, **_flags(a),
     )
     return c
+
+
+def _descriptor(t: torch.Tensor) -> TensorDescriptor:
+    """A TMA descriptor over 2D ``t``; its box is set by the chosen config's pre-launch hook."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [16, 16])
 
 
 def dswiglu_buffers(dy: torch.Tensor, w2: torch.Tensor, plan: RoutingPlan):
@@ -160,15 +176,14 @@ def grouped_wgrad(
     if use_tma is None:
         use_tma = tma_readable(dense)
     # The descriptor's block shape is set per config by the autotuner's pre-launch hook (tuning.dense_chunk_shape).
-    desc = TensorDescriptor(dense, list(dense.shape), list(dense.stride()), [16, 16]) if use_tma else None
+    desc = _descriptor(dense) if use_tma else None
     m, n = a.shape[1], b.shape[1]
     grid = lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]), plan.num_local_experts)
     launch(grouped_wgrad_kernel, grid,
         desc, dense, gathered, plan.row_src, out, plan.expert_offsets,
-        m, n, plan.num_pairs, plan.num_local_experts + 1,
+        m, n, plan.num_pairs, plan.num_segments, plan.num_local_experts + 1,
         dense.stride(0), gathered.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        DENSE_A=not gather_a, USE_TMA=use_tma, NUM_SEGMENTS=plan.num_segments,
-        SEGMENT_BLOCK=next_power_of_2(plan.num_segments), **_flags(a),
+        DENSE_A=not gather_a, USE_TMA=use_tma, **_flags(a),
     )
     return out
 
