@@ -330,6 +330,16 @@ case "${1:-}" in
     (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 120 torchrun --nproc-per-node 2 gpu_check_ep.py)
     grep -h "PASS\|FAIL\|Error" "$LOGS/ep_check.log" | head -6
     ab16k ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad" >&2
+  s7tma)  # TMA reads in the grouped GEMM too: one-GPU tests (GPU 1) beside the grouped-GEMM TMA probe (GPU 0), the
+          # EP check, then this tree against ab_base/ (30B EP=2 T=16384, alternating)
+    CUDA_VISIBLE_DEVICES=1 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_gpu 240 python -m pytest -q tests/test_mega_moe_gpu.py \
+      tests/test_tile_blocks.py tests/test_validation.py -rA &
+    CUDA_VISIBLE_DEVICES=0 step gemm_probe 300 python scripts/gemm_tma_probe.py --experts 64 &
+    wait
+    tail -2 "$LOGS/pytest_gpu.log"; sed -n '/^best/,$p' "$LOGS/gemm_probe.log"; echo "rows where the paths differ: $(grep -c " False$" "$LOGS/gemm_probe.log")"
+    (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 120 torchrun --nproc-per-node 2 gpu_check_ep.py)
+    grep -h "PASS\|FAIL\|Error" "$LOGS/ep_check.log" | head -6
+    ab16k ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma" >&2
      exit 2 ;;
 esac
