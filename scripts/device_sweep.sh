@@ -340,6 +340,16 @@ case "${1:-}" in
     (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 120 torchrun --nproc-per-node 2 gpu_check_ep.py)
     grep -h "PASS\|FAIL\|Error" "$LOGS/ep_check.log" | head -6
     ab16k ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma" >&2
+  s7final)  # the record at the session's final code: 30B EP=2 (torch, both transports, T=4096/16384, profiled; back to
+            # back), the EP check, Qwen3-235B-A22B EP=2 T=16384
+    record30 300
+    for t in "$LOGS"/*T16384*symmetric_memory*.trace.json.gz; do python scripts/trace_stages.py "$t" > "$LOGS/stages.txt"; done
+    tail -3 "$LOGS/stages.txt"
+    (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 90 torchrun --nproc-per-node 2 gpu_check_ep.py)
+    grep -h "PASS\|FAIL\|Error" "$LOGS/ep_check.log" | head -6
+    step bench_235b 150 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-235b-a22b --tokens 16384 \
+      --transports symmetric_memory --iters 5 --warmup 2 --out "$LOGS/bench_235b.json"
+    tail -3 "$LOGS/bench_235b.log" ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final" >&2
      exit 2 ;;
 esac

@@ -104,7 +104,8 @@ class ExpertParallelExperts(torch.autograd.Function):
             else:
                 transport.wait_rows(s)
                 launch.fc1_swiglu(rows, w1, piece, save_h=need_grad, out=(h, a))
-            launch.grouped_gemm(a, w2, piece, transpose_b=True, row_scale=plan.row_weight, out=y)
+            # FC2 by pointer reads, as in expert_compute.unquantized_forward (TMA: no faster, more host time)
+            launch.grouped_gemm(a, w2, piece, transpose_b=True, row_scale=plan.row_weight, out=y, use_tma=False)
             if last:
                 launch.combine_rows(y, plan.segment(s).pair_pos, x.dtype,
                                     out=transport.partial_buffers(s)[ROW_RESULTS])
