@@ -350,6 +350,13 @@ case "${1:-}" in
     step bench_235b 150 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-235b-a22b --tokens 16384 \
       --transports symmetric_memory --iters 5 --warmup 2 --out "$LOGS/bench_235b.json"
     tail -3 "$LOGS/bench_235b.log" ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final" >&2
+  s7timeline)  # one forward + backward call's timeline (host issue vs stream reach, 30B EP=2 T=16384), then the tiny
+              # trainer on two GPUs (weight gradients and grouped GEMMs autotuned in the run, with TMA reads)
+    step timeline_grad 150 torchrun --nproc-per-node 2 scripts/call_timeline.py --grad --out "$LOGS/timeline_grad"
+    grep -h "call:" "$LOGS"/timeline_grad*.txt
+    step train_tiny 150 torchrun --nproc-per-node 2 -m prime_megamoe.train configs/tiny.toml --train.steps 10 \
+      --output-dir /tmp/tiny
+    tail -3 "$LOGS/train_tiny.log"; cp /tmp/tiny/metrics.jsonl "$LOGS/metrics_tiny.jsonl" ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline" >&2
      exit 2 ;;
 esac
