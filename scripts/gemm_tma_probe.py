@@ -59,7 +59,8 @@ def main():
                 a_desc = b_desc = None
                 if tma:
                     b_desc = _descriptor(b_2d)
-                    b_desc.block_shape = [kw["BLOCK_N"], kw["BLOCK_K"]] if transpose_b else [kw["BLOCK_K"], kw["BLOCK_N"]]
+                    bn, bk = kw["BLOCK_N"], kw["BLOCK_K"]
+                    b_desc.block_shape = [bn, bk] if transpose_b else [bk, bn]
                     if not gather:
                         a_desc = _descriptor(a)
                         a_desc.block_shape = [kw["BLOCK_M"], kw["BLOCK_K"]]

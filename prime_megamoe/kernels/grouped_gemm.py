@@ -300,7 +300,7 @@ def grouped_wgrad_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # Each segment's (source rank's) rows of the expert, in a fixed order: first the whole BLOCK_K chunks, with no
     # row masks (a TMA copy cannot mask rows), then one masked chunk for the rest. (One loop over every segment's
-    # whole chunks, so the pipeline fills once per tile, measured 2-10% slower: scripts/wgrad_probe.py history.)
+    # whole chunks, so the pipeline fills once per tile, measured 2-10% slower: benchmarks/results/wgrad_probe_s7.txt.)
     for seg in range(0, num_segments):
         start = tl.load(expert_offsets_ptr + seg * offsets_per_segment + expert)
         end = tl.load(expert_offsets_ptr + seg * offsets_per_segment + expert + 1)

@@ -2,8 +2,9 @@
 
 Row tiles of the expert-sorted GEMMs have a fixed height (``tile_m()``) because the device-side tile list is built
 for it; a config may give each program the whole tile or half of it (BLOCK_M = tile_m() / 2). Autotuning picks that,
-the other block sizes, warps and pipeline depth per shape, and Triton caches the choice on disk. Under the
-interpreter (CPU tests) one small configuration is used (tests launch the half-tile path explicitly).
+the other block sizes, warps and pipeline depth per shape, and Triton caches the choice on disk (not for configs with a
+pre-launch hook, the TMA ones: those are timed once per process). Under the interpreter (CPU tests) one small
+configuration is used (tests launch the half-tile path explicitly).
 """
 
 from __future__ import annotations
