@@ -120,7 +120,7 @@ def host_sections(step) -> list[str]:
     targets = [
         (functional, "check_expert_inputs"), (functional, "check_expert_ids"), (functional, "get_backend"),
         (mega_moe, "make_transport"), (mega_moe, "check_group_within_node"), (mega_moe, "expert_parallel_experts"),
-        (ep_pipeline, "reused_forward_plan"), (ep_pipeline, "fill_routing_plan"),
+        (ep_pipeline, "lease_forward_plan"), (ep_pipeline, "fill_routing_plan"),
         (ops_launch, "fc1_swiglu"), (ops_launch, "grouped_gemm"), (ops_launch, "combine_rows"),
         (ops_launch, "sum_blocks"), (ops_launch, "fc2_dgrad_dswiglu"), (ops_launch, "grouped_wgrad"),
         (ops_launch, "dswiglu_buffers"),

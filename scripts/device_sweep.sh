@@ -357,6 +357,16 @@ case "${1:-}" in
     step train_tiny 150 torchrun --nproc-per-node 2 -m prime_megamoe.train configs/tiny.toml --train.steps 10 \
       --output-dir /tmp/tiny
     tail -3 "$LOGS/train_tiny.log"; cp /tmp/tiny/metrics.jsonl "$LOGS/metrics_tiny.jsonl" ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline" >&2
+  s7lease)  # forward plans leased from a pool (no per-call clone): the EP check, then 30B EP=2 one call (T=4096 and
+            # 16384), back to back, one call again
+    (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 90 torchrun --nproc-per-node 2 gpu_check_ep.py)
+    grep -h "PASS\|FAIL\|Error" "$LOGS/ep_check.log" | head -6
+    for run in r1a r5 r1b; do
+      r=${run#r}; r=${r%[ab]}; tokens="16384"; [ "$run" = r1a ] && tokens="4096 16384"
+      step "bench_$run" 100 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens $tokens \
+        --transports symmetric_memory --backends mega_moe --repeat $r --iters 10 --warmup 3 --out "$LOGS/bench_$run.json"
+      tail -2 "$LOGS/bench_$run.log"
+    done ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease" >&2
      exit 2 ;;
 esac

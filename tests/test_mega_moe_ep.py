@@ -5,6 +5,7 @@ rule, the transport choice and the quantised precisions under EP."""
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -13,6 +14,7 @@ import torch.distributed as dist
 
 from prime_megamoe import DispatchConfig, fused_experts
 from prime_megamoe.comm.collectives import check_group_within_node
+from prime_megamoe.comm import transport as transport_registry
 from prime_megamoe.comm.transport import make_transport
 
 from .distributed import run_on_ranks
@@ -52,7 +54,47 @@ def _ep_body(rank, world, cases):
         results[(case.name, dtype_name)] = (first, all(torch.equal(a, b) for a, b in zip(first, again)))
         if (case, dtype_name) == cases[0]:
             results["interleaved"] = _interleaved_layers_match(args, first, case.experts)
+            results["plan_pool"] = _plan_pool_checks(args, case.experts)
     return results
+
+
+def _forward_plans() -> list[int]:
+    """Ids of the forward plans free in every transport's pool (``ep_pipeline.lease_forward_plan``)."""
+    return sorted(id(plan) for _, transport in transport_registry._TRANSPORTS.values()
+                  for key, pool in transport.reused.items() if key[0] == "forward_plans" for plan, _ in pool)
+
+
+def _plan_pool_checks(args, num_experts) -> dict:
+    """The forward's plans come from a pool per transport: a call whose graph is freed gives its plan back (the next
+    step allocates none), a graph that is alive holds its plan, and a graph kept with ``retain_graph`` keeps its plan
+    through other calls: its second backward adds exactly the first one's gradients again."""
+    x, index, weights, w1, w2, grad_out, group, capacity = args
+    opts = DispatchConfig(type="mega_moe", max_tokens_per_rank=capacity)
+    leaves, other = ([t.detach().clone().requires_grad_() for t in (x, weights, w1, w2)] for _ in range(2))
+
+    def call(tensors, idx=index):
+        return fused_experts(tensors[0], idx, tensors[1], tensors[2], tensors[3], dispatch=opts, group=group)
+
+    call(leaves).backward(grad_out)
+    gc.collect()
+    free = _forward_plans()
+    call(leaves).backward(grad_out)
+    gc.collect()
+    checks = {"reused": bool(free) and _forward_plans() == free}
+    held = call(leaves)
+    checks["held"] = len(_forward_plans()) == len(free) - 1
+    del held
+    gc.collect()
+    checks["returned"] = _forward_plans() == free
+    for t in leaves:
+        t.grad = None
+    out = call(leaves)
+    out.backward(grad_out, retain_graph=True)
+    once = [t.grad.clone() for t in leaves]
+    call(other, (index + 1) % num_experts).backward(grad_out)  # refills a free plan, not the held one
+    out.backward(grad_out)
+    checks["retained"] = all(torch.equal(t.grad, 2 * g) for t, g in zip(leaves, once))
+    return checks
 
 
 def _interleaved_layers_match(args, single, num_experts) -> bool:
@@ -88,6 +130,8 @@ def test_expert_parallel_mega_moe_matches_oracle(world, case, dtype_name):
     got = [r[(case.name, dtype_name)] for r in results_for(world)]
     assert all(bitwise for _, bitwise in got), "a repeated call gave different bits"
     assert all(r["interleaved"] for r in results_for(world)), "a second layer's forward changed the first's results"
+    pools = [r["plan_pool"] for r in results_for(world)]
+    assert all(all(p.values()) for p in pools), f"forward plan pool: {pools}"
     per = [res for res, _ in got]
     gathered = tuple(torch.cat([res[n] for res in per]) for n in range(5))
     assert_matches(gathered, oracle_with_grads(x, idx, w, w1, w2, g), TOL[dtype], f"mega_moe EP={world} {case.name}")

@@ -39,7 +39,7 @@ class Transport:
         self.rank = dist.get_rank(group)
         self.capacity = capacity
         self.timeout_s = timeout_s
-        # Buffers the layer keeps per transport and reuses round after round (``ep_pipeline.reused_forward_plan``)
+        # Buffers the layer keeps per transport and reuses round after round (``ep_pipeline.lease_forward_plan``)
         self.reused: dict = {}
 
     def source_order(self) -> list[int]:

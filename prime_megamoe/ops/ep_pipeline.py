@@ -18,11 +18,13 @@ backward  publish dy, pull the peers' (side stream) -> own block's first piece (
 
 Fixed orders everywhere (rank order for the sums, segment order inside each expert's weight-gradient reduction), so
 outputs and gradients are bitwise repeatable, and the same under every transport. What the forward saves: the
-gathered rows [W*C, H] (for the W1 weight gradient), h = x W1^T in sorted order, and a copy of the plan (the next
-call refills the plan itself, ``reused_forward_plan``); see ``expert_compute`` for why h and not a recompute.
+gathered rows [W*C, H] (for the W1 weight gradient), h = x W1^T in sorted order, and the plan itself, leased from
+the transport's pool until the graph is freed (``PlanLease``); see ``expert_compute`` for why h and not a recompute.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -48,29 +50,34 @@ def own_split(num_local: int) -> int:
     return num_local * 3 // 4
 
 
-def reused_forward_plan(transport: Transport, top_k: int, num_local: int, tile_m: int,
-                        device: torch.device) -> RoutingPlan:
-    """The forward's routing plan for this transport's rounds at these sizes, emptied for a new fill. It is
-    allocated once and refilled by every call, and the segment views it caches stay valid, so a call's path to its
-    first GEMM allocates no plan and (after the first call) builds no views; a call that keeps its plan for the backward keeps a clone. Calls on one
-    stream use it in turn; a call on another stream first waits for the stream of the last one."""
-    key = ("forward_plan", top_k, num_local, tile_m, str(device))
-    entry = transport.reused.get(key)
-    fresh = entry is None
-    if fresh:
+class PlanLease:
+    """A forward routing plan taken from its transport's pool. The plan goes back to the pool when the lease is
+    dropped: at the end of a call that keeps nothing for a backward, or when the autograd graph holding the lease is
+    freed (after its backward, or unused). A plan is therefore never refilled while a backward may still read it
+    (also one run with ``retain_graph``), and a model's layers reuse the same few plans step after step: no per-call
+    copy of the plan, and the segment views each plan caches stay valid for its forward and backward."""
+
+    def __init__(self, pool: list, plan: RoutingPlan, stream):
+        self.plan = plan
+        weakref.finalize(self, pool.append, (plan, stream))  # holds the pool and the plan, not the lease
+
+
+def lease_forward_plan(transport: Transport, top_k: int, num_local: int, tile_m: int,
+                       device: torch.device) -> PlanLease:
+    """A forward plan for this transport's rounds at these sizes, emptied for a new fill: a free one from the
+    transport's pool, else a new one. A plan last used on another stream is waited for (its stream) first."""
+    pool = transport.reused.setdefault(("forward_plans", top_k, num_local, tile_m, str(device)), [])
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    if pool:
+        plan, last_stream = pool.pop()
+        if stream is not None and last_stream is not None and last_stream != stream:
+            stream.wait_stream(last_stream)
+        plan.counts.zero_()
+    else:
         plan = allocate_routing_plan(transport.world * transport.capacity, top_k, num_local_experts=num_local,
                                      tile_m=tile_m, device=device, num_segments=transport.world,
                                      split_expert=own_split(num_local))
-        entry = transport.reused[key] = [plan, None]  # the plan, the stream of its last use
-    plan, last_stream = entry
-    if device.type == "cuda":
-        stream = torch.cuda.current_stream(device)
-        if last_stream is not None and last_stream != stream:
-            stream.wait_stream(last_stream)
-        entry[1] = stream
-    if not fresh:
-        plan.counts.zero_()
-    return plan
+    return PlanLease(pool, plan, stream)
 
 
 class ExpertParallelExperts(torch.autograd.Function):
@@ -82,7 +89,8 @@ class ExpertParallelExperts(torch.autograd.Function):
         num_local, inter, hidden = w1.shape[0], w1.shape[1] // 2, w1.shape[2]
         rank, capacity = transport.rank, transport.capacity
         rows = transport.start(x, (top_k_index, top_k_weights), (ROW_RESULTS,), top_k)
-        plan = reused_forward_plan(transport, top_k, num_local, tile_m, x.device)
+        lease = lease_forward_plan(transport, top_k, num_local, tile_m, x.device)
+        plan = lease.plan
         # The own block's plan needs only this rank's routing: its first GEMMs go out before the peers' routing is
         # waited for; the peers' plans follow, while the GPU computes the own block's first piece.
         fill_routing_plan(plan, *transport.routing(rank, 1), expert_base=rank * num_local, first_segment=rank)
@@ -113,7 +121,7 @@ class ExpertParallelExperts(torch.autograd.Function):
         out = launch.sum_blocks(transport.finish()[ROW_RESULTS], num_tokens, x.dtype)
         if need_grad:
             ctx.save_for_backward(rows, w1, w2, h)
-            ctx.plan, ctx.transport = plan.clone(), transport  # the next call refills this plan
+            ctx.plan, ctx.plan_lease, ctx.transport = plan, lease, transport  # held until the graph is freed
             ctx.weights_dtype = top_k_weights.dtype
         return out
 

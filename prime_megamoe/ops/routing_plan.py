@@ -99,13 +99,6 @@ class RoutingPlan:
             num_segments=1, sorted_rows=self.sorted_rows,
         )
 
-    def clone(self) -> "RoutingPlan":
-        """The filled plan in new memory (one allocation, one copy), for a caller that refills this one next."""
-        if self.storage is None:
-            raise ValueError("RoutingPlan.clone: a segment view has no storage of its own; clone the whole plan")
-        return _plan_over(self.storage.clone(), self.num_rows, self.top_k, self.num_local_experts, self.tile_m,
-                          self.num_segments, self.split_expert)
-
     def scratch(self, size: int) -> torch.Tensor:
         """int32 [size] working memory of a fill, kept with the plan (fills of one plan run one after another on a
         stream)."""
