@@ -125,3 +125,23 @@ def test_launch_metadata_is_built_only_for_a_launch_hook(kernel, monkeypatch):
     monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", hook)
     compiled_launch.launch(kernel, (2,), x, 48, 5, FLAG=True)
     assert compiled[0].hooked == (("metadata", (2,), 77), hook)
+
+
+def test_tensor_descriptors_pass_through_keyed_on_dtype_and_integer_classes(kernel):
+    # A TMA descriptor goes to the launcher as the object (the launcher fills the TMA descriptor from the compiled
+    # kernel's block shape and the tensor's address): another tensor or block shape of the same dtype and shape /
+    # stride classes reuses the compiled kernel; another dtype or a shape that changes class does not.
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def desc(t, block=(16, 16)):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
+
+    a, b = torch.zeros(64, 32), torch.zeros(128, 32)
+    first, same_class = desc(a), desc(b, (32, 16))
+    compiled_launch.launch(kernel, (1,), first, 48, 5, FLAG=True)
+    compiled_launch.launch(kernel, (1,), same_class, 48, 5, FLAG=True)
+    assert [entry[0] for entry in kernel.log] == ["first", "direct"]
+    assert kernel.log[1][3][0] is same_class
+    compiled_launch.launch(kernel, (1,), desc(a.double()), 48, 5, FLAG=True)
+    compiled_launch.launch(kernel, (1,), desc(torch.zeros(65, 32)), 48, 5, FLAG=True)  # 65 rows: not a multiple of 16
+    assert [entry[0] for entry in kernel.log] == ["first", "direct", "first", "first"]
