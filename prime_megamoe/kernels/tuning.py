@@ -77,14 +77,14 @@ def gemm_tma_boxes(nargs) -> None:
 def autotune_configs(kind: str) -> list[triton.Config]:
     """Candidates for one kernel family; evaluated when the module is imported (TRITON_INTERPRET is read then)."""
     if interpreting():
-        extra = {"PERSISTENT": True}
-        if kind == "wgrad":
-            extra = {"GROUP_M": 2, "pre_hook": dense_chunk_shape}
-        if kind == "gemm":
-            extra["pre_hook"] = gemm_tma_boxes
-        if kind == "fc1":
-            extra["ONE_DOT"] = False
-        return [_cfg(16, 16, 16, 1, 1, **extra)]
+        extra = {
+            "fc1": {"PERSISTENT": True, "ONE_DOT": False},
+            "gemm": {"PERSISTENT": True, "pre_hook": gemm_tma_boxes},
+            "wgrad": {"GROUP_M": 2, "pre_hook": dense_chunk_shape},
+        }
+        if kind not in extra:
+            raise ValueError(f"unknown kernel family {kind!r}")
+        return [_cfg(16, 16, 16, 1, 1, **extra[kind])]
     m = tile_m()
     h = m // 2  # half-tile programs (grouped_gemm.tile_rows): fewer accumulator registers, wider column blocks
     if kind == "fc1":  # gate and up per tile: two accumulators, or one twice as wide (ONE_DOT; at Qwen3-30B-A3B,
@@ -103,16 +103,10 @@ def autotune_configs(kind: str) -> list[triton.Config]:
             _cfg(m, 64, 64, 8, 4, PERSISTENT=False, ONE_DOT=True),
             _cfg(h, 128, 64, 4, 4, PERSISTENT=False, ONE_DOT=True),
         ]
-    if kind == "gemm":
-        hook = {"pre_hook": gemm_tma_boxes}
-        return [
-            _cfg(m, 128, 64, 8, 4, PERSISTENT=False, **hook),
-            _cfg(m, 256, 64, 8, 3, PERSISTENT=False, **hook),
-            _cfg(m, 128, 64, 8, 4, PERSISTENT=True, **hook),
-            _cfg(m, 256, 64, 8, 3, PERSISTENT=True, **hook),
-            _cfg(m, 64, 64, 4, 5, PERSISTENT=False, **hook),
-            _cfg(h, 256, 64, 4, 4, PERSISTENT=False, **hook),
-        ]
+    if kind == "gemm":  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, persistent)
+        tiles = ((m, 128, 64, 8, 4, False), (m, 256, 64, 8, 3, False), (m, 128, 64, 8, 4, True),
+                 (m, 256, 64, 8, 3, True), (m, 64, 64, 4, 5, False), (h, 256, 64, 4, 4, False))
+        return [_cfg(*t, PERSISTENT=persistent, pre_hook=gemm_tma_boxes) for *t, persistent in tiles]
     if kind == "wgrad":
         # At Qwen3-30B-A3B, T = 16384, an EP=2 rank's rows (scripts/wgrad_probe.py, wgrad_probe_s7.txt), with the
         # sorted operand read by TMA: 256 x 128 leads for dW1 and 128 x 256 for dW2 (the sorted operand on the wide

@@ -69,6 +69,12 @@ def _current_stream(device: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device)  # what Triton's own launches use
 
 
+def _int_class(v: int) -> int:
+    """An integer's specialisation class: 8 + (== 1, divisible by 16, 32-bit) as bits, never equal to a bool or None
+    in the same position of a key."""
+    return 8 | (v == 1) | (not v & 15) << 1 | (_I32[0] <= v < _I32[1]) << 2
+
+
 def _key(kernel, args, constexprs, device: int) -> tuple[tuple, list]:
     """(cache key, argument values for the launcher): tensors go to the launcher as their addresses, which it takes
     as they are; given a tensor it would call ``data_ptr`` and check the address with the driver, per argument and
@@ -82,9 +88,7 @@ def _key(kernel, args, constexprs, device: int) -> tuple[tuple, list]:
         if kind is bool or a is None:
             append(a)
         elif kind is int or isinstance(a, int):
-            # exact (autotuning key): the value; otherwise 8 + (== 1, divisible by 16, 32-bit) as bits, never equal
-            # to a bool or None of the same position
-            append(a if i in exact else 8 | (a == 1) | (not a & 15) << 1 | (_I32[0] <= a < _I32[1]) << 2)
+            append(a if i in exact else _int_class(a))  # exact (autotuning key): the value
         elif isinstance(a, torch.Tensor):
             ptr = a.data_ptr()
             values[i] = ptr
@@ -99,7 +103,7 @@ def _key(kernel, args, constexprs, device: int) -> tuple[tuple, list]:
             append(getattr(a, "padding", None))  # (fields of newer Triton versions)
             append(getattr(a, "round_f32_to_tf32", None))
             for v in (*a.shape, *a.strides):
-                append(8 | (v == 1) | (not v & 15) << 1 | (_I32[0] <= v < _I32[1]) << 2)
+                append(_int_class(v))
         else:
             raise TypeError(f"launch: argument {names[i]} of {names} has unsupported type {kind.__name__}")
     parts.extend(constexprs.items())  # keyword order is a call site's own: another order is only another entry

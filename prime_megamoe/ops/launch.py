@@ -19,12 +19,16 @@ from .sizes import cdiv, next_power_of_2
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _cuda_properties(device).multi_processor_count
+
+
+def _cuda_properties(device: torch.device):
+    return _cuda_properties_at(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
-def _cuda_sm_count(index: int) -> int:  # asked on every launch: keep it off the host's hot path
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _cuda_properties_at(index: int):  # asked on every launch: keep it off the host's hot path
+    return torch.cuda.get_device_properties(index)
 
 
 def _flags(t: torch.Tensor) -> dict:
@@ -150,13 +154,8 @@ def tma_readable(t: torch.Tensor) -> bool:
     the layer runs the pointer path there and tests choose either."""
     if t.device.type != "cuda" or tuning.interpreting() or t.dim() != 2 or t.stride(1) != 1:
         return False
-    return (_cuda_capability(t.device.index if t.device.index is not None else torch.cuda.current_device())[0] >= 9
-            and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0)
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    return (_cuda_properties(t.device).major >= 9 and t.data_ptr() % 16 == 0
+            and (t.stride(0) * t.element_size()) % 16 == 0)
 
 
 def grouped_wgrad(

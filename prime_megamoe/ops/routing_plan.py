@@ -49,8 +49,6 @@ class RoutingPlan:
     half_num_tiles: torch.Tensor | None = None
     # [S * E_local] int32: local pairs per (segment, expert), as the plan's kernels count them
     counts: torch.Tensor | None = field(default=None, repr=False)
-    # The int32 buffer every part above is a view of (``allocate_routing_plan``); None for a segment view
-    storage: torch.Tensor | None = field(default=None, repr=False)
     _views: dict = field(default_factory=dict, repr=False, compare=False)  # segment views made so far
     _scratch: torch.Tensor | None = field(default=None, repr=False, compare=False)  # the fills' keys and counts
 
@@ -129,7 +127,24 @@ def allocate_routing_plan(
         raise ValueError(f"{num_rows} source rows do not split into {num_segments} equal segments")
     if split_expert is not None and not 0 <= split_expert <= num_local_experts:
         raise ValueError(f"split_expert = {split_expert} is outside [0, {num_local_experts}]")
-    plan = _plan_over(None, num_rows, top_k, num_local_experts, tile_m, num_segments, split_expert, device)
+    layout, total = _plan_layout(num_rows, top_k, num_local_experts, tile_m, num_segments, split_expert)
+    storage = torch.empty(total, dtype=torch.int32, device=device)  # every part is a view of this one buffer
+
+    def part(name):
+        first, size = layout[name]
+        return storage[first : first + size]
+
+    plan = RoutingPlan(
+        num_rows=num_rows, top_k=top_k, num_local_experts=num_local_experts, tile_m=tile_m,
+        expert_offsets=part("expert_offsets"), row_src=part("row_src"),
+        row_weight=part("row_weight").view(torch.float32), pair_pos=part("pair_pos").view(num_rows, top_k),
+        tile_expert=part("tile_expert"), tile_row=part("tile_row"), num_tiles=part("num_tiles"),
+        num_segments=num_segments, counts=part("counts"),
+    )
+    if split_expert is not None:
+        plan.split_expert = split_expert
+        plan.half_tile_expert, plan.half_tile_row = part("half_tile_expert"), part("half_tile_row")
+        plan.half_num_tiles = part("half_num_tiles").view(num_segments, 2)
     plan.counts.zero_()
     return plan
 
@@ -154,31 +169,6 @@ def _plan_layout(num_rows, top_k, num_local, tile_m, num_segments, split_expert)
         layout[name] = (total, size)
         total += -(-size // _PART_ALIGN) * _PART_ALIGN
     return layout, total
-
-
-def _plan_over(storage, num_rows, top_k, num_local, tile_m, num_segments, split_expert, device=None) -> RoutingPlan:
-    """The plan whose parts are views of ``storage`` (laid out by ``_plan_layout``; a new buffer on ``device`` when
-    None)."""
-    layout, total = _plan_layout(num_rows, top_k, num_local, tile_m, num_segments, split_expert)
-    if storage is None:
-        storage = torch.empty(total, dtype=torch.int32, device=device)
-
-    def part(name):
-        first, size = layout[name]
-        return storage[first : first + size]
-
-    plan = RoutingPlan(
-        num_rows=num_rows, top_k=top_k, num_local_experts=num_local, tile_m=tile_m,
-        expert_offsets=part("expert_offsets"), row_src=part("row_src"),
-        row_weight=part("row_weight").view(torch.float32), pair_pos=part("pair_pos").view(num_rows, top_k),
-        tile_expert=part("tile_expert"), tile_row=part("tile_row"), num_tiles=part("num_tiles"),
-        num_segments=num_segments, counts=part("counts"), storage=storage,
-    )
-    if split_expert is not None:
-        plan.split_expert = split_expert
-        plan.half_tile_expert, plan.half_tile_row = part("half_tile_expert"), part("half_tile_row")
-        plan.half_num_tiles = part("half_num_tiles").view(num_segments, 2)
-    return plan
 
 
 ROUTING_CHUNK = 1024  # pairs per program of the routing kernels
