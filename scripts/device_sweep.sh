@@ -367,6 +367,13 @@ case "${1:-}" in
         --transports symmetric_memory --backends mega_moe --repeat $r --iters 10 --warmup 3 --out "$LOGS/bench_$run.json"
       tail -2 "$LOGS/bench_$run.log"
     done ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease" >&2
+  s8record)  # the record at a new session's starting code: 30B EP=2 (torch, both transports, T=4096/16384, profiled;
+             # back to back), its stage timeline, the EP check
+    record30 300
+    for t in "$LOGS"/*T16384*symmetric_memory*.trace.json.gz; do python scripts/trace_stages.py "$t" > "$LOGS/stages.txt"; done
+    tail -3 "$LOGS/stages.txt"
+    (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 90 torchrun --nproc-per-node 2 gpu_check_ep.py)
+    grep -h "PASS\|FAIL\|Error" "$LOGS/ep_check.log" | head -6 ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record" >&2
      exit 2 ;;
 esac
