@@ -1,6 +1,7 @@
 """When the host issued each kernel of one layer call, and when its stream reached it.
 
     torchrun --nproc-per-node 2 scripts/call_timeline.py --shape qwen3-30b-a3b --tokens 16384 [--grad] [--profiler]
+        [--repeat K]
 
 After warm-up, every rank synchronises, passes a barrier and makes one call (the no-grad forward, or with --grad a
 forward + backward), timed as the benchmark times a call (CUDA events from just before it).
@@ -68,7 +69,7 @@ def timeline(trace_path: str) -> list[str]:
     return lines
 
 
-def event_timeline(step) -> list[str]:
+def event_timeline(step, repeat: int = 1) -> list[str]:
     marks = []
 
     def launch(kernel, grid, *args, **constexprs):
@@ -83,7 +84,13 @@ def event_timeline(step) -> list[str]:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     began = time.perf_counter()
-    step()
+    for i in range(repeat):
+        if repeat > 1:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            marks.append((time.perf_counter(), event, torch.cuda.current_stream().stream_id,
+                          f"-- call {i} of {repeat} back to back"))
+        step()
     host_done = time.perf_counter()
     end.record()
     end.synchronize()
@@ -154,6 +161,8 @@ def main():
     p.add_argument("--grad", action="store_true")
     p.add_argument("--profiler", action="store_true", help="torch.profiler timeline instead of launch events")
     p.add_argument("--host-sections", action="store_true", help="host time per step of the call, no CUDA events")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="calls issued back to back per timeline (as the benchmark's --repeat); events only")
     p.add_argument("--out", default=None, help="write each rank's timeline to OUT.rankN.txt as well")
     args = p.parse_args()
     group = torchrun_group()
@@ -179,7 +188,7 @@ def main():
             torch.cuda.synchronize()
             if group is not None:
                 dist.barrier(group)
-            lines += [f"call {i}"] + (host_sections(step) if args.host_sections else event_timeline(step))
+            lines += [f"call {i}"] + (host_sections(step) if args.host_sections else event_timeline(step, args.repeat))
     text = "\n".join(f"rank {rank} {line}" for line in lines)
     print(text, flush=True)
     if args.out:

@@ -374,6 +374,16 @@ case "${1:-}" in
     tail -3 "$LOGS/stages.txt"
     (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 90 torchrun --nproc-per-node 2 gpu_check_ep.py)
     grep -h "PASS\|FAIL\|Error" "$LOGS/ep_check.log" | head -6 ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record" >&2
+  s8timeline)  # where one forward + backward loses GPU time: the machine's CPUs, one-call and back-to-back timelines
+               # from launch events (30B EP=2 T=16384), host time per step of one forward + backward
+    (nproc; lscpu | grep -i "numa\|model name\|socket"; cat /sys/fs/cgroup/cpu.max 2>/dev/null; nvidia-smi topo -m) \
+      > "$LOGS/cpus.txt" 2>&1; cat "$LOGS/cpus.txt"
+    step timeline_grad 120 torchrun --nproc-per-node 2 scripts/call_timeline.py --grad --out "$LOGS/timeline_grad"
+    step timeline_grad_r5 120 torchrun --nproc-per-node 2 scripts/call_timeline.py --grad --repeat 5 \
+      --out "$LOGS/timeline_grad_r5"
+    step sections_grad 90 torchrun --nproc-per-node 2 scripts/call_timeline.py --host-sections --grad \
+      --out "$LOGS/sections_grad"
+    grep -h "call:" "$LOGS"/timeline_grad*.txt "$LOGS"/sections_grad*.txt ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline" >&2
      exit 2 ;;
 esac
