@@ -134,7 +134,7 @@ def host_sections(step) -> list[str]:
         (SymmetricMemoryTransport, "start"), (SymmetricMemoryTransport, "_pull"),
         (SymmetricMemoryTransport, "routing"), (SymmetricMemoryTransport, "wait_rows"),
         (SymmetricMemoryTransport, "partial_buffers"), (SymmetricMemoryTransport, "send"),
-        (SymmetricMemoryTransport, "finish"), (RoutingPlan, "segment"), (RoutingPlan, "clone"),
+        (SymmetricMemoryTransport, "finish"), (RoutingPlan, "segment"),
     ]
     saved = [(obj, attr, getattr(obj, attr)) for obj, attr in targets]
     for obj, attr, fn in saved:

@@ -14,10 +14,11 @@ rank). Each rank's part, with W ranks and capacity C:
 A round on rank r (see ``comm.transport``), with streams `compute` (the caller's) and `comm` (a side stream):
 - start: record an event (what `comm` must wait for before it touches the block). A block of fewer than C rows
   has its routing padded into the workspace here (compute); a full block's own plan reads the caller's routing.
-- publish (at the first use of the own rows or of a peer's, or at ``exchange_now``): on `comm`, copy the own block
-  into a local [W*C, H] buffer (copy engines, no SMs; an event), then block and routing into the workspace, and flag
-  channel 0 on every peer. The forward reads its own tokens straight from the caller's tensor, so its first GEMMs go
-  out before any of this; the backward calls ``exchange_now`` first (it is not host-bound).
+- publish (at the first use of the own rows or of a peer's, or at ``publish_now`` / ``exchange_now``): on `comm`,
+  copy block and routing into the workspace, flag channel 0 on every peer, then copy the own block into a local
+  [W*C, H] buffer (copy engines, no SMs; an event). The forward reads its own tokens straight from the caller's
+  tensor, so its first GEMMs go out before any of this; the backward publishes first and pulls once its first GEMM
+  is queued.
 - pull (at the first use of a peer's routing or rows, or at ``exchange_now``): publish, then `comm` waits for every
   peer's flag and copies each peer's block into the local buffer, an event per block. Forward: the peers' plans wait
   for the flags too and read their routing (a few kB) in place, while compute is busy with the own block.
@@ -184,9 +185,6 @@ class SymmetricMemoryTransport(Transport):
         comm.wait_event(self._ready)
         block.record_stream(comm)  # read on comm: its memory must outlive that read even if the caller drops it
         with torch.cuda.stream(comm):
-            self._rows[rank * c : rank * c + block.shape[0]].copy_(block)
-            self._arrived[rank] = torch.cuda.Event()
-            self._arrived[rank].record(comm)
             ws.local["rows"][: block.shape[0]].copy_(block)
             if self._routing is not None:
                 for name, t in zip(("index", "weights"), self._routing):
@@ -194,6 +192,10 @@ class SymmetricMemoryTransport(Transport):
                     ws.local[name].copy_(t)  # copy_ converts to int32 / fp32
             for peer in self._peers():
                 ws.signal(peer, PUBLISHED, self.round)
+            # The own copy among the gathered rows after the flags: the peers need not wait for it.
+            self._rows[rank * c : rank * c + block.shape[0]].copy_(block)
+            self._arrived[rank] = torch.cuda.Event()
+            self._arrived[rank].record(comm)
         self._block = None
 
     def _pull(self) -> None:
@@ -226,6 +228,9 @@ class SymmetricMemoryTransport(Transport):
 
     def _peers(self) -> list[int]:
         return [q for q in self.source_order() if q != self.rank]
+
+    def publish_now(self):
+        self._publish()
 
     def exchange_now(self):
         self._pull()

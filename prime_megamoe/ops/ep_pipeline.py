@@ -11,7 +11,8 @@ forward   plan the own block (own routing only) -> own block's first expert piec
           x, pull and plan the peers' blocks (their routing) -> per piece: [wait block s] FC1+SwiGLU, FC2; once a
           source is complete: combine into s's result block, send -> each rank sums the W result blocks of its
           tokens in rank order (fp32)
-backward  publish dy, pull the peers' (side stream) -> own block's first piece (read from dy itself) -> per piece:
+backward  publish dy (side stream) -> own block's first piece (read from dy itself; the pull of the peers' blocks
+          queued after its first GEMMs) -> per piece:
           [wait block s] FC2 dgrad+dSwiGLU, FC1 dgrad; once a source is complete: combine into s's dx block and its
           top-k weight gradients, send -> weight gradients over all segments (local, while results travel) -> each
           rank sums its W dx blocks in rank order
@@ -134,9 +135,11 @@ class ExpertParallelExperts(torch.autograd.Function):
         kinds = (ROW_RESULTS, PAIR_RESULTS)
         own_dy = grad_out.to(rows.dtype).contiguous()  # the own pieces read it row by row
         dy = transport.start(own_dy, None, kinds, plan.top_k)
-        # Publish and pull before the own GEMMs are queued: the side stream's flag kernels need an SM, and queued
-        # behind the own piece they held the peers' blocks back by a whole GEMM (the backward is not host-bound).
-        transport.exchange_now()
+        # Publish before the own GEMMs are queued: the side stream's flag kernel needs an SM, and queued behind the
+        # own piece it held the peers' blocks back by a whole GEMM. The pull (a wait kernel and the copies) follows
+        # the own first GEMMs: its host time would delay them where the GPU waits for the host (a single call), and
+        # the peers' blocks are needed only after the own piece.
+        transport.publish_now()
         buffers = launch.dswiglu_buffers(dy, w2, plan)
         _, dh, aw, dw_row = buffers
         dx_sorted = dy.new_empty(plan.sorted_rows, dy.shape[1])
@@ -144,6 +147,8 @@ class ExpertParallelExperts(torch.autograd.Function):
             piece = plan.segment(s, half)
             if s == rank:  # straight from the caller's gradient, as the forward reads its tokens: no wait
                 launch.fc2_dgrad_dswiglu(own_dy, w2, h, piece, out=buffers, row_base=rank * capacity)
+                if first:
+                    transport.exchange_now()
             else:
                 if first:
                     transport.wait_rows(s)
