@@ -392,6 +392,16 @@ case "${1:-}" in
     step sections_grad 90 torchrun --nproc-per-node 2 scripts/call_timeline.py --host-sections --grad \
       --out "$LOGS/sections_grad"
     grep -h "call:" "$LOGS"/sections_grad*.txt ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull" >&2
+  s8memop)  # flags set by stream write-value operations, the backward's exchange after its first GEMMs: the EP check
+            # (both transports, bitwise), the missing-peer timeout, this tree against ab_base/ (30B EP=2 T=16384,
+            # alternating), one forward + backward call's timeline
+    (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 90 torchrun --nproc-per-node 2 gpu_check_ep.py)
+    grep -h "PASS\|FAIL\|Error" "$LOGS/ep_check.log" | head -6
+    (cd scripts && step timeout_check 90 torchrun --nproc-per-node 2 gpu_check_timeout.py)
+    tail -3 "$LOGS/timeout_check.log"
+    ab16k
+    step timeline_grad 120 torchrun --nproc-per-node 2 scripts/call_timeline.py --grad --out "$LOGS/timeline_grad"
+    grep -h "call:" "$LOGS"/timeline_grad*.txt ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop" >&2
      exit 2 ;;
 esac

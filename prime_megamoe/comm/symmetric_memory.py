@@ -14,15 +14,15 @@ rank). Each rank's part, with W ranks and capacity C:
 A round on rank r (see ``comm.transport``), with streams `compute` (the caller's) and `comm` (a side stream):
 - start: record an event (what `comm` must wait for before it touches the block). A block of fewer than C rows
   has its routing padded into the workspace here (compute); a full block's own plan reads the caller's routing.
-- publish (at the first use of the own rows or of a peer's, or at ``publish_now`` / ``exchange_now``): on `comm`,
+- publish (at the first use of the own rows or of a peer's, or at ``exchange_now``): on `comm`,
   copy block and routing into the workspace, flag channel 0 on every peer, then copy the own block into a local
   [W*C, H] buffer (copy engines, no SMs; an event). The forward reads its own tokens straight from the caller's
-  tensor, so its first GEMMs go out before any of this; the backward publishes first and pulls once its first GEMM
-  is queued.
+  tensor, so its first GEMMs go out before any of this; so does the backward (``exchange_now`` after them).
 - pull (at the first use of a peer's routing or rows, or at ``exchange_now``): publish, then `comm` waits for every
   peer's flag and copies each peer's block into the local buffer, an event per block. Forward: the peers' plans wait
   for the flags too and read their routing (a few kB) in place, while compute is busy with the own block.
-  `comm` has high priority, so its flag kernels take the first free SM rather than queue behind a GEMM's blocks.
+  `comm` has high priority, so its wait kernel takes the first free SM rather than queue behind a GEMM's blocks
+  (flags are set by stream memory operations, which need no SM).
 - send(s): results for rank s's tokens go straight into rank r's own slot when s = r; otherwise into a staging
   buffer that `comm` copies into rank s's slot r, then flags channel 1 on rank s.
 - finish: wait (compute) for channel 1 from every peer, then return the slots; the caller sums them in rank order.
@@ -41,7 +41,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..kernels.signals import signal_flag_kernel, wait_flags_kernel
+from ..kernels.signals import wait_flags_kernel
 from ..ops.compiled_launch import launch
 from .transport import PAIR_RESULTS, ROW_RESULTS, Transport
 
@@ -87,12 +87,11 @@ class SymmetricWorkspace:
 
         self.views = [{name: view(peer, name) for name in regions} for peer in range(world)]
         self.local = self.views[rank]
-        # This rank's flag on each peer, per channel (what ``signal`` writes), made once: views cost host time.
-        self.own_flags = [[self.views[peer]["flags"][channel, rank:] for channel in (PUBLISHED, RETURNED)]
-                          for peer in range(world)]
+        # Each peer's flags as flat 32-bit words (what ``signal`` writes into), made once: views cost host time.
+        self.flag_words = [self.views[peer]["flags"].view(torch.uint32).view(-1) for peer in range(world)]
         self.round = 0
-        # High priority: the flag kernels on this stream get an SM as soon as one frees up, instead of queueing
-        # behind every block of a GEMM launched before them (which held a peer's block back by a whole GEMM).
+        # High priority: the wait kernel on this stream gets an SM as soon as one frees up, instead of queueing
+        # behind every block of a GEMM launched before it (which held a peer's block back by a whole GEMM).
         self.comm_stream = torch.cuda.Stream(device=device, priority=-1)
         self.last_stream: torch.cuda.Stream | None = None  # the stream the last round computed on
         log.info(
@@ -101,8 +100,10 @@ class SymmetricWorkspace:
         )
 
     def signal(self, peer: int, channel: int, value: int) -> None:
-        """Set flag (channel, this rank) on ``peer`` to ``value`` once this stream's earlier work is done."""
-        launch(signal_flag_kernel, (1,), self.own_flags[peer][channel], value, num_warps=1)
+        """Set flag (channel, this rank) on ``peer`` to ``value`` once this stream's earlier work is done: a stream
+        memory operation (the driver's write-value, with a system-scope fence before the write), so it needs no SM and
+        never queues behind the GEMMs' blocks as a kernel would."""
+        torch.ops.symm_mem.stream_write_value32_(self.flag_words[peer], channel * self.world + self.rank, value)
 
     def wait(self, channel: int, value: int, timeout_s: float) -> None:
         """Hold this stream until every peer has set its flag on ``channel`` to ``value`` or more."""
@@ -228,9 +229,6 @@ class SymmetricMemoryTransport(Transport):
 
     def _peers(self) -> list[int]:
         return [q for q in self.source_order() if q != self.rank]
-
-    def publish_now(self):
-        self._publish()
 
     def exchange_now(self):
         self._pull()

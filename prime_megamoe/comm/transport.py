@@ -63,11 +63,6 @@ class Transport:
     def wait_rows(self, source: int) -> None:
         raise NotImplementedError
 
-    def publish_now(self) -> None:
-        """Publish this rank's block now, on the side, without making the caller's stream wait (a transport may
-        otherwise do it at the first use of a block); the peers' blocks come in later (``exchange_now``)."""
-        raise NotImplementedError
-
     def exchange_now(self) -> None:
         """Publish this rank's block and start bringing in the peers' now, on the side, without making the caller's
         stream wait (a transport may otherwise do it at the first use of a peer's block)."""
@@ -109,9 +104,6 @@ class CollectiveTransport(Transport):
         return tuple(t[first * c : (first + count) * c] for t in self._routing)
 
     def wait_rows(self, source):
-        pass  # the all_gather has completed
-
-    def publish_now(self):
         pass  # the all_gather has completed
 
     def exchange_now(self):

@@ -1,8 +1,8 @@
 """Device-side flags between the GPUs of an expert-parallel group (symmetric memory; CUDA only).
 
 A flag holds the number of the last exchange round whose block it announces. Rounds only grow, so flags are never
-reset (no reset can race a late reader): a writer stores the round number with release semantics at system scope
-after the block it announces has landed; a reader spins with acquire semantics at system scope until the flag
+reset (no reset can race a late reader): a writer stores the round number after the block it announces has landed,
+with a system-scope fence before the store (a stream write-value operation, ``comm.symmetric_memory``); a reader spins with acquire semantics at system scope until the flag
 reaches the round it needs. A reader that waits longer than its timeout prints who it was waiting for and traps,
 which turns into a CUDA error on the host: an error, never a hang.
 """
@@ -16,12 +16,6 @@ import triton.language as tl
 @triton.jit
 def _now_ns():
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-
-
-@triton.jit
-def signal_flag_kernel(flag_ptr, value):
-    """flag = value, released at system scope: everything this stream wrote before is visible to the flag's GPU."""
-    tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
 
 
 @triton.jit

@@ -11,8 +11,8 @@ forward   plan the own block (own routing only) -> own block's first expert piec
           x, pull and plan the peers' blocks (their routing) -> per piece: [wait block s] FC1+SwiGLU, FC2; once a
           source is complete: combine into s's result block, send -> each rank sums the W result blocks of its
           tokens in rank order (fp32)
-backward  publish dy (side stream) -> own block's first piece (read from dy itself; the pull of the peers' blocks
-          queued after its first GEMMs) -> per piece:
+backward  own block's first piece (read from dy itself; publishing dy and pulling the peers' blocks on the side
+          stream are queued after its first GEMMs) -> per piece:
           [wait block s] FC2 dgrad+dSwiGLU, FC1 dgrad; once a source is complete: combine into s's dx block and its
           top-k weight gradients, send -> weight gradients over all segments (local, while results travel) -> each
           rank sums its W dx blocks in rank order
@@ -135,11 +135,6 @@ class ExpertParallelExperts(torch.autograd.Function):
         kinds = (ROW_RESULTS, PAIR_RESULTS)
         own_dy = grad_out.to(rows.dtype).contiguous()  # the own pieces read it row by row
         dy = transport.start(own_dy, None, kinds, plan.top_k)
-        # Publish before the own GEMMs are queued: the side stream's flag kernel needs an SM, and queued behind the
-        # own piece it held the peers' blocks back by a whole GEMM. The pull (a wait kernel and the copies) follows
-        # the own first GEMMs: its host time would delay them where the GPU waits for the host (a single call), and
-        # the peers' blocks are needed only after the own piece.
-        transport.publish_now()
         buffers = launch.dswiglu_buffers(dy, w2, plan)
         _, dh, aw, dw_row = buffers
         dx_sorted = dy.new_empty(plan.sorted_rows, dy.shape[1])
@@ -148,6 +143,11 @@ class ExpertParallelExperts(torch.autograd.Function):
             if s == rank:  # straight from the caller's gradient, as the forward reads its tokens: no wait
                 launch.fc2_dgrad_dswiglu(own_dy, w2, h, piece, out=buffers, row_base=rank * capacity)
                 if first:
+                    # Publish and pull once the own first GEMMs are queued: a single call reaches its backward with
+                    # the GPU about to go idle, and the exchange's host time (~0.3 ms on a slow host) would come
+                    # first. The side stream's wait kernel then waits for an SM behind this GEMM (~0.3 ms at
+                    # Qwen3-30B-A3B, T = 16384; the flags it waits for are set without one): the peers' blocks are
+                    # first read after the whole own piece (~0.9 ms).
                     transport.exchange_now()
             else:
                 if first:
