@@ -402,6 +402,15 @@ case "${1:-}" in
     ab16k
     step timeline_grad 120 torchrun --nproc-per-node 2 scripts/call_timeline.py --grad --out "$LOGS/timeline_grad"
     grep -h "call:" "$LOGS"/timeline_grad*.txt ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop" >&2
+  s8final)  # the forward's exchange between its first FC1 and FC2: the EP check, this tree against ab_base/ (30B EP=2
+            # T=16384, alternating), then the record: 30B EP=2 (torch, both transports, T=4096/16384, profiled; back to
+            # back) and its stage timeline
+    (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 90 torchrun --nproc-per-node 2 gpu_check_ep.py)
+    grep -h "PASS\|FAIL\|Error" "$LOGS/ep_check.log" | head -6
+    ab16k
+    record30 300
+    for t in "$LOGS"/*T16384*symmetric_memory*.trace.json.gz; do python scripts/trace_stages.py "$t" > "$LOGS/stages.txt"; done
+    tail -3 "$LOGS/stages.txt" ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final" >&2
      exit 2 ;;
 esac
