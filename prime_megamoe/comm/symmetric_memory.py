@@ -17,7 +17,7 @@ A round on rank r (see ``comm.transport``), with streams `compute` (the caller's
 - publish (at the first use of the own rows or of a peer's, or at ``exchange_now``): on `comm`,
   copy block and routing into the workspace, flag channel 0 on every peer, then copy the own block into a local
   [W*C, H] buffer (copy engines, no SMs; an event). The forward reads its own tokens straight from the caller's
-  tensor, so its first GEMM goes out before any of this; so does the backward's (``exchange_now`` after it).
+  tensor, so its first GEMMs go out before any of this; so does the backward (``exchange_now`` after them).
 - pull (at the first use of a peer's routing or rows, or at ``exchange_now``): publish, then `comm` waits for every
   peer's flag and copies each peer's block into the local buffer, an event per block. Forward: the peers' plans wait
   for the flags too and read their routing (a few kB) in place, while compute is busy with the own block.

@@ -7,10 +7,10 @@ finished results back. The own block is computed in two pieces split by expert (
 the first while the peers' blocks arrive, the second while the last peer's results travel back, so neither transfer
 waits alone.
 
-forward   plan the own block (own routing only) -> own block's first expert piece (read from x itself; publishing x
-          and pulling the peers' blocks on the side stream queued after its FC1) -> plan the peers' blocks (their
-          routing) -> per piece: [wait block s] FC1+SwiGLU, FC2; once a source is complete: combine into s's result
-          block, send -> each rank sums the W result blocks of its tokens in rank order (fp32)
+forward   plan the own block (own routing only) -> own block's first expert piece (read from x itself) -> publish
+          x, pull and plan the peers' blocks (their routing) -> per piece: [wait block s] FC1+SwiGLU, FC2; once a
+          source is complete: combine into s's result block, send -> each rank sums the W result blocks of its
+          tokens in rank order (fp32)
 backward  own block's first piece (read from dy itself; publishing dy and pulling the peers' blocks on the side
           stream are queued after its first GEMMs) -> per piece:
           [wait block s] FC2 dgrad+dSwiGLU, FC1 dgrad; once a source is complete: combine into s's dx block and its
@@ -110,11 +110,6 @@ class ExpertParallelExperts(torch.autograd.Function):
             piece = plan.segment(s, half)
             if s == rank:  # the own tokens straight from x (source rows [rank*C, rank*C + T)): nothing to wait for
                 launch.fc1_swiglu(x, w1, piece, save_h=need_grad, out=(h, a), row_base=rank * capacity)
-                if first:
-                    # Publish and pull between the own first FC1 and FC2: the side stream's wait kernel, queued
-                    # before FC2, takes an SM when FC1's blocks leave rather than after FC2's, so the peers' blocks
-                    # arrive while FC2 runs (pulled after FC2 they left the GPU idle ~0.2 ms, BENCHMARKS.md).
-                    transport.exchange_now()
             else:
                 transport.wait_rows(s)
                 launch.fc1_swiglu(rows, w1, piece, save_h=need_grad, out=(h, a))
