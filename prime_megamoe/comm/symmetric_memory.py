@@ -58,6 +58,12 @@ class SymmetricWorkspace:
     def __init__(self, group, capacity: int, hidden: int, top_k: int, dtype: torch.dtype, device: torch.device):
         import torch.distributed._symmetric_memory as symm_mem
 
+        if not hasattr(torch.ops.symm_mem, "stream_write_value32_"):
+            raise RuntimeError(
+                f"[model.moe.dispatch] transport = 'symmetric_memory' sets its flags with "
+                f"torch.ops.symm_mem.stream_write_value32_, which this torch ({torch.__version__}) lacks; use a CUDA "
+                f"build of torch >= 2.9, or transport = 'collectives'"
+            )
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         self.world, self.rank, self.capacity, self.hidden, self.top_k = world, rank, capacity, hidden, top_k
         self.dtype = dtype
