@@ -19,7 +19,7 @@ def test_hidden_transfer_time_counts_copy_time_under_other_streams_kernels(tmp_p
         _event("grouped_gemm_kernel", "kernel", 150, 100, 7),
         _event("Memcpy PtoP (Device -> Device)", "gpu_memcpy", 50, 150, 25),  # covered on [50, 100) + [150, 200)
         _event("Memcpy DtoD (Device -> Device)", "gpu_memcpy", 300, 40, 25),  # nothing runs meanwhile
-        _event("signal_flag_kernel", "kernel", 210, 5, 25),  # a kernel on the copy's own stream hides nothing
+        _event("wait_flags_kernel", "kernel", 210, 5, 25),  # a kernel on the copy's own stream hides nothing
         _event("Memcpy HtoD (Host -> Device)", "gpu_memcpy", 0, 500, 9),  # not a GPU-to-GPU copy
     ]
     path = tmp_path / "trace.json"
