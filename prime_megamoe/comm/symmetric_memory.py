@@ -14,10 +14,11 @@ rank). Each rank's part, with W ranks and capacity C:
 A round on rank r (see ``comm.transport``), with streams `compute` (the caller's) and `comm` (a side stream):
 - start: record an event (what `comm` must wait for before it touches the block). A block of fewer than C rows
   has its routing padded into the workspace here (compute); a full block's own plan reads the caller's routing.
-- publish (at the first use of the own rows or of a peer's, or at ``exchange_now``): on `comm`,
-  copy block and routing into the workspace, flag channel 0 on every peer, then copy the own block into a local
-  [W*C, H] buffer (copy engines, no SMs; an event). The forward reads its own tokens straight from the caller's
-  tensor, so its first GEMMs go out before any of this; so does the backward (``exchange_now`` after them).
+- publish (at the first use of the own rows or of a peer's, or at ``exchange_now``): on `comm`, copy block and
+  routing into the workspace (the routing's conversion to int32 / fp32 is a small kernel), flag channel 0 on every
+  peer, then copy the own block into a local [W*C, H] buffer (an event). The forward reads its own tokens straight
+  from the caller's tensor, so its first GEMMs go out before any of this; so does the backward's first GEMM
+  (``exchange_now`` after it).
 - pull (at the first use of a peer's routing or rows, or at ``exchange_now``): publish, then `comm` waits for every
   peer's flag and copies each peer's block into the local buffer, an event per block. Forward: the peers' plans wait
   for the flags too and read their routing (a few kB) in place, while compute is busy with the own block.
@@ -181,10 +182,10 @@ class SymmetricMemoryTransport(Transport):
         return self._rows
 
     def _publish(self) -> None:
-        """On the side stream, once per round (copy engines, no SMs): the own block into rows (an event), then block
-        and (a full block's) routing into the workspace, then flag channel 0 on every peer. Issued at the first use
-        of the own rows or of a peer's, so a caller that reads its own tokens directly (the forward) issues its first
-        GEMMs before any of this."""
+        """On the side stream, once per round: block and (a full block's) routing into the workspace, flag channel 0
+        on every peer, then the own block into rows (an event). Issued at the first use of the own rows or of a
+        peer's (or at ``exchange_now``), so a caller that reads its own tokens directly issues its first GEMMs before
+        any of this."""
         if self._block is None:
             return
         ws, c, rank, block = self.workspace, self.capacity, self.rank, self._block

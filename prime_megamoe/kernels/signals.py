@@ -2,9 +2,10 @@
 
 A flag holds the number of the last exchange round whose block it announces. Rounds only grow, so flags are never
 reset (no reset can race a late reader): a writer stores the round number after the block it announces has landed,
-with a system-scope fence before the store (a stream write-value operation, ``comm.symmetric_memory``); a reader spins with acquire semantics at system scope until the flag
-reaches the round it needs. A reader that waits longer than its timeout prints who it was waiting for and traps,
-which turns into a CUDA error on the host: an error, never a hang.
+with a system-scope fence before the store (a stream write-value operation, ``comm.symmetric_memory``); a reader
+spins with acquire semantics at system scope until the flag reaches the round it needs. A reader that waits longer
+than its timeout prints who it was waiting for and traps, which turns into a CUDA error on the host: an error, never
+a hang.
 """
 
 from __future__ import annotations
