@@ -122,14 +122,14 @@ class ExpertParallelExperts(torch.autograd.Function):
         out = launch.sum_blocks(transport.finish()[ROW_RESULTS], num_tokens, x.dtype)
         if need_grad:
             ctx.save_for_backward(rows, w1, w2, h)
-            ctx.plan, ctx.plan_lease, ctx.transport = plan, lease, transport  # held until the graph is freed
+            ctx.plan_lease, ctx.transport = lease, transport  # the lease (and its plan) held until the graph is freed
             ctx.weights_dtype = top_k_weights.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         rows, w1, w2, h = ctx.saved_tensors
-        plan, transport = ctx.plan, ctx.transport
+        plan, transport = ctx.plan_lease.plan, ctx.transport
         num_tokens = grad_out.shape[0]
         rank, capacity = transport.rank, transport.capacity
         kinds = (ROW_RESULTS, PAIR_RESULTS)

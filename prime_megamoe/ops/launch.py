@@ -95,15 +95,16 @@ def grouped_gemm(
     else:  # B[e] is [K, N]
         k, n = b.shape[1], b.shape[2]
         stride_bk, stride_bn = b.stride(1), b.stride(2)
+    # The weights as one 2D tensor, [E * N, K] (transpose_b) or [E * K, N], where TMA may read them
+    b_2d = b.view(-1, b.shape[2]) if use_tma is not False and b.is_contiguous() else None
     if use_tma is None:
-        use_tma = b.is_contiguous() and tma_readable(b.view(-1, b.shape[2])) and (gather or tma_readable(a))
+        use_tma = b_2d is not None and tma_readable(b_2d) and (gather or tma_readable(a))
     a_desc = b_desc = None
     if use_tma:
-        if not b.is_contiguous():
+        if b_2d is None:
             raise ValueError("grouped_gemm: use_tma=True needs contiguous weights (they are read as one 2D tensor)")
-        # [E * N, K] (transpose_b) or [E * K, N]; the boxes are set per config by the autotuner's pre-launch hook
-        # (tuning.gemm_tma_boxes)
-        b_desc = _descriptor(b.view(-1, b.shape[2]))
+        # The boxes are set per config by the autotuner's pre-launch hook (tuning.gemm_tma_boxes)
+        b_desc = _descriptor(b_2d)
         a_desc = None if gather else _descriptor(a)
     c = a.new_empty(plan.sorted_rows, n) if out is None else out
     num_sms = _num_sms(a.device)
