@@ -411,6 +411,10 @@ case "${1:-}" in
     record30 300
     for t in "$LOGS"/*T16384*symmetric_memory*.trace.json.gz; do python scripts/trace_stages.py "$t" > "$LOGS/stages.txt"; done
     tail -3 "$LOGS/stages.txt" ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final" >&2
+  s9profile)  # where a single call's host time goes before its first GEMM: per-operation costs, host time to the
+              # first FC1 launch, cProfile of single forward + backward calls
+    step host_profile 150 torchrun --nproc-per-node 2 scripts/host_profile.py --calls 20
+    grep -h "forward + backward, " "$LOGS/host_profile.log" ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final|s9profile" >&2
      exit 2 ;;
 esac
