@@ -58,6 +58,9 @@ class Result:
     host_fwd_ms: float
     max_rel_err_vs_torch: float | None = None
     transport: str = ""  # mega_moe with ep > 1: how blocks move between ranks
+    # The two measurements backward_ms is the difference of: the forward with autograd, and forward + backward
+    forward_grad_ms: float | None = None
+    forward_backward_ms: float | None = None
 
 
 def _events_median(fn, iters: int, warmup: int, group, repeat: int = 1) -> float:
@@ -173,6 +176,7 @@ def bench_one(shape, tokens, backend, precision, group, iters, warmup, reference
         round(flops / t_f / 1e9, 1), round(2 * flops / t_b / 1e9, 1), round(4 * flops / t_2f1b / 1e9, 1),
         round(peak, 3), round(host_ms, 3), None if err is None else round(err, 6),
         transport if backend == "mega_moe" and world > 1 else "",
+        round(t_fg, 4), round(t_fb, 4),
     )
     return res, out
 

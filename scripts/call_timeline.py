@@ -1,7 +1,7 @@
 """When the host issued each kernel of one layer call, and when its stream reached it.
 
-    torchrun --nproc-per-node 2 scripts/call_timeline.py --shape qwen3-30b-a3b --tokens 16384 [--grad] [--profiler]
-        [--repeat K]
+    torchrun --nproc-per-node 2 scripts/call_timeline.py --shape qwen3-30b-a3b --tokens 16384 [--grad | --forward-grad]
+        [--profiler] [--repeat K]
 
 After warm-up, every rank synchronises, passes a barrier and makes one call (the no-grad forward, or with --grad a
 forward + backward), timed as the benchmark times a call (CUDA events from just before it).
@@ -158,7 +158,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="qwen3-30b-a3b")
     p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--grad", action="store_true")
+    p.add_argument("--grad", action="store_true", help="forward + backward instead of the no-grad forward")
+    p.add_argument("--forward-grad", action="store_true", help="the forward with autograd alone (what the benchmark "
+                   "subtracts from forward + backward)")
     p.add_argument("--profiler", action="store_true", help="torch.profiler timeline instead of launch events")
     p.add_argument("--host-sections", action="store_true", help="host time per step of the call, no CUDA events")
     p.add_argument("--repeat", type=int, default=1,
@@ -168,7 +170,7 @@ def main():
     group = torchrun_group()
     rank = 0 if group is None else dist.get_rank(group)
     work = make_workload(args.shape, args.tokens, "mega_moe", "bf16", group)
-    step = work.fwd_bwd if args.grad else work.fwd
+    step = work.fwd_bwd if args.grad else work.fwd_grad if args.forward_grad else work.fwd
     for _ in range(3):
         step()
     if args.profiler:

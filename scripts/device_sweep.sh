@@ -415,6 +415,17 @@ case "${1:-}" in
               # first FC1 launch, cProfile of single forward + backward calls
     step host_profile 150 torchrun --nproc-per-node 2 scripts/host_profile.py --calls 20
     grep -h "forward + backward, " "$LOGS/host_profile.log" ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final|s9profile" >&2
+  s9split)  # what the one-call backward figure is made of: the benchmark's forward with autograd and forward +
+            # backward (one call, back to back), and one-call timelines of each
+    for r in 1 5 1; do
+      step bench_r$r 150 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+        --transports symmetric_memory --backends mega_moe --repeat $r --iters 10 --warmup 3 --out "$LOGS/bench_r$r.json"
+      python -c "import json,sys; r=json.load(open(sys.argv[1]))['results'][0]; print({k: r[k] for k in ('forward_ms', 'forward_grad_ms', 'forward_backward_ms', 'backward_ms')})" "$LOGS/bench_r$r.json"
+      mv "$LOGS/bench_r$r.json" "$LOGS/bench_r${r}_$(date +%s).json"
+    done
+    step timeline_fwdgrad 100 torchrun --nproc-per-node 2 scripts/call_timeline.py --forward-grad --out "$LOGS/timeline_fwdgrad"
+    step timeline_grad 120 torchrun --nproc-per-node 2 scripts/call_timeline.py --grad --out "$LOGS/timeline_grad"
+    grep -h "call:" "$LOGS"/timeline_*.txt ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final|s9profile|s9split" >&2
      exit 2 ;;
 esac
