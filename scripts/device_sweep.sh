@@ -426,6 +426,20 @@ case "${1:-}" in
     step timeline_fwdgrad 100 torchrun --nproc-per-node 2 scripts/call_timeline.py --forward-grad --out "$LOGS/timeline_fwdgrad"
     step timeline_grad 120 torchrun --nproc-per-node 2 scripts/call_timeline.py --grad --out "$LOGS/timeline_grad"
     grep -h "call:" "$LOGS"/timeline_*.txt ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final|s9profile|s9split" >&2
+  s9wgrad)  # the weight gradient's last step moved back inside its pipelined loop: wgrad_probe in this tree and in
+            # ab_base/ (each GPU runs both, in opposite orders), the EP check, then this tree against ab_base/ (30B EP=2
+            # T=16384, alternating one call / back to back)
+    (CUDA_VISIBLE_DEVICES=0 step probe_new0 150 python scripts/wgrad_probe.py --segments 2 --experts 64
+     cd ab_base && CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site:$PWD step probe_base0 150 python scripts/wgrad_probe.py \
+       --segments 2 --experts 64) &
+    (cd ab_base && CUDA_VISIBLE_DEVICES=1 PYTHONPATH=/tmp/site:$PWD step probe_base1 150 python scripts/wgrad_probe.py \
+       --segments 2 --experts 64
+     cd .. && CUDA_VISIBLE_DEVICES=1 step probe_new1 150 python scripts/wgrad_probe.py --segments 2 --experts 64) &
+    wait
+    for f in probe_new0 probe_base0 probe_base1 probe_new1; do echo "== $f"; grep "tma" "$LOGS/$f.log" | sed "s/'GROUP_M': 8}//"; done
+    (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 90 torchrun --nproc-per-node 2 gpu_check_ep.py)
+    grep -h "PASS\|FAIL\|Error" "$LOGS/ep_check.log" | head -6
+    ab16k ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final|s9profile|s9split|s9wgrad" >&2
      exit 2 ;;
 esac

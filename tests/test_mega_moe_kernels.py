@@ -395,19 +395,26 @@ def test_expert_halves_split_each_segments_tiles(segments, num_local, split):
 @pytest.mark.parametrize("use_tma", [False, True])
 def test_weight_gradient_reduces_every_segment(gather_a, use_tma):
     # dW[e] = sum over segments, then rows, of A^T B: the wgrad kernel walks expert e's rows segment by segment
-    # (whole BLOCK_K chunks, then a masked partial one), the sorted operand read through pointers or a tensor
-    # descriptor. Several whole chunks per expert, partial ones, an expert with no rows (zeros) and an all-padding
-    # segment.
+    # (BLOCK_K rows a step, the last step moved back to end at the expert's last row, or one masked step for fewer
+    # rows), the sorted operand read through pointers or a tensor descriptor. Several whole chunks per expert,
+    # partial ones, an expert with fewer rows than a step, an expert with no rows (zeros) and an all-padding segment.
+    # Sorted rows no plan wrote hold NaN: no step may read them.
     block_k = grouped_wgrad_kernel.configs[0].kwargs["BLOCK_K"]
     rows, k, num_local, segments, m, n = 5 * block_k // 2, 2, 4, 3, 24, 20
     ids, weights = _random_ids(rows * segments, k, num_local, seed=5, pad_rows=rows)
     ids[ids == 3] = 1  # expert 3 gets nothing
+    twos = ids[:rows] == 2
+    ids[:rows][twos & (twos.flatten().cumsum(0).view_as(twos) > 3)] = -1  # expert 2: three rows in segment 0
     plan = build_routing_plan(ids, weights, expert_base=0, num_local_experts=num_local, tile_m=4,
                               num_segments=segments)
     per_segment = plan.expert_offsets.view(segments, num_local + 1).diff(dim=1)
     assert (per_segment >= 2 * block_k).any() and ((per_segment % block_k) != 0).any()  # whole and partial chunks
+    assert ((per_segment > 0) & (per_segment < block_k)).any()  # an expert with fewer rows than one step
     gen = torch.Generator().manual_seed(6)
     sorted_op = torch.randn(plan.sorted_rows, m if not gather_a else n, generator=gen)
+    written = torch.zeros(plan.sorted_rows, dtype=torch.bool)
+    written[plan.pair_pos[plan.pair_pos >= 0].long()] = True
+    sorted_op[~written] = float("nan")
     src = torch.randn(rows * segments, n if not gather_a else m, generator=gen)
     a, b = (src, sorted_op) if gather_a else (sorted_op, src)
     got = grouped_wgrad(a, b, plan, torch.full((num_local, m, n), float("nan")), gather_a=gather_a,

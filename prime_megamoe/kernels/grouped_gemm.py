@@ -262,7 +262,8 @@ def _wgrad_step(d_desc, d_ptr, g_ptr, rg, row, r_mask, d_cols, d_col_mask, d_col
                 stride_dm, stride_gm, DENSE_A: tl.constexpr, USE_TMA: tl.constexpr, CAST_F32: tl.constexpr,
                 IEEE: tl.constexpr):
     """acc += one BLOCK_K chunk of rows starting at sorted row ``row`` (gathered operand at rows ``rg``); rows
-    outside ``r_mask`` read zeros. A TMA chunk reads whole rows: callers give it only chunks inside the expert."""
+    outside ``r_mask`` read zeros on the gathered side (and on the sorted side through pointers). A TMA chunk reads
+    whole rows: callers give it only chunks inside the expert."""
     if USE_TMA:
         d = d_desc.load([row, d_col0])
     else:
@@ -296,27 +297,33 @@ def grouped_wgrad_kernel(
         d_cols, d_col0, g_cols = offs_n, pid_n * BLOCK_N, offs_m
         d_col_mask, g_col_mask = offs_n < N, offs_m < M
     ks = tl.arange(0, BLOCK_K)
-    all_rows = ks >= 0
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # Each segment's (source rank's) rows of the expert, in a fixed order: first the whole BLOCK_K chunks, with no
-    # row masks (a TMA copy cannot mask rows), then one masked chunk for the rest. (One loop over every segment's
-    # whole chunks, so the pipeline fills once per tile, measured 2-10% slower: benchmarks/results/wgrad_probe_s7.txt.)
+    # Each segment's (source rank's) rows of the expert, in a fixed order, BLOCK_K rows a step, in one software-
+    # pipelined loop: a TMA copy cannot mask rows, so the last step is moved back to end at the expert's last row
+    # and the rows it shares with the step before read zeros on the gathered side (an unpipelined masked step after
+    # the loop left its loads' latency exposed once per segment and tile). An expert with fewer than BLOCK_K rows in
+    # a segment takes that one masked step, through pointers (a box there could reach rows no plan wrote).
+    # (One loop over every segment's chunks, so the pipeline fills once per tile, measured 2-10% slower:
+    # benchmarks/results/wgrad_probe_s7.txt.)
     for seg in range(0, num_segments):
         start = tl.load(expert_offsets_ptr + seg * offsets_per_segment + expert)
         end = tl.load(expert_offsets_ptr + seg * offsets_per_segment + expert + 1)
-        tail = end - (end - start) % BLOCK_K
-        rg = tl.load(g_src_ptr + start + ks, mask=start + ks < tail, other=0).to(tl.int64)
-        for k0 in range(start, tail, BLOCK_K):
-            acc = _wgrad_step(d_desc, d_ptr, g_ptr, rg, k0, all_rows, d_cols, d_col_mask, d_col0, g_cols,
-                              g_col_mask, ks, acc, stride_dm, stride_gm, DENSE_A, USE_TMA, CAST_F32, IEEE)
-            # The next chunk's gathered row ids, read one chunk ahead: a row load whose address comes from a
-            # load of the same step leaves the compiler's software pipeline two buffers deep, waiting on every
-            # copy each step; with the ids carried over, the operand loads run several steps ahead.
-            rg = tl.load(g_src_ptr + k0 + BLOCK_K + ks, mask=k0 + BLOCK_K + ks < tail, other=0).to(tl.int64)
-        if tail < end:
-            r_mask = tail + ks < end
-            rg = tl.load(g_src_ptr + tail + ks, mask=r_mask, other=0).to(tl.int64)
-            acc = _wgrad_step(d_desc, d_ptr, g_ptr, rg, tail, r_mask, d_cols, d_col_mask, d_col0, g_cols,
+        if end - start >= BLOCK_K:
+            last = end - BLOCK_K  # the first row of the last step
+            rg = tl.load(g_src_ptr + start + ks).to(tl.int64)
+            for k0 in range(start, end, BLOCK_K):
+                row = tl.minimum(k0, last)
+                acc = _wgrad_step(d_desc, d_ptr, g_ptr, rg, row, row + ks >= k0, d_cols, d_col_mask, d_col0,
+                                  g_cols, g_col_mask, ks, acc, stride_dm, stride_gm, DENSE_A, USE_TMA, CAST_F32,
+                                  IEEE)
+                # The next step's gathered row ids, read one step ahead: a row load whose address comes from a
+                # load of the same step leaves the compiler's software pipeline two buffers deep, waiting on every
+                # copy each step; with the ids carried over, the operand loads run several steps ahead.
+                rg = tl.load(g_src_ptr + tl.minimum(k0 + BLOCK_K, last) + ks).to(tl.int64)
+        elif end > start:
+            r_mask = start + ks < end
+            rg = tl.load(g_src_ptr + start + ks, mask=r_mask, other=0).to(tl.int64)
+            acc = _wgrad_step(d_desc, d_ptr, g_ptr, rg, start, r_mask, d_cols, d_col_mask, d_col0, g_cols,
                               g_col_mask, ks, acc, stride_dm, stride_gm, DENSE_A, False, CAST_F32, IEEE)
     c_ptrs = c_ptr + expert.to(tl.int64) * stride_ce + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
