@@ -440,6 +440,14 @@ case "${1:-}" in
     (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 90 torchrun --nproc-per-node 2 gpu_check_ep.py)
     grep -h "PASS\|FAIL\|Error" "$LOGS/ep_check.log" | head -6
     ab16k ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final|s9profile|s9split|s9wgrad" >&2
+  s9publish)  # the own fill writes the published routing (no SM-bound kernel left in the publish), the own copy after
+              # the peers': the two-GPU tests (the EP check, a missing peer), this tree against ab_base/ (30B EP=2 T=16384,
+              # alternating), one-call timelines of the no-grad forward
+    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_ep_gpu 150 python -m pytest -q tests/test_mega_moe_ep_gpu.py -rA
+    tail -3 "$LOGS/pytest_ep_gpu.log"
+    ab16k
+    step timeline_fwd 100 torchrun --nproc-per-node 2 scripts/call_timeline.py --out "$LOGS/timeline_fwd"
+    grep -h "call:" "$LOGS"/timeline_fwd*.txt ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final|s9profile|s9split|s9wgrad|s9publish" >&2
      exit 2 ;;
 esac
