@@ -13,20 +13,17 @@ rank). Each rank's part, with W ranks and capacity C:
 
 A round on rank r (see ``comm.transport``), with streams `compute` (the caller's) and `comm` (a side stream):
 - start: record an event (what `comm` must wait for before it touches the block). A block of fewer than C rows
-  has its routing padded into the workspace here (compute); a full block's own plan reads the caller's routing,
-  and its fill writes the published copy (int32 / fp32) into the workspace on the way (``routing_sink``; the event
-  is then recorded again after that fill).
-- publish (at the first use of the own rows or of a peer's, or at ``exchange_now``): on `comm`, copy the block (and
-  a routing no fill wrote, converted by a small kernel) into the workspace, then flag channel 0 on every peer: copy
-  engine and stream memory operations only, so the flags never wait for an SM. The forward reads its own tokens
-  straight from the caller's tensor, so its first GEMMs go out before any of this; so does the backward's first
-  GEMM (``exchange_now`` after it).
+  has its routing padded into the workspace here (compute); a full block's own plan reads the caller's routing.
+- publish (at the first use of the own rows or of a peer's, or at ``exchange_now``): on `comm`, copy block and
+  routing into the workspace (the routing's conversion to int32 / fp32 is a small kernel), flag channel 0 on every
+  peer, then copy the own block into a local [W*C, H] buffer (an event). The forward reads its own tokens straight
+  from the caller's tensor, so its first GEMMs go out before any of this; so does the backward's first GEMM
+  (``exchange_now`` after it).
 - pull (at the first use of a peer's routing or rows, or at ``exchange_now``): publish, then `comm` waits for every
-  peer's flag and copies each peer's block into a local [W*C, H] buffer, then the own block, an event per block.
-  Forward: the peers' plans wait for the flags too and read their routing (a few kB) in place, while compute is busy
-  with the own block. `comm` has high priority, so its wait kernel takes the first free SM rather than queue behind
-  a GEMM's blocks; with nothing but copies ahead of it on `comm`, that is the first SM the own block's first GEMM
-  frees, while the peers' publishes (no SM needed) are already done.
+  peer's flag and copies each peer's block into the local buffer, an event per block. Forward: the peers' plans wait
+  for the flags too and read their routing (a few kB) in place, while compute is busy with the own block.
+  `comm` has high priority, so its wait kernel takes the first free SM rather than queue behind a GEMM's blocks
+  (flags are set by stream memory operations, which need no SM).
 - send(s): results for rank s's tokens go straight into rank r's own slot when s = r; otherwise into a staging
   buffer that `comm` copies into rank s's slot r, then flags channel 1 on rank s.
 - finish: wait (compute) for channel 1 from every peer, then return the slots; the caller sums them in rank order.
@@ -167,7 +164,7 @@ class SymmetricMemoryTransport(Transport):
         # A full block's routing is planned from the caller's tensors and published with the block (``_publish``);
         # a partial one is padded here, on compute, where the own plan reads it next. Rows past num_rows stay as
         # they are: no routing entry points at them (their ids are -1).
-        self._routing, self._routing_sunk = None, False
+        self._routing = None
         if routing is not None and num_rows == c:
             self._routing = routing
         elif routing is not None:
@@ -179,61 +176,39 @@ class SymmetricMemoryTransport(Transport):
         # sum, not the GEMMs the caller issues between now and then.
         self._ready = torch.cuda.Event()
         self._ready.record(compute)
-        self._block, self._own_block, self._arrived, self._published = block, None, {}, None
+        self._block, self._arrived, self._published = block, {}, None
         self._kinds = kinds
         self._staging = {}
         return self._rows
 
-    def routing_sink(self):
-        if self._routing is None or self._block is None:  # a partial block's routing is in place already
-            return None
-        self._routing_sunk = True
-        ws = self.workspace
-        return ws.local["index"], ws.local["weights"]
-
-    def routing_written(self):
-        # The publish must follow the fill that writes the routing: the side stream waits for this event.
-        self._ready.record(torch.cuda.current_stream(self.device))
-
     def _publish(self) -> None:
-        """On the side stream, once per round: block and (a full block's) routing into the workspace, then flag
-        channel 0 on every peer. Issued at the first use of the own rows or of a peer's (or at ``exchange_now``), so
-        a caller that reads its own tokens directly issues its first GEMMs before any of this. Copies and flags are
-        copy-engine and stream memory operations: none waits for an SM (the routing is written by the own plan's
-        fill where the caller took ``routing_sink``, else converted here by a small kernel)."""
+        """On the side stream, once per round: block and (a full block's) routing into the workspace, flag channel 0
+        on every peer, then the own block into rows (an event). Issued at the first use of the own rows or of a
+        peer's (or at ``exchange_now``), so a caller that reads its own tokens directly issues its first GEMMs before
+        any of this."""
         if self._block is None:
             return
-        ws, block = self.workspace, self._block
+        ws, c, rank, block = self.workspace, self.capacity, self.rank, self._block
         comm = ws.comm_stream
         comm.wait_event(self._ready)
         block.record_stream(comm)  # read on comm: its memory must outlive that read even if the caller drops it
         with torch.cuda.stream(comm):
             ws.local["rows"][: block.shape[0]].copy_(block)
-            if self._routing is not None and not self._routing_sunk:
+            if self._routing is not None:
                 for name, t in zip(("index", "weights"), self._routing):
                     t.record_stream(comm)
                     ws.local[name].copy_(t)  # copy_ converts to int32 / fp32
             for peer in self._peers():
                 ws.signal(peer, PUBLISHED, self.round)
-        self._block, self._own_block = None, block
-
-    def _copy_own(self) -> None:
-        """On the side stream, once per round: the own block into its place among the gathered rows (an event).
-        After the peers' copies when a pull is issued: their wait kernel is then next on the side stream behind
-        the publish, and nothing reads the own copy early (the forward reads its tokens from the caller's tensor)."""
-        block = self._own_block
-        if block is None:
-            return
-        c, rank = self.capacity, self.rank
-        with torch.cuda.stream(self.workspace.comm_stream):
+            # The own copy among the gathered rows after the flags: the peers need not wait for it.
             self._rows[rank * c : rank * c + block.shape[0]].copy_(block)
             self._arrived[rank] = torch.cuda.Event()
-            self._arrived[rank].record(self.workspace.comm_stream)
-        self._own_block = None
+            self._arrived[rank].record(comm)
+        self._block = None
 
     def _pull(self) -> None:
         """On the side stream, once per round: wait for every peer's block, then copy each into rows, one event per
-        block, then the own block. Issued at the first use of a peer's routing or rows."""
+        block. Issued at the first use of a peer's routing or rows."""
         if self._published is not None:
             return
         self._publish()
@@ -246,7 +221,6 @@ class SymmetricMemoryTransport(Transport):
                 self._rows[source * c : (source + 1) * c].copy_(ws.views[source]["rows"])
                 self._arrived[source] = torch.cuda.Event()
                 self._arrived[source].record(ws.comm_stream)
-        self._copy_own()
 
     def routing(self, first, count):
         ws, compute = self.workspace, torch.cuda.current_stream(self.device)
@@ -270,8 +244,6 @@ class SymmetricMemoryTransport(Transport):
         self._publish()
         if source != self.rank:
             self._pull()
-        else:
-            self._copy_own()
         torch.cuda.current_stream(self.device).wait_event(self._arrived[source])
 
     def _slot(self, peer: int, kind: str, source_slot: int) -> torch.Tensor:

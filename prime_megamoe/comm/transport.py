@@ -6,8 +6,7 @@ One exchange round (a forward call, or a backward call) on rank r of W ranks, ea
    in the forward, its routing; returns every rank's rows [W*C, H] (block s from rank s at rows [s*C, s*C + T_s),
    possibly still arriving; rows past T_s are padding that no routing entry points at). ``routing(first, count)``
    then gives the routing of a run of source ranks ([count*C, k] int32 / fp32, id -1 on padding rows): the own
-   block's without waiting for any peer, so its plan and first GEMMs need not wait either. Where
-   ``routing_sink()`` names tensors, the own plan's fill writes the published routing there as it reads it.
+   block's without waiting for any peer, so its plan and first GEMMs need not wait either.
 2. For each source rank s, in the order of ``source_order()``: ``wait_rows(s)`` before reading block s; write this
    rank's results for rank s's tokens into ``partial_buffers(s)``; ``send(s)``.
 3. ``finish()``: every rank's results for this rank's tokens, [W, C, ...] per kind (slot q from rank q).
@@ -60,15 +59,6 @@ class Transport:
         own block's needs no wait for the peers (and may be the caller's own tensors, in their dtypes, when they
         fill the block)."""
         raise NotImplementedError
-
-    def routing_sink(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Where this rank's own plan fill should also write its routing (ids int32, weights fp32, [C', k]
-        contiguous with C' the block's rows) for the peers, or None when nothing needs writing. A caller that fills
-        them calls ``routing_written`` right after issuing that fill."""
-        return None
-
-    def routing_written(self) -> None:
-        """The fill that wrote ``routing_sink``'s tensors has been issued on the current stream."""
 
     def wait_rows(self, source: int) -> None:
         raise NotImplementedError

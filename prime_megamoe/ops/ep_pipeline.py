@@ -7,10 +7,10 @@ finished results back. The own block is computed in two pieces split by expert (
 the first while the peers' blocks arrive, the second while the last peer's results travel back, so neither transfer
 waits alone.
 
-forward   plan the own block (own routing only; the fill also writes the routing to publish) -> own block's
-          first expert piece (read from x itself) -> publish x, pull and plan the peers' blocks (their routing) ->
-          per piece: [wait block s] FC1+SwiGLU, FC2; once a source is complete: combine into s's result block,
-          send -> each rank sums the W result blocks of its tokens in rank order (fp32)
+forward   plan the own block (own routing only) -> own block's first expert piece (read from x itself) -> publish
+          x, pull and plan the peers' blocks (their routing) -> per piece: [wait block s] FC1+SwiGLU, FC2; once a
+          source is complete: combine into s's result block, send -> each rank sums the W result blocks of its
+          tokens in rank order (fp32)
 backward  own block's first piece (read from dy itself; publishing dy and pulling the peers' blocks on the side
           stream are queued after its first GEMMs) -> per piece:
           [wait block s] FC2 dgrad+dSwiGLU, FC1 dgrad; once a source is complete: combine into s's dx block and its
@@ -94,13 +94,7 @@ class ExpertParallelExperts(torch.autograd.Function):
         plan = lease.plan
         # The own block's plan needs only this rank's routing: its first GEMMs go out before the peers' routing is
         # waited for; the peers' plans follow, while the GPU computes the own block's first piece.
-        # The fill also writes the routing the peers will read (where the transport asks for it): no conversion
-        # kernel is left for the publish, whose flags then need no SM.
-        sink = transport.routing_sink()
-        fill_routing_plan(plan, *transport.routing(rank, 1), expert_base=rank * num_local, first_segment=rank,
-                          copy_to=sink)
-        if sink is not None:
-            transport.routing_written()
+        fill_routing_plan(plan, *transport.routing(rank, 1), expert_base=rank * num_local, first_segment=rank)
         need_grad = grad_enabled and any(ctx.needs_input_grad[i] for i in (0, 2, 3, 4))
         a = x.new_empty(plan.sorted_rows, inter)
         h = x.new_empty(plan.sorted_rows, 2 * inter) if need_grad else None
