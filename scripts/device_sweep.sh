@@ -448,6 +448,21 @@ case "${1:-}" in
     ab16k
     step timeline_fwd 100 torchrun --nproc-per-node 2 scripts/call_timeline.py --out "$LOGS/timeline_fwd"
     grep -h "call:" "$LOGS"/timeline_fwd*.txt ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final|s9profile|s9split|s9wgrad|s9publish" >&2
+  s9final)  # the session's final code: every weight-gradient candidate on each GPU, the EP check (both transports,
+            # bitwise), the record (30B EP=2, torch, both transports, T=4096/16384, profiled; back to back) and its
+            # stage timeline, configs/tiny.toml on two GPUs
+    (CUDA_VISIBLE_DEVICES=0 step probe_final0 150 python scripts/wgrad_probe.py --segments 2 --experts 64) &
+    (CUDA_VISIBLE_DEVICES=1 step probe_final1 150 python scripts/wgrad_probe.py --segments 2 --experts 64) &
+    wait
+    for f in probe_final0 probe_final1; do echo "== $f"; grep -A3 "^best" "$LOGS/$f.log"; done
+    (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 90 torchrun --nproc-per-node 2 gpu_check_ep.py)
+    grep -h "PASS\|FAIL\|Error" "$LOGS/ep_check.log" | head -6
+    record30 300
+    for t in "$LOGS"/*T16384*symmetric_memory*.trace.json.gz; do python scripts/trace_stages.py "$t" > "$LOGS/stages.txt"; done
+    tail -3 "$LOGS/stages.txt"
+    step train_tiny 150 torchrun --nproc-per-node 2 -m prime_megamoe.train configs/tiny.toml --train.steps 10 \
+      --output-dir /tmp/tiny
+    tail -3 "$LOGS/train_tiny.log"; cp /tmp/tiny/metrics.jsonl "$LOGS/metrics_tiny.jsonl" ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final|s9profile|s9split|s9wgrad|s9publish|s9final" >&2
      exit 2 ;;
 esac

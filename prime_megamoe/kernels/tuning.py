@@ -111,7 +111,9 @@ def autotune_configs(kind: str) -> list[triton.Config]:
         # At Qwen3-30B-A3B, T = 16384, an EP=2 rank's rows (scripts/wgrad_probe.py, wgrad_probe_s7.txt), with the
         # sorted operand read by TMA: 256 x 128 leads for dW1 and 128 x 256 for dW2 (the sorted operand on the wide
         # side, the gathered one on the narrow), 7-8% ahead of the best pointer-loaded program; the other two are
-        # the runners-up. The first fits fp32 operands too (GPU tests run it alone).
+        # the runners-up. The first fits fp32 operands too (GPU tests run it alone). The two wide tiles also with a
+        # fourth stage (196 KB of shared memory, no spills: scripts/register_check.py).
         return [_cfg(*t, GROUP_M=8, pre_hook=dense_chunk_shape)
-                for t in ((128, 128, 64, 8, 3), (256, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 32, 4, 4))]
+                for t in ((128, 128, 64, 8, 3), (256, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 32, 4, 4),
+                          (256, 128, 64, 8, 4), (128, 256, 64, 8, 4))]
     raise ValueError(f"unknown kernel family {kind!r}")
