@@ -18,7 +18,7 @@ from prime_megamoe.kernels.tuning import interpreting
 from prime_megamoe.kernels import tuning
 from prime_megamoe.kernels.grouped_gemm import grouped_wgrad_kernel
 from prime_megamoe.ops.launch import (
-    combine_rows, dswiglu_buffers, fc1_swiglu, fc2_dgrad_dswiglu, grouped_gemm, grouped_wgrad, sum_blocks,
+    combine_rows, dswiglu_buffers, fc2_dgrad_dswiglu, grouped_gemm, grouped_wgrad, sum_blocks,
 )
 from prime_megamoe.ops.routing_plan import (
     allocate_routing_plan, build_routing_plan, fill_routing_plan, routing_keys,
@@ -459,33 +459,6 @@ def test_grouped_gemm_tma_reads_match_pointer_reads(transpose_b, gather):
         want = plan.row_weight[lo:hi].double()[:, None] * (lhs @ rhs)
         assert rel_err(got[True][lo:hi], want) < 1e-6
     assert off[3] - off[2] == 0 and off[1] - off[0] > plan.num_pairs // 3
-
-
-def test_persistent_programs_with_spare_sms_cover_every_tile():
-    # With expert parallelism the persistent FC1 and FC2 run one program fewer than the GPU has SMs (the side
-    # stream's wait kernel takes that SM): fewer programs must still cover every tile, bitwise as with one per SM.
-    # The interpreter's configs are persistent; the plan has more tiles than programs.
-    rows, k, num_local, hidden, inter = 45, 2, 4, 24, 20
-    ids, weights = _random_ids(rows, k, num_local, seed=11)
-    ids[ids == 1] = 3  # expert 1 gets nothing, expert 3 most
-    plan = build_routing_plan(ids, weights, expert_base=0, num_local_experts=num_local, tile_m=tuning.tile_m())
-    assert int(plan.num_tiles[0]) > 4
-    gen = torch.Generator().manual_seed(12)
-    x = torch.randn(rows, hidden, generator=gen)
-    w1 = torch.randn(num_local, 2 * inter, hidden, generator=gen)
-    w2 = torch.randn(num_local, hidden, inter, generator=gen)
-    runs = {}
-    for spare in (0, 1, 3):
-        h, a = fc1_swiglu(x, w1, plan, save_h=True, spare_sms=spare)
-        y = grouped_gemm(a, w2, plan, transpose_b=True, row_scale=plan.row_weight, spare_sms=spare)
-        runs[spare] = [t[: plan.num_pairs] for t in (h, a, y)]
-    for spare in (1, 3):
-        assert all(torch.equal(got, want) for got, want in zip(runs[spare], runs[0]))
-    pos = plan.pair_pos.long()
-    src = plan.row_src.long()[: plan.num_pairs]
-    e_of_row = torch.repeat_interleave(torch.arange(num_local), plan.expert_offsets.diff().long())
-    h_want = torch.einsum("rh,rnh->rn", x[src].double(), w1[e_of_row].double())
-    assert rel_err(runs[1][0], h_want) < 1e-6 and (pos >= 0).any()
 
 
 def test_fc2_dgrad_swiglu_backward_per_segment_piece():

@@ -136,11 +136,6 @@ class SymmetricMemoryTransport(Transport):
     """Transport over the shared workspace of its group and shapes (see the module docstring); one object serves
     every round of its group, one round at a time."""
 
-    # The side stream's wait kernel (and the routing's conversion) need an SM. A persistent GEMM holds every SM until
-    # it ends, so with none spare the peers' rows were pulled only after the own block's first GEMMs and the forward
-    # waited ~0.2 ms for them (BENCHMARKS.md); one SM spare lets the pull run under those GEMMs.
-    spare_sms = 1
-
     def __init__(self, group, capacity: int, device: torch.device, timeout_s: float):
         super().__init__(group, capacity, timeout_s)
         self.device = device

@@ -33,9 +33,6 @@ PAIR_RESULTS = "pairs"
 class Transport:
     """Interface of one expert-parallel group's exchange (see the module docstring)."""
 
-    # SMs the caller's persistent kernels should leave free for the transport's own kernels while a round runs
-    spare_sms = 0
-
     def __init__(self, group, capacity: int, timeout_s: float | None):
         self.group = group
         self.world = dist.get_world_size(group)

@@ -108,16 +108,13 @@ class ExpertParallelExperts(torch.autograd.Function):
                                           expert_base=rank * num_local, first_segment=first_peer)
                 peers_planned = True
             piece = plan.segment(s, half)
-            spare = transport.spare_sms  # persistent GEMMs leave the transport its SMs (pull under the own piece)
             if s == rank:  # the own tokens straight from x (source rows [rank*C, rank*C + T)): nothing to wait for
-                launch.fc1_swiglu(x, w1, piece, save_h=need_grad, out=(h, a), row_base=rank * capacity,
-                                  spare_sms=spare)
+                launch.fc1_swiglu(x, w1, piece, save_h=need_grad, out=(h, a), row_base=rank * capacity)
             else:
                 transport.wait_rows(s)
-                launch.fc1_swiglu(rows, w1, piece, save_h=need_grad, out=(h, a), spare_sms=spare)
+                launch.fc1_swiglu(rows, w1, piece, save_h=need_grad, out=(h, a))
             # FC2 by pointer reads, as in expert_compute.unquantized_forward (TMA: no faster, more host time)
-            launch.grouped_gemm(a, w2, piece, transpose_b=True, row_scale=plan.row_weight, out=y, use_tma=False,
-                                spare_sms=spare)
+            launch.grouped_gemm(a, w2, piece, transpose_b=True, row_scale=plan.row_weight, out=y, use_tma=False)
             if last:
                 launch.combine_rows(y, plan.segment(s).pair_pos, x.dtype,
                                     out=transport.partial_buffers(s)[ROW_RESULTS])

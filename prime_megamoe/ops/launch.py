@@ -51,12 +51,10 @@ def _tile_args(plan: RoutingPlan):
     return plan.tile_expert, plan.tile_row, plan.num_tiles, plan.expert_offsets
 
 
-def fc1_swiglu(x: torch.Tensor, w1: torch.Tensor, plan: RoutingPlan, save_h: bool, out=None, row_base: int = 0,
-               spare_sms: int = 0):
+def fc1_swiglu(x: torch.Tensor, w1: torch.Tensor, plan: RoutingPlan, save_h: bool, out=None, row_base: int = 0):
     """x [R, H] (source rows), w1 [E, 2I, H] -> (h [P, 2I] or None, a [P, I]) in expert-sorted row order.
     ``out`` = (h or None, a): buffers to write into (a segment view's rows of buffers shared by all segments).
-    ``row_base``: x holds source rows [row_base, row_base + len(x)) (the plan's rows that this launch reads).
-    ``spare_sms``: a persistent config runs that many programs fewer than the GPU has SMs."""
+    ``row_base``: x holds source rows [row_base, row_base + len(x)) (the plan's rows that this launch reads)."""
     num_pairs, inter, hidden = plan.num_pairs, w1.shape[1] // 2, w1.shape[2]
     if out is None:
         a = x.new_empty(plan.sorted_rows, inter)
@@ -64,7 +62,7 @@ def fc1_swiglu(x: torch.Tensor, w1: torch.Tensor, plan: RoutingPlan, save_h: boo
     else:
         h, a = out
         h = h if save_h else a
-    num_sms = _num_sms(x.device) - spare_sms
+    num_sms = _num_sms(x.device)
     launch(fc1_swiglu_kernel, _tile_grid(plan, inter, num_sms),
         x, plan.row_src, w1, h, a, *_tile_args(plan),
         inter, hidden, num_pairs, num_sms, row_base,
@@ -85,12 +83,10 @@ def grouped_gemm(
     out: torch.Tensor | None = None,
     row_base: int = 0,
     use_tma: bool | None = None,
-    spare_sms: int = 0,
 ) -> torch.Tensor:
     """C[r] = scale[r] * A[src[r] - row_base if gather else r] @ op(B[e]); op(B) = B[e]^T if transpose_b else B[e].
     ``row_base`` (gather only): A holds source rows [row_base, row_base + len(A)), as in ``fc1_swiglu``.
-    ``use_tma``: read B, and A when it is not gathered, by TMA (default: where ``tma_readable``).
-    ``spare_sms``: as in ``fc1_swiglu``."""
+    ``use_tma``: read B, and A when it is not gathered, by TMA (default: where ``tma_readable``)."""
     if row_base and not gather:
         raise ValueError("grouped_gemm: row_base applies to gathered rows only (gather=True)")
     if transpose_b:  # B[e] is [N, K]
@@ -111,7 +107,7 @@ def grouped_gemm(
         b_desc = _descriptor(b_2d)
         a_desc = None if gather else _descriptor(a)
     c = a.new_empty(plan.sorted_rows, n) if out is None else out
-    num_sms = _num_sms(a.device) - spare_sms
+    num_sms = _num_sms(a.device)
     launch(grouped_gemm_kernel, _tile_grid(plan, n, num_sms),
         a_desc, b_desc, a, plan.row_src, b, c, row_scale if row_scale is not None else plan.row_weight,
         *_tile_args(plan), n, k, plan.num_pairs, num_sms, row_base,
