@@ -411,10 +411,13 @@ case "${1:-}" in
     record30 300
     for t in "$LOGS"/*T16384*symmetric_memory*.trace.json.gz; do python scripts/trace_stages.py "$t" > "$LOGS/stages.txt"; done
     tail -3 "$LOGS/stages.txt" ;;
-  s9profile)  # where a single call's host time goes before its first GEMM: per-operation costs, host time to the
-              # first FC1 launch, cProfile of single forward + backward calls
-    step host_profile 150 torchrun --nproc-per-node 2 scripts/host_profile.py --calls 20
-    grep -h "forward + backward, " "$LOGS/host_profile.log" ;;
+  s9profile)  # where a single call's host time goes before its first GEMM: host time to the first FC1 launch of
+              # single forward + backward calls, and a cProfile of them by own time (this session's run used
+              # scripts/host_profile.py of e66fc24, since folded into host_overhead.py and host_costs.py)
+    step host_first_fc1 100 torchrun --nproc-per-node 2 scripts/host_overhead.py --grad --no-profile --calls 20
+    grep -h "single calls" "$LOGS/host_first_fc1.log"
+    step host_profile 100 torchrun --nproc-per-node 2 scripts/host_overhead.py --grad --sort tottime --calls 20
+    grep -h "host ms" "$LOGS/host_profile.log" ;;
   s9split)  # what the one-call backward figure is made of: the benchmark's forward with autograd and forward +
             # backward (one call, back to back), and one-call timelines of each
     for r in 1 5 1; do

@@ -17,6 +17,7 @@ from prime_megamoe.kernels.combine import sum_blocks_kernel
 from prime_megamoe.ops import compiled_launch
 from prime_megamoe.ops.launch import fc1_swiglu
 from prime_megamoe.ops.routing_plan import allocate_routing_plan, fill_routing_plan
+from prime_megamoe.validation import check_expert_inputs
 
 
 def per_call_us(fn, calls: int = 200, rounds: int = 5) -> float:
@@ -77,12 +78,16 @@ def main():
 
     piece = plan.segment(1, 0)
     event = torch.cuda.Event()
+    w2 = torch.randn(experts, hidden, inter, device=dev, dtype=torch.bfloat16)
     rows = [
         ("torch.empty (cuda, int32 [4096])", lambda: torch.empty(4096, dtype=torch.int32, device=dev)),
         ("tensor slice", lambda: t[16:32]),
+        ("tensor.reshape(-1)", lambda: index.reshape(-1)),
+        ("small memset (zero_, int32 [4096])", lambda: t.zero_()),
         ("torch.cuda.current_stream(dev)", lambda: torch.cuda.current_stream(dev)),
         ("Event() + record", lambda: torch.cuda.Event().record(stream)),
         ("stream.wait_event", lambda: stream.wait_event(event)),
+        ("input checks (check_expert_inputs)", lambda: check_expert_inputs(x, index, weights, w1, w2, None, tokens)),
         ("compiled launch, 7 args (sum_blocks)", sum_launch),
         ("  of which the launcher call", launcher_only),
         ("  of which the cache key", lambda: compiled_launch._key(sum_blocks_kernel, sum_args, sum_meta, 0)),

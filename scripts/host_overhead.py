@@ -1,9 +1,13 @@
 """Where the host time of one MoE layer call goes (cProfile), for a benchmark workload.
 
     torchrun --nproc-per-node 2 scripts/host_overhead.py --shape qwen3-30b-a3b --tokens 16384 [--grad] [--no-profile]
+        [--sort tottime]
 
-Rank 0 prints the functions with the most cumulative host time over ``--calls`` calls, after warm-up (compiled and
-autotuned kernels). The GPU work is not timed here; see prime_megamoe.bench.
+Rank 0 prints the functions with the most cumulative (or, with ``--sort tottime``, own) host time over ``--calls``
+calls, after warm-up (compiled and autotuned kernels). ``--no-profile`` only times single calls, each after a sync
+and a barrier as the benchmark's one-call figures are: every rank prints the median host time from the call's start
+to the return of its first FC1 launch (until then the GPU has nothing long to run) and to the call's return. The GPU
+work is not timed here; see prime_megamoe.bench.
 """
 
 from __future__ import annotations
@@ -17,7 +21,37 @@ import time
 import torch
 import torch.distributed as dist
 
+import prime_megamoe.ops.launch as ops_launch
 from prime_megamoe.bench import make_workload, torchrun_group
+
+
+def single_call_times(step, calls: int, group) -> tuple[list[float], list[float]]:
+    """Host us from each single call's start to its first fc1_swiglu launch's return, and to the call's return."""
+    first, ends = [], []
+    original = ops_launch.fc1_swiglu
+    seen = []
+
+    def timed_fc1(*args, **kwargs):
+        out = original(*args, **kwargs)
+        if not seen:
+            seen.append(time.perf_counter())
+        return out
+
+    ops_launch.fc1_swiglu = timed_fc1  # the pipelines call it as launch.fc1_swiglu
+    try:
+        for _ in range(calls):
+            torch.cuda.synchronize()
+            if group is not None:
+                dist.barrier(group)
+            seen.clear()
+            began = time.perf_counter()
+            step()
+            ends.append((time.perf_counter() - began) * 1e6)
+            first.append((seen[0] - began) * 1e6 if seen else float("nan"))
+    finally:
+        ops_launch.fc1_swiglu = original
+    torch.cuda.synchronize()
+    return first, ends
 
 
 def main():
@@ -27,24 +61,21 @@ def main():
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--grad", action="store_true", help="profile forward + backward instead of the no-grad forward")
     p.add_argument("--no-profile", action="store_true",
-                   help="only time it: the median host time to issue one call, the GPU idle before each call")
+                   help="only time single calls: host time to the first FC1 launch and to the call's return")
+    p.add_argument("--sort", default="cumulative", choices=("cumulative", "tottime"), help="cProfile order")
     args = p.parse_args()
     group = torchrun_group()
+    rank = 0 if group is None else dist.get_rank(group)
     work = make_workload(args.shape, args.tokens, "mega_moe", "bf16", group)
     step = work.fwd_bwd if args.grad else work.fwd
     for _ in range(3):
         step()
     torch.cuda.synchronize()
     if args.no_profile:
-        samples = []
-        for _ in range(args.calls):
-            torch.cuda.synchronize()
-            began = time.perf_counter()
-            step()
-            samples.append((time.perf_counter() - began) * 1e3)
-        torch.cuda.synchronize()
-        if group is None or dist.get_rank() == 0:
-            print(f"host ms per call (not profiled, median of {args.calls}): {statistics.median(samples):.3f}")
+        first, ends = single_call_times(step, args.calls, group)
+        print(f"rank {rank}: {args.calls} single calls, host us (median, min): first FC1 launched "
+              f"{statistics.median(first):.1f} ({min(first):.1f}), call returned {statistics.median(ends):.1f} "
+              f"({min(ends):.1f})", flush=True)
         if group is not None:
             dist.destroy_process_group()
         return
@@ -56,9 +87,9 @@ def main():
     prof.disable()
     host_ms = (time.perf_counter() - began) * 1e3 / args.calls
     torch.cuda.synchronize()
-    if group is None or dist.get_rank() == 0:
+    if rank == 0:
         print(f"host ms per call (profiled): {host_ms:.3f}")
-        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+        pstats.Stats(prof).sort_stats(args.sort).print_stats(30)
     if group is not None:
         dist.destroy_process_group()
 
