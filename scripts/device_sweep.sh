@@ -479,6 +479,14 @@ case "${1:-}" in
     step bench_235b 175 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-235b-a22b --tokens 16384 \
       --transports symmetric_memory --iters 5 --warmup 2 --out "$LOGS/bench_235b.json"
     tail -4 "$LOGS/bench_235b.log" ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final|s9profile|s9split|s9wgrad|s9publish|s9final|s9spare|s9b235" >&2
+  s10push)  # blocks pushed into the peers' inboxes (no local copy, no pull): the two-GPU tests (the EP check with a
+            # layer stack, a missing peer), this tree against ab_base/ (30B EP=2 T=16384, alternating), a one-call
+            # timeline of the no-grad forward
+    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_ep_gpu 200 python -m pytest -q tests/test_mega_moe_ep_gpu.py -rA
+    tail -3 "$LOGS/pytest_ep_gpu.log"
+    ab16k
+    step timeline_fwd 100 torchrun --nproc-per-node 2 scripts/call_timeline.py --out "$LOGS/timeline_fwd"
+    grep -h "call:" "$LOGS"/timeline_fwd*.txt ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final|s9profile|s9split|s9wgrad|s9publish|s9final|s9spare|s9b235|s10push" >&2
      exit 2 ;;
 esac

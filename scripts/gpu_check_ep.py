@@ -2,7 +2,9 @@
 
     torchrun --nproc-per-node 2 scripts/gpu_check_ep.py
 Both transports run (symmetric memory and NCCL collectives), each twice: results must match the reference, be
-bitwise identical run to run, and bitwise identical between the transports.
+bitwise identical run to run, and bitwise identical between the transports. Then a stack of three layers (forwards
+of all three, then their backwards in reverse, as in training) must give bitwise the same output and gradients over
+both transports: a transport that reused a buffer a later round still reads would show up there.
 Every rank draws the same global problem (all ranks' tokens, all experts), runs its shard, and compares its output,
 dx and d top-k weights with the reference for its tokens, and its expert-weight gradients with the reference
 gradients of its experts (which sum over every rank's tokens). Routing is ragged: the last rank's experts are never
@@ -79,8 +81,41 @@ def main():
         ok &= status == "PASS"
         print(f"{status} rank {rank}/{world} {dtype} T={counts[rank]}: " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()),
               flush=True)
+    ok &= check_layer_stack(rank, world)
     dist.destroy_process_group()
     raise SystemExit(0 if ok else 1)
+
+
+def check_layer_stack(rank: int, world: int, layers: int = 3) -> bool:
+    """Three residual MoE layers, forward through all, backward through all: both transports, bitwise equal."""
+    hidden, inter, experts, top_k, tokens = 1024, 512, 32, 8, 2048 - 37 * rank
+    gen = torch.Generator(device="cuda").manual_seed(99 + rank)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    dy = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    per_rank = experts // world
+    params = []
+    for _ in range(layers):
+        w, i = torch.softmax(torch.randn(tokens, experts, device="cuda", generator=gen), -1).topk(top_k)
+        w1 = (torch.randn(per_rank, 2 * inter, hidden, device="cuda", generator=gen) * hidden**-0.5).bfloat16()
+        w2 = (torch.randn(per_rank, hidden, inter, device="cuda", generator=gen) * inter**-0.5).bfloat16()
+        params.append((i, (w / w.sum(-1, keepdim=True)).bfloat16(), w1, w2))
+    runs = {}
+    for transport in ("symmetric_memory", "collectives"):
+        opts = DispatchConfig(type="mega_moe", max_tokens_per_rank=2048, transport=transport, comm_timeout_s=30)
+        leaves = [x.clone().requires_grad_()]
+        y = leaves[0]
+        for index, weights, w1, w2 in params:
+            layer = [t.clone().requires_grad_() for t in (weights, w1, w2)]
+            leaves += layer
+            y = y + fused_experts(y, index, *layer, dispatch=opts, group=dist.group.WORLD)
+        runs[transport] = [y.detach(), *torch.autograd.grad(y, leaves, dy)]
+        torch.cuda.synchronize()
+    same = all(torch.equal(a, b) for a, b in zip(runs["symmetric_memory"], runs["collectives"]))
+    finite = all(bool(t.float().isfinite().all()) for t in runs["symmetric_memory"])
+    status = "PASS" if same and finite else "FAIL"
+    print(f"{status} rank {rank}/{world} stack of {layers} layers: transports bitwise equal {same}, finite {finite}",
+          flush=True)
+    return same and finite
 
 
 if __name__ == "__main__":

@@ -209,6 +209,31 @@ def check_plan(ids, weights, base, num_local, tile_m):
     return plan
 
 
+@pytest.mark.parametrize("index_dtype, weight_dtype", [(torch.int64, torch.bfloat16), (torch.int32, torch.float32)])
+def test_fill_copies_the_routing_it_reads(index_dtype, weight_dtype):
+    # A rank's own fill also writes its routing for the peers (ids as int32, weights as fp32): exactly the caller's
+    # values, padding ids (-1) included, and the plan is the one a fill without the copy writes. Two segments, the
+    # fill of the second alone (as a rank plans its own block), over several chunks.
+    rows, k, num_local, chunk = 300, 4, 6, 256
+    ids, weights = _random_ids(2 * rows, k, 12, seed=21, pad_rows=17)
+    ids, weights = ids.to(index_dtype), weights.to(weight_dtype)
+    own_ids, own_weights = ids[rows:], weights[rows:]
+    plans = [allocate_routing_plan(2 * rows, k, num_local_experts=num_local, tile_m=4, device=torch.device("cpu"),
+                                   num_segments=2) for _ in range(2)]
+    out_ids = torch.full((rows, k), 99, dtype=torch.int32)
+    out_weights = torch.full((rows, k), float("nan"))
+    fill_routing_plan(plans[0], own_ids, own_weights, expert_base=6, first_segment=1, chunk=chunk,
+                      copy_to=(out_ids, out_weights))
+    fill_routing_plan(plans[1], own_ids, own_weights, expert_base=6, first_segment=1, chunk=chunk)
+    assert torch.equal(out_ids, own_ids.to(torch.int32)) and (out_ids[-17:] == -1).all()
+    assert torch.equal(out_weights, own_weights.float())
+    pos = plans[0].pair_pos[rows:]
+    assert torch.equal(pos, plans[1].pair_pos[rows:]) and (pos >= 0).any()
+    for name in ("row_src", "row_weight"):
+        assert torch.equal(getattr(plans[0], name)[pos[pos >= 0].long()], getattr(plans[1], name)[pos[pos >= 0].long()])
+    assert torch.equal(plans[0].expert_offsets[num_local + 1:], plans[1].expert_offsets[num_local + 1:])
+
+
 @pytest.mark.parametrize(
     "rows, k, num_local, segments, base, chunk",
     [

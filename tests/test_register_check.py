@@ -47,8 +47,9 @@ def test_kernel_compiles_for_hopper_without_spills(kernel, constexprs, extra):
 # the two branches of an if, which the compiler rejects): each must compile for sm_90.
 ROUTING = {"TOP_K": 8, "NUM_LOCAL": 64, "EXPERT_BLOCK": 64, "TILE_M": 128, "BLOCK": 1024, "TILE_BLOCK": 32, "KEYS": 4}
 COMPILES = [
-    ("prime_megamoe.kernels.routing:routing_keys_kernel", {"NUM_LOCAL": 64, "NUM_BINS": 128, "SKIP": 64, "BLOCK": 1024},
-     ["--types", '{"index_ptr": "*i64", "hist_ptr": "*i32"}']),
+    ("prime_megamoe.kernels.routing:routing_keys_kernel",
+     {"NUM_LOCAL": 64, "NUM_BINS": 128, "SKIP": 64, "BLOCK": 1024, "COPY_ROUTING": True},
+     ["--types", '{"index_ptr": "*i64", "hist_ptr": "*i32", "weights_ptr": "*bf16"}']),
     ("prime_megamoe.kernels.routing:routing_place_kernel", {**ROUTING, "NUM_BINS": 128, "SKIP": 64, "HALVES": True},
      ["--types", '{"weights_ptr": "*bf16", "row_weight_ptr": "*fp32", "hist_ptr": "*i32"}']),
     ("prime_megamoe.kernels.routing:routing_place_kernel", {**ROUTING, "NUM_BINS": 256, "SKIP": 128, "HALVES": False},

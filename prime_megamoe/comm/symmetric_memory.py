@@ -1,37 +1,43 @@
-"""The symmetric-memory transport: peer-to-peer copies over NVLink, device-side signals, overlapped with compute.
+"""The symmetric-memory transport: peer-to-peer writes over NVLink, device-side signals, overlapped with compute.
 
 One workspace per (group, capacity, H, k, dtype), allocated on first use with
 ``torch.distributed._symmetric_memory`` and shared by every layer of the model (rounds run one after another on each
 rank). Each rank's part, with W ranks and capacity C:
 
-    rows       [C, H]      dtype  this rank's published block (tokens in the forward, output gradients backward)
-    index      [C, k]      int32  its published routing (forward)
-    weights    [C, k]      fp32
-    row_res    [W, C, H]   dtype  results for this rank's tokens; slot q is written by rank q
-    pair_res   [W, C, k]   fp32   top-k weight gradients for this rank's tokens (backward); slot q by rank q
-    flags      [2, W]      int32  channel 0: "rank q published round n", channel 1: "rank q wrote its slot, round n"
+    inbox      [2, W, C, H] dtype  blocks pushed to this rank (tokens forward, output gradients backward):
+                                   [round parity, source rank]; slot q of a parity is written by rank q
+    index      [C, k]       int32  this rank's published routing (forward), read in place by the peers
+    weights    [C, k]       fp32
+    row_res    [W, C, H]    dtype  results for this rank's tokens; slot q is written by rank q
+    pair_res   [W, C, k]    fp32   top-k weight gradients for this rank's tokens (backward); slot q by rank q
+    flags      [2, W]       int32  channel 0: "rank q pushed its round-n block here", 1: "rank q wrote its slot, round n"
 
 A round on rank r (see ``comm.transport``), with streams `compute` (the caller's) and `comm` (a side stream):
-- start: record an event (what `comm` must wait for before it touches the block). A block of fewer than C rows
-  has its routing padded into the workspace here (compute); a full block's own plan reads the caller's routing.
-- publish (at the first use of the own rows or of a peer's, or at ``exchange_now``): on `comm`, copy block and
-  routing into the workspace (the routing's conversion to int32 / fp32 is a small kernel), flag channel 0 on every
-  peer, then copy the own block into a local [W*C, H] buffer (an event). The forward reads its own tokens straight
-  from the caller's tensor, so its first GEMMs go out before any of this; so does the backward's first GEMM
-  (``exchange_now`` after it).
-- pull (at the first use of a peer's routing or rows, or at ``exchange_now``): publish, then `comm` waits for every
-  peer's flag and copies each peer's block into the local buffer, an event per block. Forward: the peers' plans wait
-  for the flags too and read their routing (a few kB) in place, while compute is busy with the own block.
-  `comm` has high priority, so its wait kernel takes the first free SM rather than queue behind a GEMM's blocks
-  (flags are set by stream memory operations, which need no SM).
+- start: record an event (what `comm` waits for before it reads the block). A block of fewer than C rows has its
+  routing padded into the workspace here (compute); a full block's own plan reads the caller's routing, and its
+  fill writes the published copy on the way (``routing_sink``; the event is recorded again after that fill).
+- push (``exchange_now``, or the first use of a peer's block): on `comm`, copy the block straight into slot r of
+  every peer's inbox (one NVLink write per peer; no local copy first), then flag channel 0 on that peer. Copy-engine
+  work and stream memory operations only, so nothing on `comm` waits for an SM while the GEMMs hold them all (only
+  a routing no fill wrote takes a small conversion kernel first). The forward pushes right after its own first FC1
+  is queued, the backward after its own first GEMM; neither reads its own block from the inbox before that.
+- the first use of a peer's routing or rows: `compute` waits (a small kernel, bounded by the timeout) for every
+  peer's flag of this round; the peers' plans then read their routing in place and the GEMMs read their rows from
+  the inbox. A caller that keeps the rows past the round (the forward with autograd) gets a private copy, written on
+  `comm` from the inbox and from its own block while the GEMMs run; a caller that reads its own block among the
+  gathered rows (the backward's W2 weight gradient) has it copied into its own inbox slot by the push.
 - send(s): results for rank s's tokens go straight into rank r's own slot when s = r; otherwise into a staging
   buffer that `comm` copies into rank s's slot r, then flags channel 1 on rank s.
 - finish: wait (compute) for channel 1 from every peer, then return the slots; the caller sums them in rank order.
 
-Why reuse is safe without extra barriers: a rank overwrites its published block only in a later round, after it has
-received every peer's results of the earlier round, and each peer sends those only after reading the block. A peer
-writes into this rank's slots only after reading this rank's block of the same round, published after this rank
-summed the previous round's slots.
+Why reuse is safe without extra flags. The inbox alternates between two halves by round parity: rank q pushes
+round n into this rank's half n % 2 only after its own round n started, i.e. after it received this rank's results
+of round n - 1, which this rank sends (stream order) after everything it read from half n % 2 in round n - 2 (the
+last reader, the backward's W2 weight gradient, runs after the results of its round are sent; the private copy of
+a kept round runs on `comm` before the next round's sends). A rank overwrites its published routing only after it
+has received every peer's results of the round before, and each peer reads the routing before sending those. A peer
+writes into this rank's result slots only after this round's block, pushed after this rank summed the previous
+round's slots.
 """
 
 from __future__ import annotations
@@ -69,7 +75,7 @@ class SymmetricWorkspace:
         self.world, self.rank, self.capacity, self.hidden, self.top_k = world, rank, capacity, hidden, top_k
         self.dtype = dtype
         regions = {
-            "rows": ((capacity, hidden), dtype),
+            "inbox": ((2, world, capacity, hidden), dtype),
             "index": ((capacity, top_k), torch.int32),
             "weights": ((capacity, top_k), torch.float32),
             "row_res": ((world, capacity, hidden), dtype),
@@ -96,6 +102,11 @@ class SymmetricWorkspace:
         self.local = self.views[rank]
         # Each peer's flags as flat 32-bit words (what ``signal`` writes into), made once: views cost host time.
         self.flag_words = [self.views[peer]["flags"].view(torch.uint32).view(-1) for peer in range(world)]
+        # Per round parity: this rank's inbox as gathered rows [W*C, H], and slot `rank` of each peer's inbox (the
+        # push targets), also made once.
+        peers = [q for q in range(world) if q != rank]
+        self.gathered = [self.local["inbox"][p].view(world * capacity, hidden) for p in range(2)]
+        self.outbox = [{q: self.views[q]["inbox"][p][rank] for q in peers} for p in range(2)]
         self.round = 0
         # High priority: the wait kernel on this stream gets an SM as soon as one frees up, instead of queueing
         # behind every block of a GEMM launched before it (which held a peer's block back by a whole GEMM).
@@ -148,86 +159,106 @@ class SymmetricMemoryTransport(Transport):
             ws = _WORKSPACES[key] = SymmetricWorkspace(self.group, self.capacity, hidden, top_k, dtype, self.device)
         return ws
 
-    def start(self, block, routing, kinds, top_k):
+    def start(self, block, routing, kinds, top_k, *, keep=False, read_own=False):
         ws = self.workspace
         if ws is None or (ws.hidden, ws.top_k, ws.dtype) != (block.shape[1], top_k, block.dtype):
             ws = self.workspace = self._workspace(block.shape[1], top_k, block.dtype)
         c, num_rows = self.capacity, block.shape[0]
         ws.round += 1
         self.round = ws.round
+        self._gathered = ws.gathered[self.round % 2]
+        self._outbox = ws.outbox[self.round % 2]
         compute = torch.cuda.current_stream(self.device)
         if ws.last_stream is not None and ws.last_stream != compute:
             # The previous round ran on another stream: its sum of this rank's result slots must be done before
-            # peers may write them again (they do once this round's block is published).
+            # peers may write them again (they do once this round's block is pushed).
             compute.wait_stream(ws.last_stream)
         ws.last_stream = compute
-        # A full block's routing is planned from the caller's tensors and published with the block (``_publish``);
-        # a partial one is padded here, on compute, where the own plan reads it next. Rows past num_rows stay as
-        # they are: no routing entry points at them (their ids are -1).
-        self._routing = None
+        # A full block's routing is planned from the caller's tensors, and published by the own plan's fill
+        # (``routing_sink``) or else converted by the push; a partial one is padded here, on compute, where the own
+        # plan reads it next. Rows past num_rows stay as they are: no routing entry points at them (ids -1).
+        self._routing, self._routing_sunk = None, False
         if routing is not None and num_rows == c:
             self._routing = routing
         elif routing is not None:
             ws.local["index"][:num_rows].copy_(routing[0])  # copy_ converts to int32 / fp32
             ws.local["weights"][:num_rows].copy_(routing[1])
             ws.local["index"][num_rows:].fill_(-1)
-        self._rows = block.new_empty(self.world * c, block.shape[1])
-        # What the side stream waits for before publishing: the block, the rows' memory and the previous round's
-        # sum, not the GEMMs the caller issues between now and then.
+        # What the side stream waits for before pushing: the block and the previous round's sum, not the GEMMs the
+        # caller issues between now and then.
         self._ready = torch.cuda.Event()
         self._ready.record(compute)
-        self._block, self._arrived, self._published = block, {}, None
+        self._block, self._peers_in, self._own_in = block, False, None
+        self._read_own = read_own
+        self._kept = block.new_empty(self.world * c, block.shape[1]) if keep else None
         self._kinds = kinds
         self._staging = {}
-        return self._rows
+        return self._kept
 
-    def _publish(self) -> None:
-        """On the side stream, once per round: block and (a full block's) routing into the workspace, flag channel 0
-        on every peer, then the own block into rows (an event). Issued at the first use of the own rows or of a
-        peer's (or at ``exchange_now``), so a caller that reads its own tokens directly issues its first GEMMs before
-        any of this."""
+    def routing_sink(self):
+        if self._routing is None or self._block is None:  # a partial block's routing is in place already
+            return None
+        self._routing_sunk = True
+        ws = self.workspace
+        return ws.local["index"], ws.local["weights"]
+
+    def routing_written(self):
+        # The push must follow the fill that writes the routing: the side stream waits for this event.
+        self._ready.record(torch.cuda.current_stream(self.device))
+
+    def _push(self) -> None:
+        """On the side stream, once per round: the block into slot r of every peer's inbox, each peer flagged once
+        its copy (and the published routing) has landed; then the own block where this round reads or keeps it (an
+        event). Issued at ``exchange_now`` or at the first use of a peer's block."""
         if self._block is None:
             return
         ws, c, rank, block = self.workspace, self.capacity, self.rank, self._block
+        n = block.shape[0]
         comm = ws.comm_stream
         comm.wait_event(self._ready)
         block.record_stream(comm)  # read on comm: its memory must outlive that read even if the caller drops it
         with torch.cuda.stream(comm):
-            ws.local["rows"][: block.shape[0]].copy_(block)
-            if self._routing is not None:
+            if self._routing is not None and not self._routing_sunk:
                 for name, t in zip(("index", "weights"), self._routing):
                     t.record_stream(comm)
-                    ws.local[name].copy_(t)  # copy_ converts to int32 / fp32
+                    ws.local[name].copy_(t)  # copy_ converts to int32 / fp32 (a small kernel)
             for peer in self._peers():
+                target = self._outbox[peer]
+                (target if n == c else target[:n]).copy_(block)
                 ws.signal(peer, PUBLISHED, self.round)
-            # The own copy among the gathered rows after the flags: the peers need not wait for it.
-            self._rows[rank * c : rank * c + block.shape[0]].copy_(block)
-            self._arrived[rank] = torch.cuda.Event()
-            self._arrived[rank].record(comm)
+            # The own block after the peers': nothing reads it before the pushes are out.
+            own = slice(rank * c, rank * c + n)
+            if self._kept is not None:
+                self._kept[own].copy_(block)
+            if self._read_own:
+                self._gathered[own].copy_(block)
+            if self._kept is not None or self._read_own:
+                self._own_in = torch.cuda.Event()
+                self._own_in.record(comm)
         self._block = None
 
-    def _pull(self) -> None:
-        """On the side stream, once per round: wait for every peer's block, then copy each into rows, one event per
-        block. Issued at the first use of a peer's routing or rows."""
-        if self._published is not None:
+    def _await_peers(self) -> None:
+        """Once per round, on compute: push (if not yet), then wait for every peer's block of this round. A kept
+        round's private copy of the peers' blocks follows on the side stream, while compute reads the inbox."""
+        if self._peers_in:
             return
-        self._publish()
+        self._push()
         ws, c = self.workspace, self.capacity
-        with torch.cuda.stream(ws.comm_stream):
-            ws.wait(PUBLISHED, self.round, self.timeout_s)
-            self._published = torch.cuda.Event()
-            self._published.record(ws.comm_stream)
-            for source in self._peers():
-                self._rows[source * c : (source + 1) * c].copy_(ws.views[source]["rows"])
-                self._arrived[source] = torch.cuda.Event()
-                self._arrived[source].record(ws.comm_stream)
+        ws.wait(PUBLISHED, self.round, self.timeout_s)  # on compute: the GEMMs that read the blocks come next
+        self._peers_in = True
+        if self._kept is not None:
+            arrived = torch.cuda.Event()
+            arrived.record(torch.cuda.current_stream(self.device))
+            ws.comm_stream.wait_event(arrived)
+            with torch.cuda.stream(ws.comm_stream):
+                for source in self._peers():
+                    self._kept[source * c : (source + 1) * c].copy_(self._gathered[source * c : (source + 1) * c])
 
     def routing(self, first, count):
-        ws, compute = self.workspace, torch.cuda.current_stream(self.device)
+        ws = self.workspace
         sources = range(first, first + count)
         if any(q != self.rank for q in sources):
-            self._pull()
-            compute.wait_event(self._published)  # the peers' routing is read in place, over NVLink
+            self._await_peers()  # the peers' routing is read in place, over NVLink
         if first == self.rank and count == 1 and self._routing is not None:
             return self._routing  # a full block: the caller's own tensors, nothing to copy first
         if count == 1:
@@ -238,13 +269,20 @@ class SymmetricMemoryTransport(Transport):
         return [q for q in self.source_order() if q != self.rank]
 
     def exchange_now(self):
-        self._pull()
+        self._push()
 
     def wait_rows(self, source):
-        self._publish()
         if source != self.rank:
-            self._pull()
-        torch.cuda.current_stream(self.device).wait_event(self._arrived[source])
+            self._await_peers()
+            return self._gathered
+        if not self._read_own:
+            raise RuntimeError(
+                "wait_rows(own rank) in a round started without read_own=True: the own block is not among the "
+                "gathered rows; read it from the caller's tensor, or start the round with read_own=True"
+            )
+        self._push()
+        torch.cuda.current_stream(self.device).wait_event(self._own_in)
+        return self._gathered
 
     def _slot(self, peer: int, kind: str, source_slot: int) -> torch.Tensor:
         return self.workspace.views[peer][_RESULT_REGION[kind]][source_slot]
@@ -271,8 +309,8 @@ class SymmetricMemoryTransport(Transport):
     def finish(self):
         ws = self.workspace
         compute = torch.cuda.current_stream(self.device)
-        self._pull()  # keeps each round's protocol whole even if no peer block was read
+        self._await_peers()  # keeps each round's protocol whole even if no peer block was read
         ws.wait(RETURNED, self.round, self.timeout_s)
-        compute.wait_stream(ws.comm_stream)  # staging and gathered rows are freed on the compute stream
-        self._staging, self._rows = {}, None
+        compute.wait_stream(ws.comm_stream)  # staging and the kept copy are written on comm
+        self._staging, self._kept = {}, None
         return {kind: ws.local[_RESULT_REGION[kind]] for kind in self._kinds}

@@ -2,19 +2,24 @@
 
 One exchange round (a forward call, or a backward call) on rank r of W ranks, each block ``capacity`` rows:
 
-1. ``start(block, routing, kinds, top_k)``: publish this rank's block (its T <= C tokens, or output gradients) and,
-   in the forward, its routing; returns every rank's rows [W*C, H] (block s from rank s at rows [s*C, s*C + T_s),
-   possibly still arriving; rows past T_s are padding that no routing entry points at). ``routing(first, count)``
-   then gives the routing of a run of source ranks ([count*C, k] int32 / fp32, id -1 on padding rows): the own
-   block's without waiting for any peer, so its plan and first GEMMs need not wait either.
-2. For each source rank s, in the order of ``source_order()``: ``wait_rows(s)`` before reading block s; write this
-   rank's results for rank s's tokens into ``partial_buffers(s)``; ``send(s)``.
-3. ``finish()``: every rank's results for this rank's tokens, [W, C, ...] per kind (slot q from rank q).
+1. ``start(block, routing, kinds, top_k, keep=..., read_own=...)``: publish this rank's block (its T <= C tokens, or
+   output gradients) and, in the forward, its routing. ``routing(first, count)`` then gives the routing of a run of
+   source ranks ([count*C, k] int32 / fp32, id -1 on padding rows): the own block's without waiting for any peer, so
+   its plan and first GEMMs need not wait either. Where ``routing_sink()`` names tensors, the own plan's fill writes
+   the published routing there as it reads it.
+2. For each source rank s, in the order of ``source_order()``: ``wait_rows(s)`` gives every rank's rows [W*C, H]
+   (block s at rows [s*C, s*C + T_s), readable on the current stream until ``finish``; rows past T_s are padding
+   that no routing entry points at); write this rank's results for rank s's tokens into ``partial_buffers(s)``;
+   ``send(s)``. The own block is among those rows only in a round started with ``read_own``; otherwise the caller
+   reads it from its own tensor.
+3. ``finish()``: every rank's results for this rank's tokens, [W, C, ...] per kind (slot q from rank q). A round
+   started with ``keep`` returned from ``start`` a [W*C, H] tensor of every block (the own one too) that is the
+   caller's to keep, complete on the current stream after ``finish``.
 
 Transports differ only in when bytes move: ``CollectiveTransport`` moves everything in blocking collectives at
-``start`` and ``finish``; ``comm.symmetric_memory.SymmetricMemoryTransport`` pulls each peer's block while the
-local one is computed and pushes each result block as soon as it is written. The arithmetic is the same, so both
-give bitwise the same results.
+``start`` and ``finish``; ``comm.symmetric_memory.SymmetricMemoryTransport`` pushes this rank's block into the
+peers' memory while the own block is computed and pushes each result block as soon as it is written. The
+arithmetic is the same, so both give bitwise the same results.
 """
 
 from __future__ import annotations
@@ -47,10 +52,10 @@ class Transport:
         return [(self.rank + i) % self.world for i in range(self.world)]
 
     def start(self, block: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None, kinds: tuple[str, ...],
-              top_k: int) -> torch.Tensor:
+              top_k: int, *, keep: bool = False, read_own: bool = False) -> torch.Tensor | None:
         """block [T, H] (T <= C); routing (global ids [T, k], weights [T, k], any int / float dtypes) or None; kinds:
-        the result kinds this round returns. -> rows [W*C, H] (source s's block at rows [s*C, (s+1)*C), there once
-        ``wait_rows(s)`` has been issued)."""
+        the result kinds this round returns; keep: the caller keeps every block past ``finish`` (-> rows [W*C, H],
+        its own tensor; else None); read_own: the caller reads its own block through ``wait_rows(rank)``."""
         raise NotImplementedError
 
     def routing(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +65,17 @@ class Transport:
         fill the block)."""
         raise NotImplementedError
 
-    def wait_rows(self, source: int) -> None:
+    def routing_sink(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where this rank's own plan fill should also write its routing (ids int32, weights fp32, [C', k]
+        contiguous with C' the block's rows) for the peers, or None when nothing needs writing. A caller that fills
+        them calls ``routing_written`` right after issuing that fill."""
+        return None
+
+    def routing_written(self) -> None:
+        """The fill that wrote ``routing_sink``'s tensors has been issued on the current stream."""
+
+    def wait_rows(self, source: int) -> torch.Tensor:
+        """-> rows [W*C, H] in which block ``source`` can be read on the current stream (until ``finish``)."""
         raise NotImplementedError
 
     def exchange_now(self) -> None:
@@ -82,9 +97,9 @@ class CollectiveTransport(Transport):
     """torch.distributed collectives (gloo on CPU, NCCL on GPU): all_gather at ``start``, all_to_all at ``finish``.
     Waits are bounded by ``timeout_s`` on gloo (see ``collectives``)."""
 
-    def start(self, block, routing, kinds, top_k):
+    def start(self, block, routing, kinds, top_k, *, keep=False, read_own=False):
         c = self.capacity
-        rows = all_gather_blocks(pad_rows(block, c), self.group, self.timeout_s, "dispatch of rows")
+        rows = self._rows = all_gather_blocks(pad_rows(block, c), self.group, self.timeout_s, "dispatch of rows")
         self._routing = None
         if routing is not None:
             padded = (pad_rows(routing[0].to(torch.int32), c, -1), pad_rows(routing[1].float(), c))
@@ -97,14 +112,14 @@ class CollectiveTransport(Transport):
                 self._staging[kind] = block.new_empty(w, c, block.shape[1])
             else:
                 self._staging[kind] = torch.empty(w, c, top_k, dtype=torch.float32, device=block.device)
-        return rows
+        return rows if keep else None  # the gathered rows are this round's own tensor already
 
     def routing(self, first, count):
         c = self.capacity
         return tuple(t[first * c : (first + count) * c] for t in self._routing)
 
     def wait_rows(self, source):
-        pass  # the all_gather has completed
+        return self._rows  # the all_gather has completed
 
     def exchange_now(self):
         pass  # the all_gather has completed
@@ -120,7 +135,7 @@ class CollectiveTransport(Transport):
         for kind, buf in self._staging.items():
             flat = buf.view(self.world * self.capacity, *buf.shape[2:])
             out[kind] = exchange_blocks(flat, self.group, self.timeout_s, f"return of results ({kind})").view(buf.shape)
-        self._staging = {}
+        self._staging, self._rows = {}, None
         return out
 
 

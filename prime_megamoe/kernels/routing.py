@@ -15,17 +15,27 @@ import triton.language as tl
 @triton.jit
 def routing_keys_kernel(
     index_ptr, key_ptr, counts_ptr, hist_ptr, num_pairs, pairs_per_segment, expert_base,
+    weights_ptr, out_index_ptr, out_weights_ptr,
     NUM_LOCAL: tl.constexpr, NUM_BINS: tl.constexpr, SKIP: tl.constexpr, BLOCK: tl.constexpr,
+    COPY_ROUTING: tl.constexpr,
 ):
     """key = segment * NUM_LOCAL + local expert id of each (row, slot) pair, or SKIP (= segments * NUM_LOCAL) where
     the expert lives elsewhere; counts[key] += 1 for local keys. Segments count from the first one this launch
     covers (a segment is a block of consecutive source rows: one source rank's tokens under expert parallelism), so
     sorting by key orders rows by segment, then by expert. Integer atomics: the counts are exact whatever order the
     programs run in. hist [programs, NUM_BINS]: each program's count per key (the sort's chunk table); NUM_BINS >
-    SKIP + 1, so the padding lanes' bin (the last) is no key."""
+    SKIP + 1, so the padding lanes' bin (the last) is no key.
+
+    COPY_ROUTING: also write the ids as int32 to out_index and the weights (weights_ptr) as fp32 to out_weights, the
+    form peers read a published routing in: the copy rides on this launch instead of taking kernels of its own on
+    the side stream, where they would wait for a free SM behind the GEMMs and hold back the publish."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_pairs
-    local = tl.load(index_ptr + offs, mask=mask, other=-1).to(tl.int32) - expert_base
+    ids = tl.load(index_ptr + offs, mask=mask, other=-1).to(tl.int32)
+    if COPY_ROUTING:
+        tl.store(out_index_ptr + offs, ids, mask=mask)
+        tl.store(out_weights_ptr + offs, tl.load(weights_ptr + offs, mask=mask, other=0.0).to(tl.float32), mask=mask)
+    local = ids - expert_base
     segment = offs // pairs_per_segment
     key = tl.where((local >= 0) & (local < NUM_LOCAL), segment * NUM_LOCAL + local, SKIP)
     tl.store(key_ptr + offs, key, mask=mask)

@@ -7,19 +7,20 @@ finished results back. The own block is computed in two pieces split by expert (
 the first while the peers' blocks arrive, the second while the last peer's results travel back, so neither transfer
 waits alone.
 
-forward   plan the own block (own routing only) -> own block's first expert piece (read from x itself) -> publish
-          x, pull and plan the peers' blocks (their routing) -> per piece: [wait block s] FC1+SwiGLU, FC2; once a
-          source is complete: combine into s's result block, send -> each rank sums the W result blocks of its
-          tokens in rank order (fp32)
-backward  own block's first piece (read from dy itself; publishing dy and pulling the peers' blocks on the side
-          stream are queued after its first GEMMs) -> per piece:
+forward   plan the own block (own routing only; the fill also writes the routing the peers read) -> own block's
+          first expert piece (read from x itself; x is pushed to the peers once its FC1 is queued) -> plan the
+          peers' blocks (their routing) -> per piece: [wait block s] FC1+SwiGLU, FC2; once a source is complete:
+          combine into s's result block, send -> each rank sums the W result blocks of its tokens in rank order
+          (fp32)
+backward  own block's first piece (read from dy itself; pushing dy to the peers on the side stream is queued after
+          its first GEMMs) -> per piece:
           [wait block s] FC2 dgrad+dSwiGLU, FC1 dgrad; once a source is complete: combine into s's dx block and its
           top-k weight gradients, send -> weight gradients over all segments (local, while results travel) -> each
           rank sums its W dx blocks in rank order
 
 Fixed orders everywhere (rank order for the sums, segment order inside each expert's weight-gradient reduction), so
-outputs and gradients are bitwise repeatable, and the same under every transport. What the forward saves: the
-gathered rows [W*C, H] (for the W1 weight gradient), h = x W1^T in sorted order, and the plan itself, leased from
+outputs and gradients are bitwise repeatable, and the same under every transport. What the forward saves: a copy
+of the gathered rows [W*C, H] (for the W1 weight gradient; the transport's own buffers are reused by later rounds), h = x W1^T in sorted order, and the plan itself, leased from
 the transport's pool until the graph is freed (``PlanLease``); see ``expert_compute`` for why h and not a recompute.
 """
 
@@ -89,13 +90,19 @@ class ExpertParallelExperts(torch.autograd.Function):
         world = transport.world
         num_local, inter, hidden = w1.shape[0], w1.shape[1] // 2, w1.shape[2]
         rank, capacity = transport.rank, transport.capacity
-        rows = transport.start(x, (top_k_index, top_k_weights), (ROW_RESULTS,), top_k)
+        need_grad = grad_enabled and any(ctx.needs_input_grad[i] for i in (0, 2, 3, 4))
+        kept_rows = transport.start(x, (top_k_index, top_k_weights), (ROW_RESULTS,), top_k, keep=need_grad)
         lease = lease_forward_plan(transport, top_k, num_local, tile_m, x.device)
         plan = lease.plan
         # The own block's plan needs only this rank's routing: its first GEMMs go out before the peers' routing is
-        # waited for; the peers' plans follow, while the GPU computes the own block's first piece.
-        fill_routing_plan(plan, *transport.routing(rank, 1), expert_base=rank * num_local, first_segment=rank)
-        need_grad = grad_enabled and any(ctx.needs_input_grad[i] for i in (0, 2, 3, 4))
+        # waited for; the peers' plans follow, while the GPU computes the own block's first piece. The fill also
+        # writes the routing the peers read (where the transport asks for it): no conversion kernel is left for the
+        # push, which then needs no SM while the GEMMs hold them.
+        sink = transport.routing_sink()
+        fill_routing_plan(plan, *transport.routing(rank, 1), expert_base=rank * num_local, first_segment=rank,
+                          copy_to=sink)
+        if sink is not None:
+            transport.routing_written()
         a = x.new_empty(plan.sorted_rows, inter)
         h = x.new_empty(plan.sorted_rows, 2 * inter) if need_grad else None
         y = x.new_empty(plan.sorted_rows, hidden)
@@ -110,8 +117,12 @@ class ExpertParallelExperts(torch.autograd.Function):
             piece = plan.segment(s, half)
             if s == rank:  # the own tokens straight from x (source rows [rank*C, rank*C + T)): nothing to wait for
                 launch.fc1_swiglu(x, w1, piece, save_h=need_grad, out=(h, a), row_base=rank * capacity)
+                if first:
+                    # x goes to the peers once the own first FC1 is queued: that FC1 is not held up by the push's
+                    # host time, and the copies run under it and the FC2 behind it.
+                    transport.exchange_now()
             else:
-                transport.wait_rows(s)
+                rows = transport.wait_rows(s)
                 launch.fc1_swiglu(rows, w1, piece, save_h=need_grad, out=(h, a))
             # FC2 by pointer reads, as in expert_compute.unquantized_forward (TMA: no faster, more host time)
             launch.grouped_gemm(a, w2, piece, transpose_b=True, row_scale=plan.row_weight, out=y, use_tma=False)
@@ -121,7 +132,7 @@ class ExpertParallelExperts(torch.autograd.Function):
                 transport.send(s)
         out = launch.sum_blocks(transport.finish()[ROW_RESULTS], num_tokens, x.dtype)
         if need_grad:
-            ctx.save_for_backward(rows, w1, w2, h)
+            ctx.save_for_backward(kept_rows, w1, w2, h)
             ctx.plan_lease, ctx.transport = lease, transport  # the lease (and its plan) held until the graph is freed
             ctx.weights_dtype = top_k_weights.dtype
         return out
@@ -134,24 +145,22 @@ class ExpertParallelExperts(torch.autograd.Function):
         rank, capacity = transport.rank, transport.capacity
         kinds = (ROW_RESULTS, PAIR_RESULTS)
         own_dy = grad_out.to(rows.dtype).contiguous()  # the own pieces read it row by row
-        dy = transport.start(own_dy, None, kinds, plan.top_k)
-        buffers = launch.dswiglu_buffers(dy, w2, plan)
+        # The W2 weight gradient reads every block from the gathered rows, the own one too.
+        transport.start(own_dy, None, kinds, plan.top_k, read_own=ctx.needs_input_grad[4])
+        buffers = launch.dswiglu_buffers(own_dy, w2, plan)
         _, dh, aw, dw_row = buffers
-        dx_sorted = dy.new_empty(plan.sorted_rows, dy.shape[1])
+        dx_sorted = own_dy.new_empty(plan.sorted_rows, own_dy.shape[1])
         for s, half, first, last in compute_order(transport):
             piece = plan.segment(s, half)
             if s == rank:  # straight from the caller's gradient, as the forward reads its tokens: no wait
                 launch.fc2_dgrad_dswiglu(own_dy, w2, h, piece, out=buffers, row_base=rank * capacity)
                 if first:
-                    # Publish and pull once the own first GEMMs are queued: a single call reaches its backward with
-                    # the GPU about to go idle, and the exchange's host time (~0.3 ms on a slow host) would come
-                    # first. The side stream's wait kernel then waits for an SM behind this GEMM (~0.3 ms at
-                    # Qwen3-30B-A3B, T = 16384; the flags it waits for are set without one): the peers' blocks are
-                    # first read after the whole own piece (~0.9 ms).
+                    # Push once the own first GEMMs are queued: a single call reaches its backward with the GPU
+                    # about to go idle, and the exchange's host time would otherwise come first. The peers' blocks
+                    # are first read after the whole own piece (~0.9 ms at Qwen3-30B-A3B, T = 16384).
                     transport.exchange_now()
             else:
-                if first:
-                    transport.wait_rows(s)
+                dy = transport.wait_rows(s)
                 launch.fc2_dgrad_dswiglu(dy, w2, h, piece, out=buffers)
             launch.grouped_gemm(dh, w1, piece, transpose_b=False, out=dx_sorted)
             if last:
@@ -164,7 +173,7 @@ class ExpertParallelExperts(torch.autograd.Function):
         if ctx.needs_input_grad[3]:
             grad_w1 = launch.grouped_wgrad(dh, rows, plan, torch.empty_like(w1), gather_a=False, gather_b=True)
         if ctx.needs_input_grad[4]:
-            transport.wait_rows(rank)  # this weight gradient reads the own block from the gathered rows
+            dy = transport.wait_rows(rank)  # this weight gradient reads every block, the own one too
             grad_w2 = launch.grouped_wgrad(dy, aw, plan, torch.empty_like(w2), gather_a=True, gather_b=False)
         results = transport.finish()
         grad_x = launch.sum_blocks(results[ROW_RESULTS], num_tokens, rows.dtype)

@@ -175,12 +175,14 @@ ROUTING_CHUNK = 1024  # pairs per program of the routing kernels
 
 
 def routing_keys(top_k_index: torch.Tensor, counts: torch.Tensor, *, segment_pairs: int, expert_base: int,
-                 num_local_experts: int, chunk: int = ROUTING_CHUNK,
-                 scratch=None) -> tuple[torch.Tensor, torch.Tensor, int]:
+                 num_local_experts: int, chunk: int = ROUTING_CHUNK, scratch=None,
+                 copy_routing=None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(keys, hist, bins) of the (row, slot) pairs of ``top_k_index`` [n * R_s, k]: keys [n * R_s * k] int32, key =
     segment * E_local + local expert, or n * E_local where the expert is elsewhere; hist [chunks, bins] int32, each
     chunk's pairs per key (``bins`` a power of two > n * E_local + 1). ``counts`` [n * E_local] int32, zeroed: gets
-    each local key's pairs added. ``scratch(size)``: where keys and hist go (a new tensor when None)."""
+    each local key's pairs added. ``scratch(size)``: where keys and hist go (a new tensor when None).
+    ``copy_routing`` (weights, ids out int32, weights out fp32: contiguous, each with top_k_index's element count; an
+    internal call, unchecked): the same launch also writes the ids and weights there."""
     num_pairs = top_k_index.numel()
     chunks = max(cdiv(num_pairs, chunk), 1)
     num_bins = next_power_of_2(counts.numel() + 2)  # keys 0..n*E_l (the last: elsewhere), one for padding
@@ -190,19 +192,25 @@ def routing_keys(top_k_index: torch.Tensor, counts: torch.Tensor, *, segment_pai
     else:
         scratch = scratch(size)
     keys, hist = scratch[:num_pairs], scratch[num_pairs:]
+    weights, out_index, out_weights = copy_routing if copy_routing is not None else (None, None, None)
     launch(
         routing_keys_kernel, (chunks,), top_k_index.reshape(-1), keys, counts, hist, num_pairs, max(segment_pairs, 1),
-        expert_base, NUM_LOCAL=num_local_experts, NUM_BINS=num_bins, SKIP=counts.numel(), BLOCK=chunk,
+        expert_base, weights, out_index, out_weights,
+        NUM_LOCAL=num_local_experts, NUM_BINS=num_bins, SKIP=counts.numel(), BLOCK=chunk,
+        COPY_ROUTING=copy_routing is not None,
     )
     return keys, hist, num_bins
 
 
 def fill_routing_plan(plan: RoutingPlan, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
-                      expert_base: int, first_segment: int = 0, chunk: int = ROUTING_CHUNK) -> None:
+                      expert_base: int, first_segment: int = 0, chunk: int = ROUTING_CHUNK,
+                      copy_to: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Plan segments [first_segment, first_segment + n) from their source rows' global expert ids ``top_k_index``
     [n * R_s, k] (ids outside [expert_base, expert_base + E_local), including -1 for padding rows, are other ranks'
     and skipped) and weights. Segments filled in separate calls do not touch each other's parts of the plan. Two
-    launches: keys and counts, then the sort that writes the plan (``kernels.routing``), ``chunk`` pairs a program."""
+    launches: keys and counts, then the sort that writes the plan (``kernels.routing``), ``chunk`` pairs a program.
+    ``copy_to`` (ids int32, weights fp32, both [n * R_s, k] contiguous): the first launch also copies the routing
+    there, converted (a rank's published routing, ``Transport.routing_sink``)."""
     seg_rows = plan.num_rows // plan.num_segments
     rows, top_k = top_k_index.shape
     num_segments = rows // seg_rows if seg_rows else plan.num_segments  # no rows: every segment is empty
@@ -216,7 +224,9 @@ def fill_routing_plan(plan: RoutingPlan, top_k_index: torch.Tensor, top_k_weight
     seg_pairs = seg_rows * top_k
     counts = plan.counts[first_segment * experts : (first_segment + num_segments) * experts]
     keys, hist, num_bins = routing_keys(top_k_index, counts, segment_pairs=seg_pairs, expert_base=expert_base,
-                                        num_local_experts=experts, chunk=chunk, scratch=plan.scratch)
+                                        num_local_experts=experts, chunk=chunk, scratch=plan.scratch,
+                                        copy_routing=None if copy_to is None else (top_k_weights.reshape(-1),
+                                                                                   *copy_to))
     halves = plan.split_expert is not None
     skip = num_segments * experts
     keys_per_program = 4
