@@ -487,6 +487,12 @@ case "${1:-}" in
     ab16k
     step timeline_fwd 100 torchrun --nproc-per-node 2 scripts/call_timeline.py --out "$LOGS/timeline_fwd"
     grep -h "call:" "$LOGS"/timeline_fwd*.txt ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final|s9profile|s9split|s9wgrad|s9publish|s9final|s9spare|s9b235|s10push" >&2
+  s10record)  # the record at the push transport (30B EP=2, torch, both transports, T=4096/16384, profiled; back to
+              # back), then Qwen3-235B-A22B EP=2 T=16384 (torch and mega_moe over symmetric memory)
+    record30 200
+    step bench_235b 175 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-235b-a22b --tokens 16384 \
+      --transports symmetric_memory --iters 5 --warmup 2 --out "$LOGS/bench_235b.json"
+    tail -4 "$LOGS/bench_235b.log" ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final|s9profile|s9split|s9wgrad|s9publish|s9final|s9spare|s9b235|s10push|s10record" >&2
      exit 2 ;;
 esac
