@@ -493,6 +493,14 @@ case "${1:-}" in
     step bench_235b 175 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-235b-a22b --tokens 16384 \
       --transports symmetric_memory --iters 5 --warmup 2 --out "$LOGS/bench_235b.json"
     tail -4 "$LOGS/bench_235b.log" ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final|s9profile|s9split|s9wgrad|s9publish|s9final|s9spare|s9b235|s10push|s10record" >&2
+  s10final)  # the session's final package on a fresh machine: the one-GPU tests and the EP check (gpu_tests),
+             # configs/tiny.toml on two GPUs, the record (30B EP=2, torch, both transports, T=4096/16384, profiled;
+             # back to back)
+    gpu_tests
+    step train_tiny 150 torchrun --nproc-per-node 2 -m prime_megamoe.train configs/tiny.toml --train.steps 10 \
+      --output-dir /tmp/tiny
+    tail -3 "$LOGS/train_tiny.log"; cp /tmp/tiny/metrics.jsonl "$LOGS/metrics_tiny.jsonl"
+    record30 200 ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final|s9profile|s9split|s9wgrad|s9publish|s9final|s9spare|s9b235|s10push|s10record|s10final" >&2
      exit 2 ;;
 esac
