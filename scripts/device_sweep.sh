@@ -501,6 +501,17 @@ case "${1:-}" in
       --output-dir /tmp/tiny
     tail -3 "$LOGS/train_tiny.log"; cp /tmp/tiny/metrics.jsonl "$LOGS/metrics_tiny.jsonl"
     record30 200 ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final|s9profile|s9split|s9wgrad|s9publish|s9final|s9spare|s9b235|s10push|s10record|s10final" >&2
+  s10trim)  # fewer Python steps on the host path (Stream objects, device strings, an allocation before the first
+            # FC1): the EP check, host time to the first FC1 launch in single forwards (this tree, then ab_base/),
+            # this tree against ab_base/ (30B EP=2 T=16384, alternating), then the record
+    (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 120 torchrun --nproc-per-node 2 gpu_check_ep.py)
+    grep -h "PASS\|FAIL\|Error" "$LOGS/ep_check.log" | head -6
+    step host_new 100 torchrun --nproc-per-node 2 scripts/host_overhead.py --no-profile --calls 20
+    (cd ab_base && PYTHONPATH=/tmp/site:$PWD step host_base 100 torchrun --nproc-per-node 2 scripts/host_overhead.py \
+      --no-profile --calls 20)
+    grep -h "single calls" "$LOGS"/host_*.log
+    ab16k
+    record30 200 ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final|s9profile|s9split|s9wgrad|s9publish|s9final|s9spare|s9b235|s10push|s10record|s10final|s10trim" >&2
      exit 2 ;;
 esac

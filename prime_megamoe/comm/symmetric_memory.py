@@ -112,6 +112,7 @@ class SymmetricWorkspace:
         # behind every block of a GEMM launched before it (which held a peer's block back by a whole GEMM).
         self.comm_stream = torch.cuda.Stream(device=device, priority=-1)
         self.last_stream: torch.cuda.Stream | None = None  # the stream the last round computed on
+        self.last_stream_id: int | None = None  # and its raw handle (compared each round: no Stream object made)
         log.info(
             "prime_megamoe: symmetric-memory workspace for EP = %d, max_tokens_per_rank = %d, H = %d, k = %d, %s: "
             "%.1f MiB per rank", world, capacity, hidden, top_k, dtype, total / 2**20,
@@ -168,12 +169,14 @@ class SymmetricMemoryTransport(Transport):
         self.round = ws.round
         self._gathered = ws.gathered[self.round % 2]
         self._outbox = ws.outbox[self.round % 2]
-        compute = torch.cuda.current_stream(self.device)
-        if ws.last_stream is not None and ws.last_stream != compute:
-            # The previous round ran on another stream: its sum of this rank's result slots must be done before
-            # peers may write them again (they do once this round's block is pushed).
-            compute.wait_stream(ws.last_stream)
-        ws.last_stream = compute
+        stream_id = torch._C._cuda_getCurrentRawStream(self.device.index)  # no Stream object: host time
+        if stream_id != ws.last_stream_id:
+            compute = torch.cuda.current_stream(self.device)
+            if ws.last_stream is not None:
+                # The previous round ran on another stream: its sum of this rank's result slots must be done before
+                # peers may write them again (they do once this round's block is pushed).
+                compute.wait_stream(ws.last_stream)
+            ws.last_stream, ws.last_stream_id = compute, stream_id
         # A full block's routing is planned from the caller's tensors, and published by the own plan's fill
         # (``routing_sink``) or else converted by the push; a partial one is padded here, on compute, where the own
         # plan reads it next. Rows past num_rows stay as they are: no routing entry points at them (ids -1).
@@ -186,8 +189,9 @@ class SymmetricMemoryTransport(Transport):
             ws.local["index"][num_rows:].fill_(-1)
         # What the side stream waits for before pushing: the block and the previous round's sum, not the GEMMs the
         # caller issues between now and then.
-        self._ready = torch.cuda.Event()
-        self._ready.record(compute)
+        # torch.Event: its record() and wait() find the current stream in C++, not through a Python Stream object
+        self._ready = torch.Event(self.device)
+        self._ready.record()  # on compute
         self._block, self._peers_in, self._own_in = block, False, None
         self._read_own = read_own
         self._kept = block.new_empty(self.world * c, block.shape[1]) if keep else None
@@ -204,7 +208,7 @@ class SymmetricMemoryTransport(Transport):
 
     def routing_written(self):
         # The push must follow the fill that writes the routing: the side stream waits for this event.
-        self._ready.record(torch.cuda.current_stream(self.device))
+        self._ready.record()
 
     def _push(self) -> None:
         """On the side stream, once per round: the block into slot r of every peer's inbox, each peer flagged once
@@ -233,7 +237,7 @@ class SymmetricMemoryTransport(Transport):
             if self._read_own:
                 self._gathered[own].copy_(block)
             if self._kept is not None or self._read_own:
-                self._own_in = torch.cuda.Event()
+                self._own_in = torch.Event(self.device)
                 self._own_in.record(comm)
         self._block = None
 
@@ -247,8 +251,8 @@ class SymmetricMemoryTransport(Transport):
         ws.wait(PUBLISHED, self.round, self.timeout_s)  # on compute: the GEMMs that read the blocks come next
         self._peers_in = True
         if self._kept is not None:
-            arrived = torch.cuda.Event()
-            arrived.record(torch.cuda.current_stream(self.device))
+            arrived = torch.Event(self.device)
+            arrived.record()
             ws.comm_stream.wait_event(arrived)
             with torch.cuda.stream(ws.comm_stream):
                 for source in self._peers():
@@ -281,7 +285,7 @@ class SymmetricMemoryTransport(Transport):
                 "gathered rows; read it from the caller's tensor, or start the round with read_own=True"
             )
         self._push()
-        torch.cuda.current_stream(self.device).wait_event(self._own_in)
+        self._own_in.wait()  # on the current stream
         return self._gathered
 
     def _slot(self, peer: int, kind: str, source_slot: int) -> torch.Tensor:
@@ -298,8 +302,8 @@ class SymmetricMemoryTransport(Transport):
         if source == self.rank:
             return
         ws = self.workspace
-        written = torch.cuda.Event()
-        written.record(torch.cuda.current_stream(self.device))
+        written = torch.Event(self.device)
+        written.record()
         with torch.cuda.stream(ws.comm_stream):
             ws.comm_stream.wait_event(written)
             for kind, buf in self._staging[source].items():
@@ -308,9 +312,10 @@ class SymmetricMemoryTransport(Transport):
 
     def finish(self):
         ws = self.workspace
-        compute = torch.cuda.current_stream(self.device)
         self._await_peers()  # keeps each round's protocol whole even if no peer block was read
         ws.wait(RETURNED, self.round, self.timeout_s)
-        compute.wait_stream(ws.comm_stream)  # staging and the kept copy are written on comm
+        comm_done = torch.Event(self.device)  # what compute waits for: staging and the kept copy are written on comm
+        comm_done.record(ws.comm_stream)
+        comm_done.wait()
         self._staging, self._kept = {}, None
         return {kind: ws.local[_RESULT_REGION[kind]] for kind in self._kinds}

@@ -146,7 +146,7 @@ def make_transport(name: str, group, capacity: int, device: torch.device, timeou
     """The transport named by ``[model.moe.dispatch] transport`` for this group and device, made once per (name,
     group, capacity, device, timeout) and reused by every call (a round starts and ends inside one call, so calls
     never share a round; a single call is host-bound, so the per-call setup is worth saving)."""
-    key = (name, id(group), capacity, str(device), timeout_s)
+    key = (name, id(group), capacity, device, timeout_s)
     found = _TRANSPORTS.get(key)
     if found is not None:
         return found[1]

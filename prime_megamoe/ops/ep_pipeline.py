@@ -68,7 +68,7 @@ def lease_forward_plan(transport: Transport, top_k: int, num_local: int, tile_m:
                        device: torch.device) -> PlanLease:
     """A forward plan for this transport's rounds at these sizes, emptied for a new fill: a free one from the
     transport's pool, else a new one. A plan last used on another stream is waited for (its stream) first."""
-    pool = transport.reused.setdefault(("forward_plans", top_k, num_local, tile_m, str(device)), [])
+    pool = transport.reused.setdefault(("forward_plans", top_k, num_local, tile_m, device), [])
     stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
     if pool:
         plan, last_stream = pool.pop()
@@ -105,7 +105,7 @@ class ExpertParallelExperts(torch.autograd.Function):
             transport.routing_written()
         a = x.new_empty(plan.sorted_rows, inter)
         h = x.new_empty(plan.sorted_rows, 2 * inter) if need_grad else None
-        y = x.new_empty(plan.sorted_rows, hidden)
+        y = None  # allocated after the first FC1 is issued: one host step less before it
         peers_planned = False
         for s, half, first, last in compute_order(transport):
             if s != rank and not peers_planned:
@@ -124,6 +124,8 @@ class ExpertParallelExperts(torch.autograd.Function):
             else:
                 rows = transport.wait_rows(s)
                 launch.fc1_swiglu(rows, w1, piece, save_h=need_grad, out=(h, a))
+            if y is None:
+                y = x.new_empty(plan.sorted_rows, hidden)
             # FC2 by pointer reads, as in expert_compute.unquantized_forward (TMA: no faster, more host time)
             launch.grouped_gemm(a, w2, piece, transpose_b=True, row_scale=plan.row_weight, out=y, use_tma=False)
             if last:
