@@ -108,8 +108,8 @@ class SymmetricWorkspace:
         self.gathered = [self.local["inbox"][p].view(world * capacity, hidden) for p in range(2)]
         self.outbox = [{q: self.views[q]["inbox"][p][rank] for q in peers} for p in range(2)]
         self.round = 0
-        # High priority: the wait kernel on this stream gets an SM as soon as one frees up, instead of queueing
-        # behind every block of a GEMM launched before it (which held a peer's block back by a whole GEMM).
+        # High priority: what little this stream runs on SMs (a routing conversion when no fill wrote the routing,
+        # the kept rows' copies) gets one as soon as one frees up, instead of queueing behind a GEMM's blocks.
         self.comm_stream = torch.cuda.Stream(device=device, priority=-1)
         self.last_stream: torch.cuda.Stream | None = None  # the stream the last round computed on
         self.last_stream_id: int | None = None  # and its raw handle (compared each round: no Stream object made)
