@@ -108,8 +108,8 @@ class SymmetricWorkspace:
         self.gathered = [self.local["inbox"][p].view(world * capacity, hidden) for p in range(2)]
         self.outbox = [{q: self.views[q]["inbox"][p][rank] for q in peers} for p in range(2)]
         self.round = 0
-        # High priority: what little this stream runs on SMs (a routing conversion when no fill wrote the routing,
-        # the kept rows' copies) gets one as soon as one frees up, instead of queueing behind a GEMM's blocks.
+        # High priority: the one kernel this stream may run (the routing's conversion when no fill wrote it) gets an
+        # SM as soon as one frees up, instead of queueing behind a GEMM's blocks; the rest is copies and flags.
         self.comm_stream = torch.cuda.Stream(device=device, priority=-1)
         self.last_stream: torch.cuda.Stream | None = None  # the stream the last round computed on
         self.last_stream_id: int | None = None  # and its raw handle (compared each round: no Stream object made)
