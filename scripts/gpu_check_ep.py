@@ -8,7 +8,8 @@ both transports: a transport that reused a buffer a later round still reads woul
 Every rank draws the same global problem (all ranks' tokens, all experts), runs its shard, and compares its output,
 dx and d top-k weights with the reference for its tokens, and its expert-weight gradients with the reference
 gradients of its experts (which sum over every rank's tokens). Routing is ragged: the last rank's experts are never
-chosen (that rank receives no rows), expert 1 takes half of all tokens, and ranks hold different token counts.
+chosen (that rank receives no rows), expert 1 takes half of all tokens, and ranks hold different token counts; in a
+third case the last rank also sends no tokens.
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ def main():
     torchrun_group()  # launched with two ranks
     rank, world = dist.get_rank(), dist.get_world_size()
     ok = True
-    for dtype, tol, (hidden, inter, experts, top_k, tokens) in [
-        (torch.float32, 1e-5, (256, 128, 16, 4, 333)),
-        (torch.bfloat16, 2e-2, (1024, 512, 32, 8, 2048)),
+    for dtype, tol, (hidden, inter, experts, top_k, tokens), empty_sender in [
+        (torch.float32, 1e-5, (256, 128, 16, 4, 333), False),
+        (torch.bfloat16, 2e-2, (1024, 512, 32, 8, 2048), False),
+        (torch.float32, 1e-5, (256, 128, 16, 4, 200), True),  # the last rank sends no tokens at all
     ]:
         gen = torch.Generator(device="cuda").manual_seed(1234)
         counts = [tokens - 37 * r for r in range(world)]
+        if empty_sender:
+            counts[-1] = 0
         xs = [torch.randn(c, hidden, device="cuda", generator=gen).to(dtype) for c in counts]
         logits = [torch.randn(c, experts, device="cuda", generator=gen) for c in counts]
         per_rank = experts // world
