@@ -79,8 +79,8 @@ class Transport:
         raise NotImplementedError
 
     def exchange_now(self) -> None:
-        """Publish this rank's block and start bringing in the peers' now, on the side, without making the caller's
-        stream wait (a transport may otherwise do it at the first use of a peer's block)."""
+        """Send this rank's block to the peers now, on the side, without making the caller's stream wait (a
+        transport may otherwise do it at the first use of a peer's block)."""
         raise NotImplementedError
 
     def partial_buffers(self, source: int) -> dict[str, torch.Tensor]:
