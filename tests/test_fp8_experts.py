@@ -295,6 +295,53 @@ def test_wgrad_kernel_against_float64_recipe(fmt):
             assert torch.equal(deq[:, 128 * t:128 * (t + 1)], _fake_quant(tile.T.contiguous(), 1, g_k, pow2)), t
 
 
+@pytest.mark.parametrize("fmt", [fl.fp8_format(), fl.fp8_format(pow2=True), fl.MX_FORMAT],
+                         ids=["fp8", "fp8_pow2", "mx"])
+def test_fc2_dgrad_and_swiglu_backward_pass_against_float64(fmt):
+    """The fp8 FC2 dgrad GEMM and the quantising SwiGLU backward pass, against float64 torch on the same quantised
+    operands: dw exactly up to fp32 sums; dh (row-scaled), dh^T and (w * a)^T (column-scaled, tile space) against
+    the recipe's fake quantisation of the float64 values; padding columns of the tile space zero. Ragged routing:
+    an empty expert and a two-tile expert; I = 96 and H = 192 are not multiples of 128."""
+    tokens, experts, top_k, hidden, inter = 150, 4, 2, 192, 96
+    index, weights = ragged_routing(tokens, experts, top_k, seed=5, hot_fraction=0.9)
+    counts = torch.bincount(index.reshape(-1), minlength=experts)
+    assert counts[0] == 0 and 128 < counts[1] < 256
+    plan = build_routing_plan(index, weights, expert_base=0, num_local_experts=experts, tile_m=128)
+    gen = torch.Generator().manual_seed(5)
+    dy = torch.randn(tokens, hidden, generator=gen)
+    w2 = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
+    h = torch.randn(plan.num_pairs, 2 * inter, generator=gen)
+    dyq, w2q = fl.quantize_rows(dy, fmt), fl.quantize_w2_bwd(w2, fmt)
+    d = fl.fp8_fc2_dgrad_dswiglu(dyq, w2q, h, plan, fmt)
+
+    dy_deq = fl.dequantize_rows(dyq, fmt).double()
+    w2t_deq = fl.dequantize_weight(w2q, fmt).double()  # [E, I, H]
+    src, offsets = plan.row_src.long(), plan.expert_offsets.tolist()
+    g_a = torch.cat([dy_deq[src[offsets[e]:offsets[e + 1]]] @ w2t_deq[e].T for e in range(experts)])
+    w = plan.row_weight.double()[:, None]
+    g, u = h.double().chunk(2, dim=1)
+    sig = torch.sigmoid(g)
+    silu = g * sig
+    dh = torch.cat([g_a * w * u * (sig + silu * (1 - sig)), g_a * w * silu], 1)
+    aw = silu * u * w
+    assert rel_err(d.dw_row.double(), (g_a * silu * u).sum(1)) < 1e-5
+
+    g_k, pow2 = (32, True) if fmt.mx else (128, fmt.pow2)
+    # Elements next to an e4m3 rounding midpoint may round apart (fp32 here, float64 there): a norm bound, not equality.
+    dh_rows = fl.dequantize_rows(d.dh_rows, fmt, segments=2).double()
+    assert rel_err(dh_rows, _fake_quant_halves(dh, 1, g_k, pow2, 1)) < 1e-3
+    dh_t, aw_t = _dequant_cols_t(d.dh_t, fmt), _dequant_cols_t(d.aw_t, fmt)
+    for t in range(int(plan.num_tiles[0])):
+        e, r0 = int(plan.tile_expert[t]), int(plan.tile_row[t])
+        r1 = min(r0 + 128, offsets[e + 1])
+        for got, ref in ((dh_t, dh), (aw_t, aw)):
+            tile = torch.zeros(128, ref.shape[1], dtype=torch.float64)
+            tile[: r1 - r0] = ref[r0:r1]
+            cols = got[:, 128 * t:128 * (t + 1)]
+            assert rel_err(cols, _fake_quant(tile.T.contiguous(), 1, g_k, pow2)) < 1e-3, t
+            assert torch.equal(cols[:, r1 - r0:], torch.zeros_like(cols[:, r1 - r0:])), t
+
+
 def test_wgrad_rejects_row_major_operands():
     index, weights = ragged_routing(16, 2, 1, seed=0, empty_expert=None)
     plan = build_routing_plan(index, weights, expert_base=0, num_local_experts=2, tile_m=128)

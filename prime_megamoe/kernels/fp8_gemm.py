@@ -19,8 +19,9 @@ Every B operand of the row-tiled GEMMs is a weight stored K-major: ``B[e][k, n] 
 ``bs[e, n // B_GROUP_N, kg]``. The forward uses the weight as it is stored (``W1 [E, 2I, H]``, ``W2 [E, H, I]``), the
 dgrads use a transposed copy (``W1^T [E, H, 2I]``, ``W2^T [E, I, H]``), made once per optimizer step by the weight
 cache. The weight gradients reduce over rows: both their operands are activations stored transposed, rows
-contiguous (K-major too), in the tile-space "cols_t" layout of ``quantize.py``, written by the dSwiGLU epilogue
-(dh^T, (w * a)^T) and by ``gather_quantize_cols_t_kernel`` (x^T, dy^T of the gathered source rows).
+contiguous (K-major too), in the tile-space "cols_t" layout of ``quantize.py``, written by the SwiGLU backward pass
+of ``swiglu_grad.py`` (dh^T, (w * a)^T) and by ``gather_quantize_cols_t_kernel`` (x^T, dy^T of the gathered source
+rows).
 
 A reduction dim made of two halves (``2I`` = gate and up) is treated as ``SEGS`` = 2 segments of length K, each
 blocked from its own start, so I need not be a multiple of the block size. Any K is allowed: loads past K are
@@ -38,11 +39,10 @@ import triton.language as tl
 
 from .grouped_gemm import tile_rows as _tile_rows
 from .grouped_gemm import wgrad_tile_offsets
-from .quantize import e8m0_from_scale, quant_groups_rows, store_cols_t
+from .quantize import store_cols_t, store_rows_q
 from .tuning import autotune
 
 QTILE_M = 128  # row tile of every quantised grouped GEMM = the token-dim block of the wgrad scales
-DW_CHUNK_Q = 64  # chunk of the top-k weight gradient partial sums (every dSwiGLU BLOCK_N is a multiple)
 
 
 def _interpreting() -> bool:
@@ -65,8 +65,6 @@ def _candidates(kind: str) -> list[triton.Config]:
     if kind == "gemm":
         return [_cfg(128, 128, 8, 3), _cfg(256, 128, 8, 3), _cfg(128, 128, 4, 4), _cfg(128, 64, 8, 4),
                 _cfg(128, 128, 4, 3, bm=64), _cfg(256, 128, 8, 3, bm=64), _cfg(128, 128, 4, 4, bm=64)]
-    if kind == "dswiglu":
-        return [_cfg(128, 128, 8, 3), _cfg(128, 128, 8, 4), _cfg(128, 64, 8, 4)]
     if kind == "wgrad":  # BLOCK_K is the row tile (QTILE_M); BLOCK_M / BLOCK_N tile the weight
         return [
             _cfg(128, QTILE_M, 8, 3, bm=128, GROUP_M=8),
@@ -80,8 +78,8 @@ def _candidates(kind: str) -> list[triton.Config]:
 
 def quant_configs(kind: str) -> list[triton.Config]:
     """Autotuning candidates (evaluated at import). Constraints: BLOCK_K divides 128 (one fp32 scale per step) and
-    is a multiple of 32 (MX groups); BLOCK_M divides the row tile QTILE_M (the dSwiGLU takes whole tiles); FC1 and
-    dSwiGLU emit 1x128-scaled fp8, so their BLOCK_N is a multiple of 128 (and of DW_CHUNK_Q)."""
+    is a multiple of 32 (MX groups); BLOCK_M divides the row tile QTILE_M; FC1 emits 1x128-scaled fp8, so its BLOCK_N
+    is a multiple of 128."""
     configs = _candidates(kind)
     for c in configs:
         kw = c.kwargs
@@ -89,10 +87,8 @@ def quant_configs(kind: str) -> list[triton.Config]:
             ok = kw["BLOCK_K"] == QTILE_M
         else:
             ok = QTILE_M % kw["BLOCK_M"] == 0 and 128 % kw["BLOCK_K"] == 0 and kw["BLOCK_K"] % 32 == 0
-            if kind == "dswiglu":
-                ok = ok and kw["BLOCK_M"] == QTILE_M
-            if kind in ("fc1", "dswiglu"):
-                ok = ok and kw["BLOCK_N"] % 128 == 0 and kw["BLOCK_N"] % DW_CHUNK_Q == 0
+            if kind == "fc1":
+                ok = ok and kw["BLOCK_N"] % 128 == 0
         if not ok:
             raise ValueError(f"{kind} config {kw} breaks the quantised GEMM block constraints")
     return configs
@@ -129,24 +125,6 @@ def _scaled_mma(acc, a, sa, b, sb, MX: tl.constexpr):
         return tl.dot_scaled(a, sa, "e4m3", b, sb, "e4m3", acc)
     else:
         return acc + tl.dot(a, b) * (sa[:, None] * sb[None, :])
-
-
-@triton.jit
-def _store_rows_q(q_ptr, s_ptr, x, rows64, row_mask, cols, col_mask, col_off, sgrp_off, n_groups,
-                  stride_qm, stride_sm, pid_n, MX: tl.constexpr, POW2: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr):
-    """Quantise x [BLOCK_M, BLOCK_N] in 1 x GROUP_K blocks and store values at columns col_off + cols, scales at
-    groups sgrp_off + pid_n * (BLOCK_N // GROUP_K) + j."""
-    q, s = quant_groups_rows(x, BLOCK_M, BLOCK_N, GROUP_K, POW2 or MX)
-    tl.store(q_ptr + rows64[:, None] * stride_qm + (col_off + cols)[None, :], q,
-             mask=row_mask[:, None] & col_mask[None, :])
-    grp = pid_n * (BLOCK_N // GROUP_K) + tl.arange(0, BLOCK_N // GROUP_K)
-    s_ptrs = s_ptr + rows64[:, None] * stride_sm + (sgrp_off + grp)[None, :]
-    s_mask = row_mask[:, None] & (grp < n_groups)[None, :]
-    if MX:
-        tl.store(s_ptrs, e8m0_from_scale(s), mask=s_mask)
-    else:
-        tl.store(s_ptrs, s, mask=s_mask)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -202,7 +180,7 @@ def fp8_fc1_swiglu_kernel(
         tl.store(h_ptrs, acc_g.to(h_ptr.dtype.element_ty), mask=out_mask)
         tl.store(h_ptrs + N, acc_u.to(h_ptr.dtype.element_ty), mask=out_mask)
     act = acc_g * tl.sigmoid(acc_g) * acc_u
-    _store_rows_q(aq_ptr, as_ptr, act, rows64, row_mask, cols, col_mask, 0, 0, NG_OUT, stride_am, stride_asm, pid_n,
+    store_rows_q(aq_ptr, as_ptr, act, rows64, row_mask, cols, col_mask, 0, 0, NG_OUT, stride_am, stride_asm, pid_n,
                   MX, POW2, BLOCK_M, BLOCK_N, GROUP_K)
 
 
@@ -210,7 +188,8 @@ def fp8_fc1_swiglu_kernel(
 # Grouped GEMM with fp8 operands:  C[r] = scale[r] * A[src[r] if GATHER_A else r] @ B[e]
 #   A [*, SEGS*K] fp8 with row scales [*, SEGS*NKG]; B[e][k, n] = bq[e, n, k] with block scales.
 #   FC2 forward: A = SwiGLU output (fp8 from the FC1 epilogue), B = W2, scale = top-k weight.
-#   FC1 dgrad:   A = d[gate, up] (fp8 from the dSwiGLU epilogue, SEGS = 2), B = W1^T copy.
+#   FC2 dgrad:   A = dy (fp8, gathered rows), B = W2^T copy; output g_a for the SwiGLU backward pass.
+#   FC1 dgrad:   A = d[gate, up] (fp8 from the SwiGLU backward pass, SEGS = 2), B = W1^T copy.
 # ----------------------------------------------------------------------------------------------------------------
 @autotune(quant_configs("gemm"), key=["N", "K", "SEGS", "M_BUCKET", "MX"])
 @triton.jit
@@ -258,91 +237,12 @@ def fp8_grouped_gemm_kernel(
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# FC2 dgrad + dSwiGLU:  g_a = dy[src] @ W2[e]  (dy fp8 with 1 x GROUP_K scales along H, W2^T copy)
-#   dw partial[chunk, r] = sum_n g_a * a;  da = w * g_a;  dh = [da * u * silu'(g), da * silu(g)];  aw = w * a
-#   Emits, all in fp8:  dh with row scales (1 x GROUP_K along I, per half: the A of the FC1 dgrad);
-#                       dh^T and aw^T with column scales (GROUP_R x 1 along the rows of this tile), transposed in
-#                       the cols_t layout of quantize.py (the wgrads' K-major operands).
-# ----------------------------------------------------------------------------------------------------------------
-@autotune(quant_configs("dswiglu"), key=["N", "K", "M_BUCKET", "MX"])
-@triton.jit
-def fp8_fc2_dgrad_dswiglu_kernel(
-    dyq_ptr, dys_ptr, row_src_ptr, bq_ptr, bs_ptr, h_ptr, row_weight_ptr,
-    dhq_ptr, dhs_ptr, dhtq_ptr, dhts_ptr, awtq_ptr, awts_ptr, dw_partial_ptr,
-    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
-    N, K, NKG, NG_OUT, M_BUCKET,
-    stride_dym, stride_dysm, stride_be, stride_bn, stride_bse, stride_bsn, stride_hm,
-    stride_dhm, stride_dhsm, stride_dhtk, stride_dhtsr, stride_awtk, stride_awtsr, stride_dwp,
-    DW_CHUNK: tl.constexpr, MX: tl.constexpr, POW2: tl.constexpr, GROUP_K: tl.constexpr, B_GROUP_N: tl.constexpr,
-    GROUP_R: tl.constexpr, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    # Whole tiles: the column-scaled outputs take one scale per column over each tile's rows.
-    tl.static_assert(BLOCK_M == TILE_M)
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    if pid_m >= tl.load(num_tiles_ptr):
-        return
-    expert, rows, row_mask = _tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M, TILE_M)
-    src = tl.load(row_src_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    ks = tl.arange(0, BLOCK_K)
-    e64 = expert.to(tl.int64)
-    bs_e = bs_ptr + e64 * stride_bse
-    a_ptrs = dyq_ptr + src[:, None] * stride_dym + ks[None, :]
-    b_ptrs = bq_ptr + e64 * stride_be + cols.to(tl.int64)[None, :] * stride_bn + ks[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = (k0 + ks) < K
-        kg0 = k0 // GROUP_K
-        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        sa = _a_scales(dys_ptr, src, row_mask, stride_dysm, kg0, NKG, MX, BLOCK_K, GROUP_K)
-        sb = _b_scales(bs_e, cols, col_mask, stride_bsn, kg0, NKG, MX, BLOCK_K, GROUP_K, B_GROUP_N)
-        acc = _scaled_mma(acc, a, sa, b, sb, MX)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    mask = row_mask[:, None] & col_mask[None, :]
-    rows64 = rows.to(tl.int64)
-    h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
-    g = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(h_ptrs + N, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(row_weight_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-    sig = tl.sigmoid(g)
-    silu = g * sig
-    act = silu * u
-    # Partial sums per DW_CHUNK columns: the same chunks whatever BLOCK_N autotuning chose.
-    NUM_CHUNKS: tl.constexpr = BLOCK_N // DW_CHUNK
-    part = tl.sum(tl.reshape(acc * act, (BLOCK_M, NUM_CHUNKS, DW_CHUNK)), axis=2)
-    chunk = pid_n * NUM_CHUNKS + tl.arange(0, NUM_CHUNKS)
-    tl.store(dw_partial_ptr + chunk[None, :] * stride_dwp + rows[:, None], part, mask=row_mask[:, None])
-    da = acc * w
-    dg = da * u * (sig + silu * (1.0 - sig))
-    du = da * silu
-    # Row-scaled dh (gate half in groups [0, NG_OUT), up half in [NG_OUT, 2 * NG_OUT)) for the FC1 dgrad.
-    _store_rows_q(dhq_ptr, dhs_ptr, dg, rows64, row_mask, cols, col_mask, 0, 0, NG_OUT, stride_dhm, stride_dhsm,
-                  pid_n, MX, POW2, BLOCK_M, BLOCK_N, GROUP_K)
-    _store_rows_q(dhq_ptr, dhs_ptr, du, rows64, row_mask, cols, col_mask, N, NG_OUT, NG_OUT, stride_dhm, stride_dhsm,
-                  pid_n, MX, POW2, BLOCK_M, BLOCK_N, GROUP_K)
-    # Column-scaled dh^T and (w * a)^T for the weight gradients (their reduction runs over these rows). Rows past
-    # the expert's end are zeros here (masked loads), which is what the tile-space layout wants stored there.
-    cols64 = cols.to(tl.int64)
-    store_cols_t(dhtq_ptr, dhts_ptr, dg, pid_m, cols64, col_mask, stride_dhtk, stride_dhtsr, POW2, MX,
-                 BLOCK_M, BLOCK_N, GROUP_R)
-    store_cols_t(dhtq_ptr, dhts_ptr, du, pid_m, cols64 + N, col_mask, stride_dhtk, stride_dhtsr, POW2, MX,
-                 BLOCK_M, BLOCK_N, GROUP_R)
-    store_cols_t(awtq_ptr, awts_ptr, act * w, pid_m, cols64, col_mask, stride_awtk, stride_awtsr, POW2, MX,
-                 BLOCK_M, BLOCK_N, GROUP_R)
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Weight gradient:  C[e] = A_T[:, rows of e] @ B_T[:, rows of e]^T in fp8, the reduction over each expert's row tiles.
 #   Both operands arrive in the cols_t layout of quantize.py: [M or N, max_tiles * 128] fp8, the reduction (rows)
 #   contiguous (K-major, as Hopper's fp8 wgmma needs both operands), tile t at columns [128 t, 128 t + 128) with zeros
 #   past its expert's end, scales [max_tiles * (128 // GROUP_R), M or N] along the rows.
-#   dW1[e] = dh^T x[src]  (A = dh^T from the dSwiGLU epilogue, B = x^T from gather_quantize_cols_t_kernel);
-#   dW2[e] = dy[src]^T aw (A = dy^T from gather_quantize_cols_t_kernel, B = aw^T from the dSwiGLU epilogue).
+#   dW1[e] = dh^T x[src]  (A = dh^T from the SwiGLU backward pass, B = x^T from gather_quantize_cols_t_kernel);
+#   dW2[e] = dy[src]^T aw (A = dy^T from gather_quantize_cols_t_kernel, B = aw^T from that pass).
 #   One K step per row tile (BLOCK_K = 128): its fp8 product is promoted to the fp32 accumulator with its scales.
 #   Experts with no rows get zeros.
 # ----------------------------------------------------------------------------------------------------------------

@@ -13,9 +13,9 @@ In both formats ``x ~= q * scale`` with ``q = clamp(x / scale, -448, 448)`` roun
 gets scale 1. Values that are representable (``x = q * s`` with e4m3 ``q`` and the block's own scale ``s``) survive a
 quantise / dequantise round trip exactly.
 
-The ``@triton.jit`` helpers (``scale_from_amax``, ``quant_groups_rows``, ``quant_groups_cols``,
-``store_cols_t``) are shared with the GEMM epilogues in ``fp8_gemm.py``, so a GEMM that emits fp8 activations computes
-bitwise the same values and scales as the standalone kernels below. Kernels only: host launchers live in
+The ``@triton.jit`` helpers (``scale_from_amax``, ``quant_groups_rows``, ``quant_groups_cols``, ``store_rows_q``,
+``store_cols_t``) are shared with the GEMM epilogues in ``fp8_gemm.py`` and the SwiGLU backward in ``swiglu_grad.py``,
+so every producer of fp8 activations computes bitwise the same values and scales as the standalone kernels below. Kernels only: host launchers live in
 ``prime_megamoe.ops.fp8_launch``.
 
 Weight-gradient operands ("cols_t" layout). The wgrads reduce over an expert's sorted rows, so their operands are
@@ -104,6 +104,24 @@ def quant_groups_cols(x, BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr
     s = scale_from_amax(amax, POW2)
     q = tl.reshape(_to_e4m3(x3, (1.0 / s)[:, None, :]), (BM, BN))
     return q, s
+
+
+@triton.jit
+def store_rows_q(q_ptr, s_ptr, x, rows64, row_mask, cols, col_mask, col_off, sgrp_off, n_groups,
+                 stride_qm, stride_sm, pid_n, MX: tl.constexpr, POW2: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr):
+    """Quantise x [BLOCK_M, BLOCK_N] (columns pid_n * BLOCK_N + j) in 1 x GROUP_K blocks and store values at columns
+    col_off + cols, scales at groups sgrp_off + pid_n * (BLOCK_N // GROUP_K) + j."""
+    q, s = quant_groups_rows(x, BLOCK_M, BLOCK_N, GROUP_K, POW2 or MX)
+    tl.store(q_ptr + rows64[:, None] * stride_qm + (col_off + cols)[None, :], q,
+             mask=row_mask[:, None] & col_mask[None, :])
+    grp = pid_n * (BLOCK_N // GROUP_K) + tl.arange(0, BLOCK_N // GROUP_K)
+    s_ptrs = s_ptr + rows64[:, None] * stride_sm + (sgrp_off + grp)[None, :]
+    s_mask = row_mask[:, None] & (grp < n_groups)[None, :]
+    if MX:
+        tl.store(s_ptrs, e8m0_from_scale(s), mask=s_mask)
+    else:
+        tl.store(s_ptrs, s, mask=s_mask)
 
 
 @triton.jit

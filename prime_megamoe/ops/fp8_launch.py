@@ -22,19 +22,17 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import tuning
-from ..kernels.fp8_gemm import (
-    DW_CHUNK_Q,
-    QTILE_M,
-    fp8_fc1_swiglu_kernel,
-    fp8_fc2_dgrad_dswiglu_kernel,
-    fp8_grouped_gemm_kernel,
-    fp8_grouped_wgrad_kernel,
-)
+from ..kernels.fp8_gemm import QTILE_M, fp8_fc1_swiglu_kernel, fp8_grouped_gemm_kernel, fp8_grouped_wgrad_kernel
 from ..kernels.quantize import dequantize_blocks_kernel, gather_quantize_cols_t_kernel, quantize_blocks_kernel
+from ..kernels.swiglu_grad import swiglu_backward_quantize_kernel
 from .routing_plan import RoutingPlan
 from .sizes import cdiv
 
 FP8_DTYPE = torch.float8_e4m3fn
+# The quantising SwiGLU backward pass: a program per 128-row tile walks its columns in 128-wide steps (whole 1 x 128
+# scale groups); 8 warps hold its 128 x 128 fp32 tiles.
+DSWIGLU_BLOCK_C = 128
+DSWIGLU_WARPS = 8
 
 
 @dataclass(frozen=True)
@@ -330,30 +328,29 @@ class DSwiGLUOut:
 
 def fp8_fc2_dgrad_dswiglu(dyq: QTensor, w2q_bwd: QTensor, h: torch.Tensor, plan: RoutingPlan,
                           fmt: QFormat) -> DSwiGLUOut:
-    """From dyq [R, H] (row-scaled source rows) and w2q_bwd = quantize_w2_bwd(W2) [E, I, H]."""
+    """From dyq [R, H] (row-scaled source rows) and w2q_bwd = quantize_w2_bwd(W2) [E, I, H]: the fp8 FC2 dgrad GEMM
+    g_a = dy[src] @ W2[e] (stored in h's dtype), then the quantising SwiGLU backward pass
+    (``kernels.swiglu_grad.swiglu_backward_quantize_kernel``), which writes every output below."""
     _check_tile_space_plan(plan)
-    inter, hidden = w2q_bwd.data.shape[1], w2q_bwd.data.shape[2]
+    inter = w2q_bwd.data.shape[1]
     num_pairs, device = plan.num_pairs, h.device
     ng = cdiv(inter, fmt.group)
-    num_chunks = cdiv(inter, DW_CHUNK_Q) + 256 // DW_CHUNK_Q
+    g_a = fp8_grouped_gemm(dyq, w2q_bwd, plan, fmt, out_dtype=h.dtype, gather=True)
     f8 = {"dtype": FP8_DTYPE, "device": device}
     sc = {"dtype": fmt.scale_dtype, "device": device}
     dh_rows = QTensor(torch.empty(num_pairs, 2 * inter, **f8), torch.empty(num_pairs, 2 * ng, **sc))
     dh_t = empty_cols_t(2 * inter, plan, fmt, device)
     aw_t = empty_cols_t(inter, plan, fmt, device)
-    dw_partial = torch.zeros(num_chunks, num_pairs, dtype=torch.float32, device=device)
-    fp8_fc2_dgrad_dswiglu_kernel[_tile_grid(plan, inter)](
-        dyq.data, dyq.scale, plan.row_src, w2q_bwd.data, w2q_bwd.scale, h, plan.row_weight,
-        dh_rows.data, dh_rows.scale, dh_t.data, dh_t.scale, aw_t.data, aw_t.scale, dw_partial,
+    dw_row = torch.empty(num_pairs, dtype=torch.float32, device=device)
+    swiglu_backward_quantize_kernel[(plan.max_tiles,)](
+        g_a, h, plan.row_weight, dh_rows.data, dh_rows.scale, dh_t.data, dh_t.scale, aw_t.data, aw_t.scale, dw_row,
         *_tile_args(plan),
-        inter, hidden, cdiv(hidden, fmt.group), ng, num_pairs,
-        dyq.data.stride(0), dyq.scale.stride(0), w2q_bwd.data.stride(0), w2q_bwd.data.stride(1),
-        w2q_bwd.scale.stride(0), w2q_bwd.scale.stride(1), h.stride(0),
-        dh_rows.data.stride(0), dh_rows.scale.stride(0), dh_t.data.stride(0), dh_t.scale.stride(0),
-        aw_t.data.stride(0), aw_t.scale.stride(0), dw_partial.stride(0),
-        DW_CHUNK=DW_CHUNK_Q, POW2=fmt.pow2, GROUP_R=fmt.group, TILE_M=QTILE_M, **_fmt_args(fmt),
+        inter, ng, g_a.stride(0), h.stride(0), dh_rows.data.stride(0), dh_rows.scale.stride(0),
+        dh_t.data.stride(0), dh_t.scale.stride(0), aw_t.data.stride(0), aw_t.scale.stride(0),
+        MX=fmt.mx, POW2=fmt.pow2, GROUP_K=fmt.group, GROUP_R=fmt.group, TILE_M=QTILE_M,
+        BLOCK_C=DSWIGLU_BLOCK_C, num_warps=DSWIGLU_WARPS,
     )
-    return DSwiGLUOut(dh_rows, dh_t, aw_t, dw_partial.sum(0))
+    return DSwiGLUOut(dh_rows, dh_t, aw_t, dw_row)
 
 
 def expert_tile_offsets(plan: RoutingPlan) -> torch.Tensor:
@@ -368,7 +365,7 @@ def expert_tile_offsets(plan: RoutingPlan) -> torch.Tensor:
 def fp8_grouped_wgrad(a_t: QTensor, b_t: QTensor, plan: RoutingPlan, fmt: QFormat, out: torch.Tensor, *,
                       expert_tiles: torch.Tensor) -> torch.Tensor:
     """out[e] = A[rows of e]^T @ B[rows of e] in fp8 with fp32 accumulation, out [E, M, N] (any dtype and strides).
-    Both operands come in the cols_t layout (``quantize_sorted_cols_t`` or the dSwiGLU epilogue): a_t [M, T128],
+    Both operands come in the cols_t layout (``quantize_sorted_cols_t`` or ``fp8_fc2_dgrad_dswiglu``): a_t [M, T128],
     b_t [N, T128], T128 = max_tiles * 128; ``expert_tiles`` = ``expert_tile_offsets(plan)``."""
     _check_tile_space_plan(plan)
     m, n = a_t.data.shape[0], b_t.data.shape[0]

@@ -22,16 +22,18 @@ What each GEMM quantises, and the scale layout its operands need (scales always 
   The epilogue stores h (input dtype, for the backward) and a = silu(g) * u in fp8 with 1x128 / 1x32 row scales.
 - FC2 + top-k weight epilogue (reduction I): A = a [P, I] from FC1's epilogue (no extra pass); B = W2 [E, H, I] in
   128x128 blocks / 1x32 along I. Output in the input dtype, then the deterministic combine.
-- FC2 dgrad + dSwiGLU epilogue (reduction H): A = dy [T, H] row-scaled along H, gathered; B = the transposed copy
-  W2^T [E, I, H] (K-major, as Hopper's fp8 wgmma wants), blocks / groups along H. The epilogue emits dh = [dg | du]
-  twice in fp8: row-scaled per half [P, 2I] (for the FC1 dgrad) and column-scaled, stored transposed as dh^T (for
-  the W1 wgrad), plus (w * a)^T column-scaled (for the W2 wgrad) and the top-k weight gradient <dy W2, a>.
+- FC2 dgrad (reduction H): A = dy [T, H] row-scaled along H, gathered; B = the transposed copy W2^T [E, I, H]
+  (K-major, as Hopper's fp8 wgmma wants), blocks / groups along H. Output g_a [P, I] in the input dtype. Then the
+  SwiGLU backward pass (``kernels.swiglu_grad``) reads g_a and h once and emits dh = [dg | du] twice in fp8:
+  row-scaled per half [P, 2I] (for the FC1 dgrad) and column-scaled, stored transposed as dh^T (for the W1 wgrad),
+  plus (w * a)^T column-scaled (for the W2 wgrad) and the top-k weight gradient <dy W2, a>. (In the GEMM's epilogue
+  these outputs made that kernel take 2.5 ms at the shape below.)
 - FC1 dgrad (reduction 2I, two halves): A = dh [P, 2I] row-scaled per half; B = the copy W1^T [E, H, 2I].
-- W1 wgrad, dW1[e] = dh^T x (reduction over the expert's rows): A = dh^T from the epilogue; B = x^T: the source rows
+- W1 wgrad, dW1[e] = dh^T x (reduction over the expert's rows): A = dh^T from that pass; B = x^T: the source rows
   gathered in sorted order and quantised per tile and column by one pass (``fl.quantize_sorted_cols_t``), written
   once and read by every output tile of the expert.
 - W2 wgrad, dW2[e] = dy^T (w * a): A = dy^T, gathered and quantised by the same pass; B = (w * a)^T from the
-  epilogue.
+  SwiGLU backward pass.
 
 The wgrads reduce over tokens, so their operands carry scales along the token dim: one per column for every block
 of 128 (fp8) or 32 (mx) rows of a 128-row tile. Tiles start at each expert's first row (the routing plan's tile
@@ -50,13 +52,13 @@ every optimizer step. The cache holds 2 bytes per expert parameter (plus scales:
 1/32 for mx): as much as a bf16 copy of the weights.
 
 What the forward saves: the source rows (the caller holds them anyway), W1 and W2 (references), the routing plan and
-h in the input dtype (bf16 in training) for the dSwiGLU epilogue, as the bf16 path does. At T = 16384, H = 2048,
+h in the input dtype (bf16 in training) for the SwiGLU backward, as the bf16 path does. At T = 16384, H = 2048,
 I = 768, k = 8 (P = 131072): h = P * 2I * 2 B = 402.7 MB per layer, the plan ~1.6 MB; nothing else. Cheaper choices,
 not taken: h in fp8 with 1x128 scales (208 MB, but the SwiGLU derivative then sees e4m3 noise in g and u), or only
 the 34 MB fp8 copy of x and an FC1 recompute in the backward (+1/3 of the forward's FLOPs). Trainers checkpoint
 activations, which keeps one layer's h alive at a time. Transients at that shape: forward x fp8 34 MB, a fp8 101 MB
 (+3 MB scales), the FC2 output before the combine 537 MB (as in bf16); backward (max_tiles * 128 = 147456 tile-space
-rows) dy fp8 34 MB (freed after the dSwiGLU GEMM), dh row-scaled 201 MB (freed after the FC1 dgrad), dh^T 226 MB
+rows) dy fp8 34 MB (freed after the FC2 dgrad), g_a 201 MB (freed after the SwiGLU backward pass), dh row-scaled 201 MB (freed after the FC1 dgrad), dh^T 226 MB
 (freed after dW1), (w * a)^T 113 MB, the K-major copies x^T then dy^T 302 MB each (one at a time, each freed after
 its wgrad), scales ~27 MB, the FC1 dgrad output before the combine 537 MB.
 
