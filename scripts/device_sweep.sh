@@ -55,6 +55,15 @@ ab16k() {  # 30B EP=2 T=16384 one call and back to back, this tree against ab_ba
     tail -1 "$LOGS/bench_$run.log"
   done
 }
+fp8bench() {  # fp8bench new|base LIMIT ARGS...: fp8 and fp8_bwd, Qwen3-30B-A3B, T=16384, one GPU (GPU 1), profiled, for
+              # this tree (new) or ab_base/ (base)
+  local which=$1 limit=$2; shift 2
+  local tree=.; [ "$which" = base ] && tree=ab_base
+  (cd $tree && CUDA_VISIBLE_DEVICES=1 PYTHONPATH=/tmp/site:$PWD step "fp8_$which" "$limit" python -m prime_megamoe.bench \
+    --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd --iters 5 --warmup 2 "$@" \
+    --out "$LOGS/fp8_$which.json" --profile-dir "$LOGS/prof_fp8_$which")
+  tail -6 "$LOGS/fp8_$which.log"
+}
 timelines() {  # one-call timelines from launch events: the no-grad forward, then forward + backward
   step timeline_fwd 100 torchrun --nproc-per-node 2 scripts/call_timeline.py --out "$LOGS/timeline_fwd"
   step timeline_grad 120 torchrun --nproc-per-node 2 scripts/call_timeline.py --grad --out "$LOGS/timeline_grad"
@@ -512,6 +521,18 @@ case "${1:-}" in
     grep -h "single calls" "$LOGS"/host_*.log
     ab16k
     record30 200 ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final|s9profile|s9split|s9wgrad|s9publish|s9final|s9spare|s9b235|s10push|s10record|s10final|s10trim" >&2
+  s11probe)  # fp8 (one GPU each): every fp8 kernel candidate timed (GPU 0) beside the quantised precisions' GPU tests,
+             # then fp8 / fp8_bwd at T=16384 for this tree (with torch) and ab_base/ (GPU 1)
+    CUDA_VISIBLE_DEVICES=0 step fp8_probe 420 python scripts/fp8_probe.py &
+    (
+      CUDA_VISIBLE_DEVICES=1 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_fp8 240 python -m pytest -q tests/test_fp8_experts.py \
+        -k "gpu or half_tile" -rA
+      tail -2 "$LOGS/pytest_fp8.log"
+      fp8bench new 240 --backends torch mega_moe
+      fp8bench base 200 --backends mega_moe
+    )
+    wait
+    cat "$LOGS/fp8_probe.log" ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final|s9profile|s9split|s9wgrad|s9publish|s9final|s9spare|s9b235|s10push|s10record|s10final|s10trim|s11probe" >&2
      exit 2 ;;
 esac

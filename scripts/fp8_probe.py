@@ -1,0 +1,154 @@
+"""Every autotuning candidate of the fp8 kernels, checked and timed at a layer's shape (one GPU, EP = 1):
+
+    python scripts/fp8_probe.py [--shape qwen3-30b-a3b] [--tokens 16384] [--pow2]
+
+For each GEMM of the fp8 layer (FC1 + SwiGLU, FC2, FC2 dgrad, FC1 dgrad, the two weight gradients) each candidate of
+its kernel family runs alone (the autotuner is given that one config), is checked bitwise against the first
+candidate (configs tile rows and columns differently but sum K in the same order) and timed. Then the quantising
+SwiGLU backward pass with a few warp counts, and the quantisation passes. The table ends with the best time per GEMM
+and its sum: the kernels of one forward and one backward, without host time.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from triton.testing import do_bench
+
+from prime_megamoe.bench import make_inputs
+from prime_megamoe.kernels import fp8_gemm
+from prime_megamoe.ops import fp8_launch as fl
+from prime_megamoe.ops.routing_plan import build_routing_plan
+
+
+def single_config(kernel, cfg):
+    """Make the autotuned ``kernel`` run ``cfg`` only (the autotuner skips timing with one candidate)."""
+    kernel.configs = [cfg]
+    kernel.cache.clear()
+
+
+def snapshot(out) -> list[torch.Tensor]:
+    """Copies of a launcher's outputs (tensors, QTensors, tuples of them), fp8 viewed as bytes for comparison."""
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in snapshot(o)]
+    if isinstance(out, fl.QTensor):
+        return snapshot(out.data) + snapshot(out.scale)
+    if out is None:
+        return []
+    return [(out.view(torch.uint8) if out.dtype == fl.FP8_DTYPE else out).clone()]
+
+
+def describe(cfg) -> str:
+    kw = cfg.kwargs
+    return f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']} w{cfg.num_warps} s{cfg.num_stages}"
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="qwen3-30b-a3b")
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--pow2", action="store_true", help="power-of-two scales")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (interpreter, tiny shape)")
+    args = p.parse_args()
+    global do_bench
+    if args.device != "cuda":
+        do_bench = lambda fn, **_: (fn(), 1.0)[1]  # noqa: E731  (no timing on the CPU)
+    x, index, weights, w1, w2 = make_inputs(args.shape, args.tokens, 0, 1, seed=0, device=args.device)
+    num_experts, hidden, inter = w2.shape
+    fmt = fl.fp8_format(args.pow2)
+    plan = build_routing_plan(index, weights, expert_base=0, num_local_experts=num_experts, tile_m=fp8_gemm.QTILE_M)
+    pairs = plan.num_pairs
+    dy = torch.randn_like(x)
+    xq, dyq = fl.quantize_rows(x, fmt), fl.quantize_rows(dy, fmt)
+    w1f, w1b = fl.quantize_w1_fwd(w1, fmt), fl.quantize_w1_bwd(w1, fmt)
+    w2f, w2b = fl.quantize_w2_fwd(w2, fmt), fl.quantize_w2_bwd(w2, fmt)
+    h, aq = fl.fp8_fc1_swiglu(xq, w1f, plan, fmt, inter=inter, h_dtype=x.dtype)
+    d = fl.fp8_fc2_dgrad_dswiglu(dyq, w2b, h, plan, fmt)
+    tiles = fl.expert_tile_offsets(plan)
+    x_t, dy_t = fl.quantize_sorted_cols_t(x, plan, fmt), fl.quantize_sorted_cols_t(dy, plan, fmt)
+    gw1, gw2 = torch.empty_like(w1), torch.empty_like(w2)
+
+    flop = {"FC1 + SwiGLU": 2 * pairs * hidden * 2 * inter, "FC2": 2 * pairs * inter * hidden,
+            "FC2 dgrad": 2 * pairs * hidden * inter, "FC1 dgrad": 2 * pairs * 2 * inter * hidden,
+            "dW1": 2 * pairs * 2 * inter * hidden, "dW2": 2 * pairs * hidden * inter}
+    cases = [
+        ("FC1 + SwiGLU", fp8_gemm.fp8_fc1_swiglu_kernel,
+         lambda: fl.fp8_fc1_swiglu(xq, w1f, plan, fmt, inter=inter, h_dtype=x.dtype)),
+        ("FC2", fp8_gemm.fp8_grouped_gemm_kernel,
+         lambda: fl.fp8_grouped_gemm(aq, w2f, plan, fmt, out_dtype=x.dtype, row_scale=plan.row_weight)),
+        ("FC2 dgrad", fp8_gemm.fp8_grouped_gemm_kernel,
+         lambda: fl.fp8_grouped_gemm(dyq, w2b, plan, fmt, out_dtype=x.dtype, gather=True)),
+        ("FC1 dgrad", fp8_gemm.fp8_grouped_gemm_kernel,
+         lambda: fl.fp8_grouped_gemm(d.dh_rows, w1b, plan, fmt, out_dtype=x.dtype, segments=2)),
+        ("dW1", fp8_gemm.fp8_grouped_wgrad_kernel,
+         lambda: fl.fp8_grouped_wgrad(d.dh_t, x_t, plan, fmt, gw1, expert_tiles=tiles)),
+        ("dW2", fp8_gemm.fp8_grouped_wgrad_kernel,
+         lambda: fl.fp8_grouped_wgrad(dy_t, d.aw_t, plan, fmt, gw2, expert_tiles=tiles)),
+    ]
+    print(f"{args.shape}, T = {args.tokens}, {pairs} rows, {num_experts} experts, H = {hidden}, I = {inter}, "
+          f"fmt {fmt.name}{' pow2' if fmt.pow2 else ''}")
+    print(f"{'GEMM':14s} {'config':22s} {'ms':>7s} {'TFLOP/s':>8s} same")
+    best = {}
+    for name, kernel, run in cases:
+        candidates = list(kernel.configs)
+        ref = None
+        for cfg in candidates:
+            single_config(kernel, cfg)
+            try:
+                out = run()
+                ms = do_bench(run, warmup=5, rep=40)
+            except Exception as exc:  # a config that does not compile at this shape: say so, go on
+                print(f"{name:14s} {describe(cfg):22s} failed: {type(exc).__name__}: {str(exc)[:80]}")
+                continue
+            out = snapshot(out)
+            if ref is None:
+                ref = out
+            same = all(torch.equal(a, b) for a, b in zip(out, ref))
+            print(f"{name:14s} {describe(cfg):22s} {ms:7.3f} {flop[name] / ms / 1e9:8.1f} {same}")
+            if name not in best or ms < best[name][0]:
+                best[name] = (ms, describe(cfg))
+        kernel.configs = candidates
+        kernel.cache.clear()
+
+    # The quantising SwiGLU backward pass alone (g_a from the FC2 dgrad above), a few warp counts.
+    g_a = fl.fp8_grouped_gemm(dyq, w2b, plan, fmt, out_dtype=x.dtype, gather=True)
+    ref = fl.fp8_fc2_dgrad_dswiglu(dyq, w2b, h, plan, fmt)
+    moved = (g_a.numel() * 2 + h.numel() * 2 + ref.dh_rows.data.numel() + ref.dh_t.data.numel()
+             + ref.aw_t.data.numel())
+    default_warps = fl.DSWIGLU_WARPS
+    for warps in (4, 8, 16):
+        fl.DSWIGLU_WARPS = warps
+        out = fl.fp8_fc2_dgrad_dswiglu(dyq, w2b, h, plan, fmt)
+        written = int(plan.num_tiles[0]) * fp8_gemm.QTILE_M  # tile-space columns past the tile count are never written
+        same = all(torch.equal(a, b) for a, b in zip(
+            snapshot([out.dh_rows, out.dh_t.data[:, :written], out.aw_t.data[:, :written], out.dw_row]),
+            snapshot([ref.dh_rows, ref.dh_t.data[:, :written], ref.aw_t.data[:, :written], ref.dw_row])))
+        both = do_bench(lambda: fl.fp8_fc2_dgrad_dswiglu(dyq, w2b, h, plan, fmt), warmup=5, rep=40)
+        gemm = do_bench(lambda: fl.fp8_grouped_gemm(dyq, w2b, plan, fmt, out_dtype=x.dtype, gather=True),
+                        warmup=5, rep=40)
+        print(f"{'SwiGLU bwd':14s} {f'pass w{warps} (+GEMM)':22s} {both - gemm:7.3f} "
+              f"{moved / max(both - gemm, 1e-9) / 1e9:6.0f} GB/s {same}  (GEMM + pass {both:.3f})")
+        if "SwiGLU bwd pass" not in best or both - gemm < best["SwiGLU bwd pass"][0]:
+            best["SwiGLU bwd pass"] = (both - gemm, f"w{warps}")
+    fl.DSWIGLU_WARPS = default_warps
+
+    quant = {
+        "quantise x": lambda: fl.quantize_rows(x, fmt),
+        "x^T cols_t": lambda: fl.quantize_sorted_cols_t(x, plan, fmt),
+    }
+    for name, fn in quant.items():
+        ms = do_bench(fn, warmup=5, rep=40)
+        print(f"{name:14s} {'':22s} {ms:7.3f}")
+        best[name] = (ms, "")
+    fwd = ("quantise x", "FC1 + SwiGLU", "FC2")
+    bwd = ("quantise x", "FC2 dgrad", "SwiGLU bwd pass", "FC1 dgrad", "x^T cols_t", "dW1", "x^T cols_t", "dW2")
+    print("\nbest per kernel (ms):")
+    for name, (ms, cfg) in best.items():
+        print(f"  {name:16s} {ms:7.3f}  {cfg}")
+    print(f"forward kernels {sum(best[n][0] for n in fwd):.3f} ms, backward kernels {sum(best[n][0] for n in bwd):.3f}"
+          f" ms (quantise dy and dy^T timed as x; combines not included)")
+
+
+if __name__ == "__main__":
+    main()
