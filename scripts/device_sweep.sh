@@ -533,6 +533,17 @@ case "${1:-}" in
     )
     wait
     cat "$LOGS/fp8_probe.log" ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final|s9profile|s9split|s9wgrad|s9publish|s9final|s9spare|s9b235|s10push|s10record|s10final|s10trim|s11probe" >&2
+  s11b)  # scalar weight scales and scales loaded a step ahead in the fp8 GEMMs, the SwiGLU pass per (tile, column
+         # block): the quantised precisions' GPU tests (GPU 0) beside every fp8 kernel candidate (GPU 1), then fp8 /
+         # fp8_bwd at T=16384 for this tree and ab_base/ (GPU 1, one after the other)
+    CUDA_VISIBLE_DEVICES=0 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_fp8 240 python -m pytest -q tests/test_fp8_experts.py \
+      -k "gpu or half_tile" -rA &
+    CUDA_VISIBLE_DEVICES=1 step fp8_probe 420 python scripts/fp8_probe.py
+    wait
+    tail -2 "$LOGS/pytest_fp8.log"
+    fp8bench new 240 --backends torch mega_moe
+    fp8bench base 200 --backends mega_moe
+    cat "$LOGS/fp8_probe.log" ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final|s9profile|s9split|s9wgrad|s9publish|s9final|s9spare|s9b235|s10push|s10record|s10final|s10trim|s11probe|s11b" >&2
      exit 2 ;;
 esac

@@ -60,11 +60,13 @@ def _candidates(kind: str) -> list[triton.Config]:
     # bm=64: half a row tile per program; each fp8 step needs a fresh dot tile next to the accumulators, and at 128
     # rows FC1's four 128 x 128 fp32 tiles do not fit in the registers of 8 warps.
     if kind == "fc1":  # two accumulators (gate and up)
-        return [_cfg(128, 128, 8, 3), _cfg(128, 128, 8, 4), _cfg(128, 64, 8, 4),
-                _cfg(128, 128, 4, 3, bm=64), _cfg(128, 128, 4, 4, bm=64), _cfg(128, 128, 8, 3, bm=64)]
+        return [_cfg(128, 128, 8, 3), _cfg(128, 128, 8, 4), _cfg(128, 64, 8, 4), _cfg(128, 128, 8, 2),
+                _cfg(128, 128, 4, 3, bm=64), _cfg(128, 128, 4, 4, bm=64), _cfg(128, 128, 8, 3, bm=64),
+                _cfg(128, 128, 8, 2, bm=64), _cfg(128, 128, 8, 4, bm=64)]
     if kind == "gemm":
         return [_cfg(128, 128, 8, 3), _cfg(256, 128, 8, 3), _cfg(128, 128, 4, 4), _cfg(128, 64, 8, 4),
-                _cfg(128, 128, 4, 3, bm=64), _cfg(256, 128, 8, 3, bm=64), _cfg(128, 128, 4, 4, bm=64)]
+                _cfg(128, 128, 4, 3, bm=64), _cfg(256, 128, 8, 3, bm=64), _cfg(128, 128, 4, 4, bm=64),
+                _cfg(128, 128, 4, 2, bm=64), _cfg(128, 128, 8, 3, bm=64)]
     if kind == "wgrad":  # BLOCK_K is the row tile (QTILE_M); BLOCK_M / BLOCK_N tile the weight
         return [
             _cfg(128, QTILE_M, 8, 3, bm=128, GROUP_M=8),
@@ -107,22 +109,31 @@ def _a_scales(s_ptr, rows64, row_mask, stride_sm, kg0, kg_end, MX: tl.constexpr,
 
 
 @triton.jit
-def _b_scales(s_ptr, cols, col_mask, stride_sn, kg0, kg_end, MX: tl.constexpr, BLOCK_K: tl.constexpr,
-              GROUP_K: tl.constexpr, B_GROUP_N: tl.constexpr):
-    """Scales of a B tile (BLOCK_K x cols at group kg0): fp8 [BLOCK_N] fp32, MX [BLOCK_N, BLOCK_K // 32] e8m0."""
-    n_idx = (cols // B_GROUP_N).to(tl.int64)
+def _b_scales(s_ptr, col0, cols, col_mask, stride_sn, kg0, kg_end, MX: tl.constexpr, BLOCK_K: tl.constexpr,
+              GROUP_K: tl.constexpr, B_GROUP_N: tl.constexpr, B_SCALAR: tl.constexpr):
+    """Scales of a B tile (BLOCK_K x cols at group kg0, cols = col0 + j): fp8 [BLOCK_N] fp32, or with B_SCALAR (the
+    tile's columns lie in one weight block) that block's scale alone; MX [BLOCK_N, BLOCK_K // 32] e8m0."""
     if MX:
+        n_idx = (cols // B_GROUP_N).to(tl.int64)
         kg = kg0 + tl.arange(0, BLOCK_K // GROUP_K)
         return tl.load(s_ptr + n_idx[:, None] * stride_sn + kg[None, :],
                        mask=col_mask[:, None] & (kg < kg_end)[None, :], other=127)
+    elif B_SCALAR:
+        return tl.load(s_ptr + (col0 // B_GROUP_N).to(tl.int64) * stride_sn + kg0,
+                       mask=kg0 < kg_end, other=0.0)
     else:
+        n_idx = (cols // B_GROUP_N).to(tl.int64)
         return tl.load(s_ptr + n_idx * stride_sn + kg0, mask=col_mask, other=0.0)
 
 
 @triton.jit
-def _scaled_mma(acc, a, sa, b, sb, MX: tl.constexpr):
+def _scaled_mma(acc, a, sa, b, sb, MX: tl.constexpr, B_SCALAR: tl.constexpr):
+    """acc + the scaled product of one K step. fp8: a fresh fp32 dot, scaled per row (and per column unless the B
+    scale is one number) before it is added, so every 128 products are promoted to full fp32."""
     if MX:
         return tl.dot_scaled(a, sa, "e4m3", b, sb, "e4m3", acc)
+    elif B_SCALAR:
+        return acc + tl.dot(a, b) * (sa * sb)[:, None]
     else:
         return acc + tl.dot(a, b) * (sa[:, None] * sb[None, :])
 
@@ -156,20 +167,27 @@ def fp8_fc1_swiglu_kernel(
     g_ptrs = wq_ptr + e64 * stride_we + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None]
     u_ptrs = g_ptrs + N * stride_wn
     ws_e = ws_ptr + e64 * stride_wse
+    wu_s = ws_e + UP_SCALE_OFF * stride_wsn
+    col0 = pid_n * BLOCK_N
+    B_SCALAR: tl.constexpr = (not MX) and BLOCK_N <= B_GROUP_N
+    # Each step's scales are loaded one step ahead: their latency hides behind the previous step's MMA.
+    sa = _a_scales(xs_ptr, src, row_mask, stride_xsm, 0, NKG, MX, BLOCK_K, GROUP_K)
+    sg = _b_scales(ws_e, col0, cols, col_mask, stride_wsn, 0, NKG, MX, BLOCK_K, GROUP_K, B_GROUP_N, B_SCALAR)
+    su = _b_scales(wu_s, col0, cols, col_mask, stride_wsn, 0, NKG, MX, BLOCK_K, GROUP_K, B_GROUP_N, B_SCALAR)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + ks) < K
-        kg0 = k0 // GROUP_K
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         wg = tl.load(g_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         wu = tl.load(u_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        sa = _a_scales(xs_ptr, src, row_mask, stride_xsm, kg0, NKG, MX, BLOCK_K, GROUP_K)
-        sg = _b_scales(ws_e, cols, col_mask, stride_wsn, kg0, NKG, MX, BLOCK_K, GROUP_K, B_GROUP_N)
-        su = _b_scales(ws_e + UP_SCALE_OFF * stride_wsn, cols, col_mask, stride_wsn, kg0, NKG, MX, BLOCK_K, GROUP_K,
-                       B_GROUP_N)
-        acc_g = _scaled_mma(acc_g, a, sa, wg, sg, MX)
-        acc_u = _scaled_mma(acc_u, a, sa, wu, su, MX)
+        kg1 = (k0 + BLOCK_K) // GROUP_K
+        sa1 = _a_scales(xs_ptr, src, row_mask, stride_xsm, kg1, NKG, MX, BLOCK_K, GROUP_K)
+        sg1 = _b_scales(ws_e, col0, cols, col_mask, stride_wsn, kg1, NKG, MX, BLOCK_K, GROUP_K, B_GROUP_N, B_SCALAR)
+        su1 = _b_scales(wu_s, col0, cols, col_mask, stride_wsn, kg1, NKG, MX, BLOCK_K, GROUP_K, B_GROUP_N, B_SCALAR)
+        acc_g = _scaled_mma(acc_g, a, sa, wg, sg, MX, B_SCALAR)
+        acc_u = _scaled_mma(acc_u, a, sa, wu, su, MX, B_SCALAR)
+        sa, sg, su = sa1, sg1, su1
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -181,7 +199,7 @@ def fp8_fc1_swiglu_kernel(
         tl.store(h_ptrs + N, acc_u.to(h_ptr.dtype.element_ty), mask=out_mask)
     act = acc_g * tl.sigmoid(acc_g) * acc_u
     store_rows_q(aq_ptr, as_ptr, act, rows64, row_mask, cols, col_mask, 0, 0, NG_OUT, stride_am, stride_asm, pid_n,
-                  MX, POW2, BLOCK_M, BLOCK_N, GROUP_K)
+                 MX, POW2, BLOCK_M, BLOCK_N, GROUP_K)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -216,18 +234,27 @@ def fp8_grouped_gemm_kernel(
     ks = tl.arange(0, BLOCK_K)
     e64 = expert.to(tl.int64)
     bs_e = bs_ptr + e64 * stride_bse
+    col0 = pid_n * BLOCK_N
+    B_SCALAR: tl.constexpr = (not MX) and BLOCK_N <= B_GROUP_N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for seg in tl.static_range(SEGS):
         a_ptrs = aq_ptr + src[:, None] * stride_am + seg * K + ks[None, :]
         b_ptrs = bq_ptr + e64 * stride_be + cols.to(tl.int64)[None, :] * stride_bn + seg * K + ks[:, None]
+        kg_end = (seg + 1) * NKG
+        # Each step's scales are loaded one step ahead: their latency hides behind the previous step's MMA.
+        sa = _a_scales(as_ptr, src, row_mask, stride_asm, seg * NKG, kg_end, MX, BLOCK_K, GROUP_K)
+        sb = _b_scales(bs_e, col0, cols, col_mask, stride_bsn, seg * NKG, kg_end, MX, BLOCK_K, GROUP_K, B_GROUP_N,
+                       B_SCALAR)
         for k0 in range(0, K, BLOCK_K):
             k_mask = (k0 + ks) < K
-            kg0 = seg * NKG + k0 // GROUP_K
             a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            sa = _a_scales(as_ptr, src, row_mask, stride_asm, kg0, (seg + 1) * NKG, MX, BLOCK_K, GROUP_K)
-            sb = _b_scales(bs_e, cols, col_mask, stride_bsn, kg0, (seg + 1) * NKG, MX, BLOCK_K, GROUP_K, B_GROUP_N)
-            acc = _scaled_mma(acc, a, sa, b, sb, MX)
+            kg1 = seg * NKG + (k0 + BLOCK_K) // GROUP_K
+            sa1 = _a_scales(as_ptr, src, row_mask, stride_asm, kg1, kg_end, MX, BLOCK_K, GROUP_K)
+            sb1 = _b_scales(bs_e, col0, cols, col_mask, stride_bsn, kg1, kg_end, MX, BLOCK_K, GROUP_K, B_GROUP_N,
+                            B_SCALAR)
+            acc = _scaled_mma(acc, a, sa, b, sb, MX, B_SCALAR)
+            sa, sb = sa1, sb1
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
     if SCALE_ROWS:
@@ -246,6 +273,23 @@ def fp8_grouped_gemm_kernel(
 #   One K step per row tile (BLOCK_K = 128): its fp8 product is promoted to the fp32 accumulator with its scales.
 #   Experts with no rows get zeros.
 # ----------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _wgrad_scales(as_ptr, bs_ptr, t, t_end, offs_m, offs_n, m_mask, n_mask, stride_asr, stride_bsr, MX: tl.constexpr,
+                  G: tl.constexpr):
+    """Scales of row tile t of both wgrad operands (none past t_end): fp8 [BLOCK_M], [BLOCK_N] fp32; MX
+    [BLOCK_M, G], [BLOCK_N, G] e8m0."""
+    m_ok = m_mask & ((offs_m * 0 + t) < t_end)  # (a vector compare: the mask must be a tensor)
+    n_ok = n_mask & ((offs_n * 0 + t) < t_end)
+    if MX:
+        blk = t * G + tl.arange(0, G)
+        sa = tl.trans(tl.load(as_ptr + blk[:, None] * stride_asr + offs_m[None, :], mask=m_ok[None, :], other=127))
+        sb = tl.trans(tl.load(bs_ptr + blk[:, None] * stride_bsr + offs_n[None, :], mask=n_ok[None, :], other=127))
+    else:
+        sa = tl.load(as_ptr + t * stride_asr + offs_m, mask=m_ok, other=0.0)
+        sb = tl.load(bs_ptr + t * stride_bsr + offs_n, mask=n_ok, other=0.0)
+    return sa, sb
+
+
 @autotune(quant_configs("wgrad"), key=["M", "N", "M_BUCKET", "MX"])
 @triton.jit
 def fp8_grouped_wgrad_kernel(
@@ -266,20 +310,17 @@ def fp8_grouped_wgrad_kernel(
     a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + k0[None, :]
     b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + k0[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Each tile's scales are loaded one tile ahead: their latency hides behind the previous tile's MMA.
+    sa, sb = _wgrad_scales(as_ptr, bs_ptr, t_begin, t_end, offs_m, offs_n, m_mask, n_mask, stride_asr, stride_bsr, MX,
+                           G)
     for t in range(t_begin, t_end):
         # Padding rows of the tile are zeros in memory: no row mask.
         a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
         b = tl.load(b_ptrs, mask=n_mask[:, None], other=0.0)
-        if MX:
-            blk = t * G + tl.arange(0, G)
-            sa = tl.trans(tl.load(as_ptr + blk[:, None] * stride_asr + offs_m[None, :], mask=m_mask[None, :],
-                                  other=127))
-            sb = tl.trans(tl.load(bs_ptr + blk[:, None] * stride_bsr + offs_n[None, :], mask=n_mask[None, :],
-                                  other=127))
-        else:
-            sa = tl.load(as_ptr + t * stride_asr + offs_m, mask=m_mask, other=0.0)
-            sb = tl.load(bs_ptr + t * stride_bsr + offs_n, mask=n_mask, other=0.0)
-        acc = _scaled_mma(acc, a, sa, tl.trans(b), sb, MX)
+        sa1, sb1 = _wgrad_scales(as_ptr, bs_ptr, t + 1, t_end, offs_m, offs_n, m_mask, n_mask, stride_asr, stride_bsr,
+                                 MX, G)
+        acc = _scaled_mma(acc, a, sa, tl.trans(b), sb, MX, False)
+        sa, sb = sa1, sb1
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     c_ptrs = c_ptr + expert.to(tl.int64) * stride_ce + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn

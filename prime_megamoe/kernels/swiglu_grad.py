@@ -63,51 +63,49 @@ def swiglu_backward_rows_kernel(
 #   dh = [dg | du] row-scaled (1 x GROUP_K along each half of 2I): A of the FC1 dgrad;
 #   dh^T and (w * a)^T column-scaled (GROUP_R x 1 along the rows of each 128-row tile), transposed into the cols_t
 #   layout: the K-major operands of the two weight gradients;
-#   dw[r] = <g_a, a> in fp32.
-# One program per routing tile: the column scales span a tile's rows, and the row scales need whole 1 x GROUP_K
-# groups, so a program walks its tile's columns in BLOCK_C steps (a multiple of GROUP_K). Rows past the tile's expert
-# read zeros, which is what the cols_t layout stores there.
+#   dw_partial[c, r] = <g_a, a> over column block c, in fp32 (the caller sums the blocks in order).
+# One program per (column block, routing tile): the column scales span a tile's rows and the row scales need whole
+# 1 x GROUP_K groups, so a block is a whole tile by BLOCK_C columns (a multiple of GROUP_K). Rows past the tile's
+# expert read zeros, which is what the cols_t layout stores there.
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
 def swiglu_backward_quantize_kernel(
-    ga_ptr, h_ptr, row_weight_ptr, dhq_ptr, dhs_ptr, dhtq_ptr, dhts_ptr, awtq_ptr, awts_ptr, dw_ptr,
+    ga_ptr, h_ptr, row_weight_ptr, dhq_ptr, dhs_ptr, dhtq_ptr, dhts_ptr, awtq_ptr, awts_ptr, dw_partial_ptr,
     tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
     N, NG_OUT, stride_gam, stride_hm, stride_dhm, stride_dhsm, stride_dhtk, stride_dhtsr, stride_awtk, stride_awtsr,
+    stride_dwp,
     MX: tl.constexpr, POW2: tl.constexpr, GROUP_K: tl.constexpr, GROUP_R: tl.constexpr, TILE_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     tl.static_assert(BLOCK_C % GROUP_K == 0)
-    t = tl.program_id(0)
+    blk = tl.program_id(0)
+    t = tl.program_id(1)
     if t < tl.load(num_tiles_ptr):
         _, rows, row_mask = tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, t, TILE_M, TILE_M)
         rows64 = rows.to(tl.int64)
         w = tl.load(row_weight_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-        dw = tl.zeros((TILE_M,), dtype=tl.float32)
-        for c0 in range(0, N, BLOCK_C):
-            cols = c0 + tl.arange(0, BLOCK_C)
-            col_mask = cols < N
-            mask = row_mask[:, None] & col_mask[None, :]
-            ga = tl.load(ga_ptr + rows64[:, None] * stride_gam + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
-            g = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(h_ptrs + N, mask=mask, other=0.0).to(tl.float32)
-            sig = tl.sigmoid(g)
-            silu = g * sig
-            act = silu * u
-            dw += tl.sum(ga * act, axis=1)
-            da = ga * w
-            dg = da * u * (sig + silu * (1.0 - sig))
-            du = da * silu
-            blk = c0 // BLOCK_C
-            store_rows_q(dhq_ptr, dhs_ptr, dg, rows64, row_mask, cols, col_mask, 0, 0, NG_OUT, stride_dhm,
-                         stride_dhsm, blk, MX, POW2, TILE_M, BLOCK_C, GROUP_K)
-            store_rows_q(dhq_ptr, dhs_ptr, du, rows64, row_mask, cols, col_mask, N, NG_OUT, NG_OUT, stride_dhm,
-                         stride_dhsm, blk, MX, POW2, TILE_M, BLOCK_C, GROUP_K)
-            cols64 = cols.to(tl.int64)
-            store_cols_t(dhtq_ptr, dhts_ptr, dg, t, cols64, col_mask, stride_dhtk, stride_dhtsr, POW2, MX,
-                         TILE_M, BLOCK_C, GROUP_R)
-            store_cols_t(dhtq_ptr, dhts_ptr, du, t, cols64 + N, col_mask, stride_dhtk, stride_dhtsr, POW2, MX,
-                         TILE_M, BLOCK_C, GROUP_R)
-            store_cols_t(awtq_ptr, awts_ptr, act * w, t, cols64, col_mask, stride_awtk, stride_awtsr, POW2, MX,
-                         TILE_M, BLOCK_C, GROUP_R)
-        tl.store(dw_ptr + rows, dw, mask=row_mask)
+        cols = blk * BLOCK_C + tl.arange(0, BLOCK_C)
+        col_mask = cols < N
+        mask = row_mask[:, None] & col_mask[None, :]
+        ga = tl.load(ga_ptr + rows64[:, None] * stride_gam + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
+        g = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(h_ptrs + N, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(g)
+        silu = g * sig
+        act = silu * u
+        tl.store(dw_partial_ptr + blk * stride_dwp + rows, tl.sum(ga * act, axis=1), mask=row_mask)
+        da = ga * w
+        dg = da * u * (sig + silu * (1.0 - sig))
+        du = da * silu
+        store_rows_q(dhq_ptr, dhs_ptr, dg, rows64, row_mask, cols, col_mask, 0, 0, NG_OUT, stride_dhm, stride_dhsm,
+                     blk, MX, POW2, TILE_M, BLOCK_C, GROUP_K)
+        store_rows_q(dhq_ptr, dhs_ptr, du, rows64, row_mask, cols, col_mask, N, NG_OUT, NG_OUT, stride_dhm,
+                     stride_dhsm, blk, MX, POW2, TILE_M, BLOCK_C, GROUP_K)
+        cols64 = cols.to(tl.int64)
+        store_cols_t(dhtq_ptr, dhts_ptr, dg, t, cols64, col_mask, stride_dhtk, stride_dhtsr, POW2, MX, TILE_M,
+                     BLOCK_C, GROUP_R)
+        store_cols_t(dhtq_ptr, dhts_ptr, du, t, cols64 + N, col_mask, stride_dhtk, stride_dhtsr, POW2, MX, TILE_M,
+                     BLOCK_C, GROUP_R)
+        store_cols_t(awtq_ptr, awts_ptr, act * w, t, cols64, col_mask, stride_awtk, stride_awtsr, POW2, MX, TILE_M,
+                     BLOCK_C, GROUP_R)

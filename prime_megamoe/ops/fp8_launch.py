@@ -29,8 +29,8 @@ from .routing_plan import RoutingPlan
 from .sizes import cdiv
 
 FP8_DTYPE = torch.float8_e4m3fn
-# The quantising SwiGLU backward pass: a program per 128-row tile walks its columns in 128-wide steps (whole 1 x 128
-# scale groups); 8 warps hold its 128 x 128 fp32 tiles.
+# The quantising SwiGLU backward pass: a program per 128-row tile and 128 columns (whole 1 x 128 scale groups); 8 warps
+# hold its 128 x 128 fp32 tiles.
 DSWIGLU_BLOCK_C = 128
 DSWIGLU_WARPS = 8
 
@@ -341,15 +341,17 @@ def fp8_fc2_dgrad_dswiglu(dyq: QTensor, w2q_bwd: QTensor, h: torch.Tensor, plan:
     dh_rows = QTensor(torch.empty(num_pairs, 2 * inter, **f8), torch.empty(num_pairs, 2 * ng, **sc))
     dh_t = empty_cols_t(2 * inter, plan, fmt, device)
     aw_t = empty_cols_t(inter, plan, fmt, device)
-    dw_row = torch.empty(num_pairs, dtype=torch.float32, device=device)
-    swiglu_backward_quantize_kernel[(plan.max_tiles,)](
-        g_a, h, plan.row_weight, dh_rows.data, dh_rows.scale, dh_t.data, dh_t.scale, aw_t.data, aw_t.scale, dw_row,
+    col_blocks = cdiv(inter, DSWIGLU_BLOCK_C)
+    dw_partial = torch.empty(col_blocks, num_pairs, dtype=torch.float32, device=device)
+    swiglu_backward_quantize_kernel[(col_blocks, plan.max_tiles)](
+        g_a, h, plan.row_weight, dh_rows.data, dh_rows.scale, dh_t.data, dh_t.scale, aw_t.data, aw_t.scale, dw_partial,
         *_tile_args(plan),
         inter, ng, g_a.stride(0), h.stride(0), dh_rows.data.stride(0), dh_rows.scale.stride(0),
-        dh_t.data.stride(0), dh_t.scale.stride(0), aw_t.data.stride(0), aw_t.scale.stride(0),
+        dh_t.data.stride(0), dh_t.scale.stride(0), aw_t.data.stride(0), aw_t.scale.stride(0), dw_partial.stride(0),
         MX=fmt.mx, POW2=fmt.pow2, GROUP_K=fmt.group, GROUP_R=fmt.group, TILE_M=QTILE_M,
         BLOCK_C=DSWIGLU_BLOCK_C, num_warps=DSWIGLU_WARPS,
     )
+    dw_row = dw_partial.sum(0)
     return DSwiGLUOut(dh_rows, dh_t, aw_t, dw_row)
 
 
