@@ -12,6 +12,7 @@ and its sum: the kernels of one forward and one backward, without host time.
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 from triton.testing import do_bench
@@ -51,9 +52,10 @@ def main():
     p.add_argument("--pow2", action="store_true", help="power-of-two scales")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (interpreter, tiny shape)")
     args = p.parse_args()
-    global do_bench
-    if args.device != "cuda":
-        do_bench = lambda fn, **_: (fn(), 1.0)[1]  # noqa: E731  (no timing on the CPU)
+    # Candidates are swapped in the autotuner between launches: launch through Triton itself, not through the
+    # compiled-kernel cache (which would keep the first candidate's kernel).
+    os.environ["PRIME_MEGAMOE_DIRECT_LAUNCH"] = "0"
+    bench = do_bench if args.device == "cuda" else (lambda fn, **_: (fn(), 1.0)[1])  # no timing on the CPU
     x, index, weights, w1, w2 = make_inputs(args.shape, args.tokens, 0, 1, seed=0, device=args.device)
     num_experts, hidden, inter = w2.shape
     fmt = fl.fp8_format(args.pow2)
@@ -97,7 +99,7 @@ def main():
             single_config(kernel, cfg)
             try:
                 out = run()
-                ms = do_bench(run, warmup=5, rep=40)
+                ms = bench(run, warmup=5, rep=40)
             except Exception as exc:  # a config that does not compile at this shape: say so, go on
                 print(f"{name:14s} {describe(cfg):22s} failed: {type(exc).__name__}: {str(exc)[:80]}")
                 continue
@@ -116,29 +118,35 @@ def main():
     ref = fl.fp8_fc2_dgrad_dswiglu(dyq, w2b, h, plan, fmt)
     moved = (g_a.numel() * 2 + h.numel() * 2 + ref.dh_rows.data.numel() + ref.dh_t.data.numel()
              + ref.aw_t.data.numel())
-    default_warps = fl.DSWIGLU_WARPS
-    for warps in (8, 16, 32):
-        fl.DSWIGLU_WARPS = warps
+    knobs = ("DSWIGLU_MODE", "DSWIGLU_WARPS", "DSWIGLU_ROWS_BLOCK_R", "DSWIGLU_COLS_BLOCK_C")
+    defaults = [getattr(fl, k) for k in knobs]
+    written = int(plan.num_tiles[0]) * fp8_gemm.QTILE_M  # tile-space columns past the tile count are never written
+    variants = [("one", 8, 16, 32), ("one", 16, 16, 32), ("two", 8, 16, 32), ("two", 8, 32, 32), ("two", 8, 16, 64),
+                ("two", 8, 8, 16)]
+    for variant in variants:
+        for k, v in zip(knobs, variant):
+            setattr(fl, k, v)
+        label = f"one launch w{variant[1]}" if variant[0] == "one" else f"rows {variant[2]}x128 cols 128x{variant[3]}"
         out = fl.fp8_fc2_dgrad_dswiglu(dyq, w2b, h, plan, fmt)
-        written = int(plan.num_tiles[0]) * fp8_gemm.QTILE_M  # tile-space columns past the tile count are never written
         same = all(torch.equal(a, b) for a, b in zip(
             snapshot([out.dh_rows, out.dh_t.data[:, :written], out.aw_t.data[:, :written], out.dw_row]),
             snapshot([ref.dh_rows, ref.dh_t.data[:, :written], ref.aw_t.data[:, :written], ref.dw_row])))
-        both = do_bench(lambda: fl.fp8_fc2_dgrad_dswiglu(dyq, w2b, h, plan, fmt), warmup=5, rep=40)
-        gemm = do_bench(lambda: fl.fp8_grouped_gemm(dyq, w2b, plan, fmt, out_dtype=x.dtype, gather=True),
+        both = bench(lambda: fl.fp8_fc2_dgrad_dswiglu(dyq, w2b, h, plan, fmt), warmup=5, rep=40)
+        gemm = bench(lambda: fl.fp8_grouped_gemm(dyq, w2b, plan, fmt, out_dtype=x.dtype, gather=True),
                         warmup=5, rep=40)
-        print(f"{'SwiGLU bwd':14s} {f'pass w{warps} (+GEMM)':22s} {both - gemm:7.3f} "
+        print(f"{'SwiGLU bwd':14s} {label:26s} {both - gemm:7.3f} "
               f"{moved / max(both - gemm, 1e-9) / 1e6:6.0f} GB/s {same}  (GEMM + pass {both:.3f})")
         if "SwiGLU bwd pass" not in best or both - gemm < best["SwiGLU bwd pass"][0]:
-            best["SwiGLU bwd pass"] = (both - gemm, f"w{warps}")
-    fl.DSWIGLU_WARPS = default_warps
+            best["SwiGLU bwd pass"] = (both - gemm, label)
+    for k, v in zip(knobs, defaults):
+        setattr(fl, k, v)
 
     quant = {
         "quantise x": lambda: fl.quantize_rows(x, fmt),
         "x^T cols_t": lambda: fl.quantize_sorted_cols_t(x, plan, fmt),
     }
     for name, fn in quant.items():
-        ms = do_bench(fn, warmup=5, rep=40)
+        ms = bench(fn, warmup=5, rep=40)
         print(f"{name:14s} {'':22s} {ms:7.3f}")
         best[name] = (ms, "")
     fwd = ("quantise x", "FC1 + SwiGLU", "FC2")

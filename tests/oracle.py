@@ -119,7 +119,10 @@ def make_problem(num_tokens, hidden, inter, experts, top_k, dtype, *, seed, rout
 
 
 def only_config(monkeypatch, kernel, **changes):
-    """Make an autotuned kernel run its first candidate with ``changes`` (e.g. a smaller BLOCK_M)."""
+    """Make an autotuned kernel run its first candidate with ``changes`` (e.g. a smaller BLOCK_M). Launches then go
+    through Triton itself: the compiled-kernel cache of ``ops.compiled_launch`` would keep running the kernel it
+    compiled before the change."""
+    monkeypatch.setenv("PRIME_MEGAMOE_DIRECT_LAUNCH", "0")
     first = kernel.configs[0]
     config = triton.Config({**first.kwargs, **changes}, num_warps=first.num_warps, num_stages=first.num_stages,
                            pre_hook=first.pre_hook)

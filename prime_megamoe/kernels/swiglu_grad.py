@@ -59,14 +59,15 @@ def swiglu_backward_rows_kernel(
 
 # ----------------------------------------------------------------------------------------------------------------
 # The same pass for the quantised backward (fp8 / MXFP8): after the fp8 FC2 dgrad GEMM it emits every operand of the
-# later fp8 GEMMs at once, quantised as ``kernels.quantize`` does it:
-#   dh = [dg | du] row-scaled (1 x GROUP_K along each half of 2I): A of the FC1 dgrad;
-#   dh^T and (w * a)^T column-scaled (GROUP_R x 1 along the rows of each 128-row tile), transposed into the cols_t
-#   layout: the K-major operands of the two weight gradients;
-#   dw_partial[c, r] = <g_a, a> over column block c, in fp32 (the caller sums the blocks in order).
-# One program per (column block, routing tile): the column scales span a tile's rows and the row scales need whole
-# 1 x GROUP_K groups, so a block is a whole tile by BLOCK_C columns (a multiple of GROUP_K). Rows past the tile's
-# expert read zeros, which is what the cols_t layout stores there.
+# later fp8 GEMMs, quantised as ``kernels.quantize`` does it:
+#   ROWS_OUT: dh = [dg | du] row-scaled (1 x GROUP_K along each half of 2I), the A of the FC1 dgrad, and
+#             dw_partial[c, r] = <g_a, a> over column block c in fp32 (the caller sums the blocks in order);
+#   COLS_OUT: dh^T and (w * a)^T column-scaled (GROUP_R x 1 along the rows of each 128-row tile), transposed into the
+#             cols_t layout: the K-major operands of the two weight gradients.
+# A program takes BLOCK_R rows of a routing tile by BLOCK_C columns. Row scales need whole 1 x GROUP_K groups
+# (BLOCK_C a multiple of GROUP_K), column scales a whole tile (BLOCK_R = TILE_M), so one launch with both outputs
+# works on tile x 128 blocks, while two launches (ROWS_OUT, then COLS_OUT) can take thinner blocks each and read
+# g_a and h twice. Rows past the tile's expert read zeros, which is what the cols_t layout stores there.
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
 def swiglu_backward_quantize_kernel(
@@ -74,14 +75,15 @@ def swiglu_backward_quantize_kernel(
     tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
     N, NG_OUT, stride_gam, stride_hm, stride_dhm, stride_dhsm, stride_dhtk, stride_dhtsr, stride_awtk, stride_awtsr,
     stride_dwp,
-    MX: tl.constexpr, POW2: tl.constexpr, GROUP_K: tl.constexpr, GROUP_R: tl.constexpr, TILE_M: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    ROWS_OUT: tl.constexpr, COLS_OUT: tl.constexpr, MX: tl.constexpr, POW2: tl.constexpr, GROUP_K: tl.constexpr,
+    GROUP_R: tl.constexpr, TILE_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    tl.static_assert(BLOCK_C % GROUP_K == 0)
+    tl.static_assert(not ROWS_OUT or BLOCK_C % GROUP_K == 0)
+    tl.static_assert(not COLS_OUT or BLOCK_R == TILE_M)
     blk = tl.program_id(0)
-    t = tl.program_id(1)
-    if t < tl.load(num_tiles_ptr):
-        _, rows, row_mask = tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, t, TILE_M, TILE_M)
+    part = tl.program_id(1)  # BLOCK_R rows of a routing tile (see grouped_gemm.tile_rows)
+    if part < tl.load(num_tiles_ptr) * (TILE_M // BLOCK_R):
+        _, rows, row_mask = tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, part, BLOCK_R, TILE_M)
         rows64 = rows.to(tl.int64)
         w = tl.load(row_weight_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
         cols = blk * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -94,18 +96,20 @@ def swiglu_backward_quantize_kernel(
         sig = tl.sigmoid(g)
         silu = g * sig
         act = silu * u
-        tl.store(dw_partial_ptr + blk * stride_dwp + rows, tl.sum(ga * act, axis=1), mask=row_mask)
         da = ga * w
         dg = da * u * (sig + silu * (1.0 - sig))
         du = da * silu
-        store_rows_q(dhq_ptr, dhs_ptr, dg, rows64, row_mask, cols, col_mask, 0, 0, NG_OUT, stride_dhm, stride_dhsm,
-                     blk, MX, POW2, TILE_M, BLOCK_C, GROUP_K)
-        store_rows_q(dhq_ptr, dhs_ptr, du, rows64, row_mask, cols, col_mask, N, NG_OUT, NG_OUT, stride_dhm,
-                     stride_dhsm, blk, MX, POW2, TILE_M, BLOCK_C, GROUP_K)
-        cols64 = cols.to(tl.int64)
-        store_cols_t(dhtq_ptr, dhts_ptr, dg, t, cols64, col_mask, stride_dhtk, stride_dhtsr, POW2, MX, TILE_M,
-                     BLOCK_C, GROUP_R)
-        store_cols_t(dhtq_ptr, dhts_ptr, du, t, cols64 + N, col_mask, stride_dhtk, stride_dhtsr, POW2, MX, TILE_M,
-                     BLOCK_C, GROUP_R)
-        store_cols_t(awtq_ptr, awts_ptr, act * w, t, cols64, col_mask, stride_awtk, stride_awtsr, POW2, MX, TILE_M,
-                     BLOCK_C, GROUP_R)
+        if ROWS_OUT:
+            tl.store(dw_partial_ptr + blk * stride_dwp + rows, tl.sum(ga * act, axis=1), mask=row_mask)
+            store_rows_q(dhq_ptr, dhs_ptr, dg, rows64, row_mask, cols, col_mask, 0, 0, NG_OUT, stride_dhm,
+                         stride_dhsm, blk, MX, POW2, BLOCK_R, BLOCK_C, GROUP_K)
+            store_rows_q(dhq_ptr, dhs_ptr, du, rows64, row_mask, cols, col_mask, N, NG_OUT, NG_OUT, stride_dhm,
+                         stride_dhsm, blk, MX, POW2, BLOCK_R, BLOCK_C, GROUP_K)
+        if COLS_OUT:
+            cols64 = cols.to(tl.int64)
+            store_cols_t(dhtq_ptr, dhts_ptr, dg, part, cols64, col_mask, stride_dhtk, stride_dhtsr, POW2, MX,
+                         TILE_M, BLOCK_C, GROUP_R)
+            store_cols_t(dhtq_ptr, dhts_ptr, du, part, cols64 + N, col_mask, stride_dhtk, stride_dhtsr, POW2, MX,
+                         TILE_M, BLOCK_C, GROUP_R)
+            store_cols_t(awtq_ptr, awts_ptr, act * w, part, cols64, col_mask, stride_awtk, stride_awtsr, POW2, MX,
+                         TILE_M, BLOCK_C, GROUP_R)

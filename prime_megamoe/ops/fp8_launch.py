@@ -25,14 +25,17 @@ from ..kernels import tuning
 from ..kernels.fp8_gemm import QTILE_M, fp8_fc1_swiglu_kernel, fp8_grouped_gemm_kernel, fp8_grouped_wgrad_kernel
 from ..kernels.quantize import dequantize_blocks_kernel, gather_quantize_cols_t_kernel, quantize_blocks_kernel
 from ..kernels.swiglu_grad import swiglu_backward_quantize_kernel
+from .compiled_launch import launch
 from .routing_plan import RoutingPlan
 from .sizes import cdiv
 
 FP8_DTYPE = torch.float8_e4m3fn
 # The quantising SwiGLU backward pass: a program per 128-row tile and 128 columns (whole 1 x 128 scale groups); 8 warps
 # hold its 128 x 128 fp32 tiles.
-DSWIGLU_BLOCK_C = 128
+DSWIGLU_MODE = "one"
 DSWIGLU_WARPS = 8
+DSWIGLU_ROWS_BLOCK_R = 16
+DSWIGLU_COLS_BLOCK_C = 32
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,7 @@ def quantize_view(src: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tu
         return
     bm, bk = _quant_tile(qm, qk)
     grid = (b1 * b2, cdiv(m, bm), cdiv(k, bk))
-    quantize_blocks_kernel[grid](
+    launch(quantize_blocks_kernel, grid,
         src, q, s, b2, m, k, *src.stride(), *q.stride(), *s.stride(),
         QM=qm, QK=qk, BM=bm, BK=bk, POW2=pow2, E8M0=e8m0, num_warps=4,
     )
@@ -104,7 +107,7 @@ def dequantize_view(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, block: 
         return
     bm, bk = _quant_tile(qm, qk)
     grid = (b1 * b2, cdiv(m, bm), cdiv(k, bk))
-    dequantize_blocks_kernel[grid](
+    launch(dequantize_blocks_kernel, grid,
         q, s, out, b2, m, k, *q.stride(), *s.stride(), *out.stride(),
         QM=qm, QK=qk, BM=bm, BK=bk, E8M0=e8m0, num_warps=4,
     )
@@ -253,7 +256,7 @@ def quantize_sorted_cols_t(x: torch.Tensor, plan: RoutingPlan, fmt: QFormat) -> 
     k = x.shape[1]
     out = empty_cols_t(k, plan, fmt, x.device)
     block_k = 64  # a 128 x 64 tile per program (~8K elements)
-    gather_quantize_cols_t_kernel[(cdiv(k, block_k), plan.max_tiles)](
+    launch(gather_quantize_cols_t_kernel, (cdiv(k, block_k), plan.max_tiles),
         x, plan.row_src, out.data, out.scale, *_tile_args(plan),
         k, x.stride(0), out.data.stride(0), out.scale.stride(0),
         POW2=fmt.pow2, E8M0=fmt.mx, GROUP_R=fmt.group, TILE=QTILE_M, BK=block_k, num_warps=4,
@@ -290,7 +293,7 @@ def fp8_fc1_swiglu(xq: QTensor, w1q: QTensor, plan: RoutingPlan, fmt: QFormat, *
     save_h = h_dtype is not None
     h = torch.empty(num_pairs, 2 * inter, dtype=h_dtype, device=xq.data.device) if save_h else a_s
     up_scale_off = cdiv(inter, fmt.weight_rows)
-    fp8_fc1_swiglu_kernel[_tile_grid(plan, inter)](
+    launch(fp8_fc1_swiglu_kernel, _tile_grid(plan, inter),
         xq.data, xq.scale, plan.row_src, w1q.data, w1q.scale, h, aq, a_s, *_tile_args(plan),
         inter, hidden, cdiv(hidden, fmt.group), ng_out, up_scale_off, num_pairs,
         xq.data.stride(0), xq.scale.stride(0), w1q.data.stride(0), w1q.data.stride(1),
@@ -307,7 +310,7 @@ def fp8_grouped_gemm(aq: QTensor, bq: QTensor, plan: RoutingPlan, fmt: QFormat, 
     n, k_total = bq.data.shape[1], bq.data.shape[2]
     k = k_total // segments
     c = torch.empty(plan.num_pairs, n, dtype=out_dtype, device=aq.data.device)
-    fp8_grouped_gemm_kernel[_tile_grid(plan, n)](
+    launch(fp8_grouped_gemm_kernel, _tile_grid(plan, n),
         aq.data, aq.scale, plan.row_src, bq.data, bq.scale, c,
         row_scale if row_scale is not None else plan.row_weight, *_tile_args(plan),
         n, k, cdiv(k, fmt.group), plan.num_pairs,
@@ -341,16 +344,24 @@ def fp8_fc2_dgrad_dswiglu(dyq: QTensor, w2q_bwd: QTensor, h: torch.Tensor, plan:
     dh_rows = QTensor(torch.empty(num_pairs, 2 * inter, **f8), torch.empty(num_pairs, 2 * ng, **sc))
     dh_t = empty_cols_t(2 * inter, plan, fmt, device)
     aw_t = empty_cols_t(inter, plan, fmt, device)
-    col_blocks = cdiv(inter, DSWIGLU_BLOCK_C)
-    dw_partial = torch.empty(col_blocks, num_pairs, dtype=torch.float32, device=device)
-    swiglu_backward_quantize_kernel[(col_blocks, plan.max_tiles)](
-        g_a, h, plan.row_weight, dh_rows.data, dh_rows.scale, dh_t.data, dh_t.scale, aw_t.data, aw_t.scale, dw_partial,
-        *_tile_args(plan),
-        inter, ng, g_a.stride(0), h.stride(0), dh_rows.data.stride(0), dh_rows.scale.stride(0),
-        dh_t.data.stride(0), dh_t.scale.stride(0), aw_t.data.stride(0), aw_t.scale.stride(0), dw_partial.stride(0),
-        MX=fmt.mx, POW2=fmt.pow2, GROUP_K=fmt.group, GROUP_R=fmt.group, TILE_M=QTILE_M,
-        BLOCK_C=DSWIGLU_BLOCK_C, num_warps=DSWIGLU_WARPS,
-    )
+    args = (g_a, h, plan.row_weight, dh_rows.data, dh_rows.scale, dh_t.data, dh_t.scale, aw_t.data, aw_t.scale)
+    strides = (inter, ng, g_a.stride(0), h.stride(0), dh_rows.data.stride(0), dh_rows.scale.stride(0),
+               dh_t.data.stride(0), dh_t.scale.stride(0), aw_t.data.stride(0), aw_t.scale.stride(0))
+    fmt_args = {"MX": fmt.mx, "POW2": fmt.pow2, "GROUP_K": fmt.group, "GROUP_R": fmt.group, "TILE_M": QTILE_M}
+    # (rows out, columns out, BLOCK_R, BLOCK_C, warps) per launch
+    passes = [(True, True, QTILE_M, 128, DSWIGLU_WARPS)] if DSWIGLU_MODE == "one" else [
+        (True, False, DSWIGLU_ROWS_BLOCK_R, 128, 4), (False, True, QTILE_M, DSWIGLU_COLS_BLOCK_C, 4)]
+    dw_partial = None
+    for rows_out, cols_out, block_r, block_c, warps in passes:
+        col_blocks = cdiv(inter, block_c)
+        if rows_out:
+            dw_partial = torch.empty(col_blocks, num_pairs, dtype=torch.float32, device=device)
+        grid = (col_blocks, plan.max_tiles * (QTILE_M // block_r))
+        launch(swiglu_backward_quantize_kernel, grid,
+            *args, dw_partial if rows_out else g_a, *_tile_args(plan), *strides,
+            dw_partial.stride(0) if rows_out else 0,
+            ROWS_OUT=rows_out, COLS_OUT=cols_out, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps, **fmt_args,
+        )
     dw_row = dw_partial.sum(0)
     return DSwiGLUOut(dh_rows, dh_t, aw_t, dw_row)
 
@@ -384,7 +395,7 @@ def fp8_grouped_wgrad(a_t: QTensor, b_t: QTensor, plan: RoutingPlan, fmt: QForma
     if out.shape != (plan.num_local_experts, m, n):
         raise ValueError(f"out must be [{plan.num_local_experts}, {m}, {n}], got {list(out.shape)}")
     grid = lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]), plan.num_local_experts)
-    fp8_grouped_wgrad_kernel[grid](
+    launch(fp8_grouped_wgrad_kernel, grid,
         a_t.data, a_t.scale, b_t.data, b_t.scale, out, expert_tiles,
         m, n, plan.num_pairs,
         a_t.data.stride(0), a_t.scale.stride(0), b_t.data.stride(0), b_t.scale.stride(0),
