@@ -74,42 +74,47 @@ def main():
     flop = {"FC1 + SwiGLU": 2 * pairs * hidden * 2 * inter, "FC2": 2 * pairs * inter * hidden,
             "FC2 dgrad": 2 * pairs * hidden * inter, "FC1 dgrad": 2 * pairs * 2 * inter * hidden,
             "dW1": 2 * pairs * 2 * inter * hidden, "dW2": 2 * pairs * hidden * inter}
-    cases = [
+    row_tiled = [
         ("FC1 + SwiGLU", fp8_gemm.fp8_fc1_swiglu_kernel,
-         lambda: fl.fp8_fc1_swiglu(xq, w1f, plan, fmt, inter=inter, h_dtype=x.dtype)),
+         lambda tma: fl.fp8_fc1_swiglu(xq, w1f, plan, fmt, inter=inter, h_dtype=x.dtype, use_tma=tma)),
         ("FC2", fp8_gemm.fp8_grouped_gemm_kernel,
-         lambda: fl.fp8_grouped_gemm(aq, w2f, plan, fmt, out_dtype=x.dtype, row_scale=plan.row_weight)),
+         lambda tma: fl.fp8_grouped_gemm(aq, w2f, plan, fmt, out_dtype=x.dtype, row_scale=plan.row_weight,
+                                         use_tma=tma)),
         ("FC2 dgrad", fp8_gemm.fp8_grouped_gemm_kernel,
-         lambda: fl.fp8_grouped_gemm(dyq, w2b, plan, fmt, out_dtype=x.dtype, gather=True)),
+         lambda tma: fl.fp8_grouped_gemm(dyq, w2b, plan, fmt, out_dtype=x.dtype, gather=True, use_tma=tma)),
         ("FC1 dgrad", fp8_gemm.fp8_grouped_gemm_kernel,
-         lambda: fl.fp8_grouped_gemm(d.dh_rows, w1b, plan, fmt, out_dtype=x.dtype, segments=2)),
-        ("dW1", fp8_gemm.fp8_grouped_wgrad_kernel,
+         lambda tma: fl.fp8_grouped_gemm(d.dh_rows, w1b, plan, fmt, out_dtype=x.dtype, segments=2, use_tma=tma)),
+    ]
+    # Each row-tiled GEMM with pointer loads, then with TMA reads (checked against the pointer loads' first config).
+    cases = [(f"{name}{' tma' if tma else ''}", name, kernel, (lambda run=run, tma=tma: run(tma)))
+             for name, kernel, run in row_tiled for tma in (False, True)]
+    cases += [
+        ("dW1", "dW1", fp8_gemm.fp8_grouped_wgrad_kernel,
          lambda: fl.fp8_grouped_wgrad(d.dh_t, x_t, plan, fmt, gw1, expert_tiles=tiles)),
-        ("dW2", fp8_gemm.fp8_grouped_wgrad_kernel,
+        ("dW2", "dW2", fp8_gemm.fp8_grouped_wgrad_kernel,
          lambda: fl.fp8_grouped_wgrad(dy_t, d.aw_t, plan, fmt, gw2, expert_tiles=tiles)),
     ]
     print(f"{args.shape}, T = {args.tokens}, {pairs} rows, {num_experts} experts, H = {hidden}, I = {inter}, "
           f"fmt {fmt.name}{' pow2' if fmt.pow2 else ''}")
     print(f"{'GEMM':14s} {'config':22s} {'ms':>7s} {'TFLOP/s':>8s} same")
     best = {}
-    for name, kernel, run in cases:
+    refs = {}
+    for label, name, kernel, run in cases:
         candidates = list(kernel.configs)
-        ref = None
         for cfg in candidates:
             single_config(kernel, cfg)
             try:
                 out = run()
                 ms = bench(run, warmup=5, rep=40)
             except Exception as exc:  # a config that does not compile at this shape: say so, go on
-                print(f"{name:14s} {describe(cfg):22s} failed: {type(exc).__name__}: {str(exc)[:80]}")
+                print(f"{label:14s} {describe(cfg):22s} failed: {type(exc).__name__}: {str(exc)[:80]}")
                 continue
             out = snapshot(out)
-            if ref is None:
-                ref = out
+            ref = refs.setdefault(name, out)
             same = all(torch.equal(a, b) for a, b in zip(out, ref))
-            print(f"{name:14s} {describe(cfg):22s} {ms:7.3f} {flop[name] / ms / 1e9:8.1f} {same}")
+            print(f"{label:14s} {describe(cfg):22s} {ms:7.3f} {flop[name] / ms / 1e9:8.1f} {same}")
             if name not in best or ms < best[name][0]:
-                best[name] = (ms, describe(cfg))
+                best[name] = (ms, f"{describe(cfg)}{' tma' if label != name else ''}")
         kernel.configs = candidates
         kernel.cache.clear()
 

@@ -19,7 +19,7 @@ from triton.testing import do_bench
 from prime_megamoe.bench import make_inputs
 from prime_megamoe.kernels.grouped_gemm import grouped_gemm_kernel
 from prime_megamoe.kernels.tuning import tile_m
-from prime_megamoe.ops.launch import _descriptor, _num_sms, tma_readable
+from prime_megamoe.ops.launch import tma_descriptor, _num_sms, tma_readable
 from prime_megamoe.ops.routing_plan import build_routing_plan
 
 
@@ -58,11 +58,11 @@ def main():
             for tma in (False, True):
                 a_desc = b_desc = None
                 if tma:
-                    b_desc = _descriptor(b_2d)
+                    b_desc = tma_descriptor(b_2d)
                     bn, bk = kw["BLOCK_N"], kw["BLOCK_K"]
                     b_desc.block_shape = [bn, bk] if transpose_b else [bk, bn]
                     if not gather:
-                        a_desc = _descriptor(a)
+                        a_desc = tma_descriptor(a)
                         a_desc.block_shape = [kw["BLOCK_M"], kw["BLOCK_K"]]
                 out = torch.zeros(plan.sorted_rows, n, device="cuda", dtype=torch.bfloat16)
                 grid = ((num_sms, 1) if kw["PERSISTENT"] else

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from .grouped_gemm import tile_rows as _tile_rows
+from .grouped_gemm import tile_span as _tile_span
 from .grouped_gemm import wgrad_tile_offsets
 from .quantize import store_rows_q
 from .tuning import autotune
@@ -49,8 +50,18 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def tma_boxes(nargs) -> None:
+    """Pre-launch hook of the row-tiled configs: the launch's TMA descriptors (where it has them) get the config's
+    boxes, A [BLOCK_M, BLOCK_K] and the K-major weights [BLOCK_N, BLOCK_K]."""
+    if nargs.get("a_desc") is not None:
+        nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+    if nargs.get("b_desc") is not None:
+        nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+
+
 def _cfg(bn, bk, warps, stages, bm=QTILE_M, **extra):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, **extra}, num_warps=warps, num_stages=stages)
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, **extra}, num_warps=warps, num_stages=stages,
+                         pre_hook=None if "GROUP_M" in extra else tma_boxes)
 
 
 def _candidates(kind: str) -> list[triton.Config]:
@@ -139,17 +150,18 @@ def _scaled_mma(acc, a, sa, b, sb, MX: tl.constexpr, B_SCALAR: tl.constexpr):
 # ----------------------------------------------------------------------------------------------------------------
 # FC1 + SwiGLU:  h = x[src] @ W1[e]^T (fp8 x fp8, fp32 accumulate),  a = silu(h[:, :I]) * h[:, I:]
 #   h is stored in the output dtype when the backward needs it; a is stored in fp8 with 1 x GROUP_K scales along I
-#   (the K of FC2), so FC2 reads it without another pass.
+#   (the K of FC2), so FC2 reads it without another pass. With B_TMA, W1 is read by TMA, viewed as [E * 2I, H] in
+#   [BLOCK_N, BLOCK_K] boxes (gate rows, then up rows I further).
 # ----------------------------------------------------------------------------------------------------------------
 @autotune(quant_configs("fc1"), key=["N", "K", "M_BUCKET", "MX"])
 @triton.jit
 def fp8_fc1_swiglu_kernel(
-    xq_ptr, xs_ptr, row_src_ptr, wq_ptr, ws_ptr, h_ptr, aq_ptr, as_ptr,
+    b_desc, xq_ptr, xs_ptr, row_src_ptr, wq_ptr, ws_ptr, h_ptr, aq_ptr, as_ptr,
     tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
     N, K, NKG, NG_OUT, UP_SCALE_OFF, M_BUCKET,
     stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_hm, stride_am, stride_asm,
     SAVE_H: tl.constexpr, MX: tl.constexpr, POW2: tl.constexpr, GROUP_K: tl.constexpr, B_GROUP_N: tl.constexpr,
-    TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    B_TMA: tl.constexpr, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)  # a BLOCK_M part of a TILE_M tile (see grouped_gemm.tile_rows)
@@ -177,8 +189,12 @@ def fp8_fc1_swiglu_kernel(
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + ks) < K
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        wg = tl.load(g_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        wu = tl.load(u_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        if B_TMA:  # W1 viewed as [E * 2I, H]: the expert's gate rows, then its up rows N further
+            wg = tl.trans(b_desc.load([expert * 2 * N + col0, k0]))
+            wu = tl.trans(b_desc.load([expert * 2 * N + N + col0, k0]))
+        else:
+            wg = tl.load(g_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            wu = tl.load(u_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         kg1 = (k0 + BLOCK_K) // GROUP_K
         sa1 = _a_scales(xs_ptr, src, row_mask, stride_xsm, kg1, NKG, MX, BLOCK_K, GROUP_K)
         sg1 = _b_scales(ws_e, col0, cols, col_mask, stride_wsn, kg1, NKG, MX, BLOCK_K, GROUP_K, B_GROUP_N, B_SCALAR)
@@ -195,6 +211,8 @@ def fp8_fc1_swiglu_kernel(
         h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
         tl.store(h_ptrs, acc_g.to(h_ptr.dtype.element_ty), mask=out_mask)
         tl.store(h_ptrs + N, acc_u.to(h_ptr.dtype.element_ty), mask=out_mask)
+    if B_TMA:  # boxes past N read other rows' weights: zero those columns (their act), which the quantiser's amax sees
+        acc_g = tl.where(col_mask[None, :], acc_g, 0.0)
     act = acc_g * tl.sigmoid(acc_g) * acc_u
     store_rows_q(aq_ptr, as_ptr, act, rows64, row_mask, cols, col_mask, 0, 0, NG_OUT, stride_am, stride_asm, pid_n,
                  MX, POW2, BLOCK_M, BLOCK_N, GROUP_K)
@@ -206,23 +224,29 @@ def fp8_fc1_swiglu_kernel(
 #   FC2 forward: A = SwiGLU output (fp8 from the FC1 epilogue), B = W2, scale = top-k weight.
 #   FC2 dgrad:   A = dy (fp8, gathered rows), B = W2^T copy; output g_a for the SwiGLU backward pass.
 #   FC1 dgrad:   A = d[gate, up] (fp8 from the SwiGLU backward pass, SEGS = 2), B = W1^T copy.
+# With B_TMA the weights are read by TMA, viewed as [E * N, SEGS * K] in [BLOCK_N, BLOCK_K] boxes; with A_TMA an A
+# that is not gathered is read in [BLOCK_M, BLOCK_K] boxes from its sorted rows. A box past N or an expert's rows
+# reads other rows (their outputs are not stored); past K it reads zeros at the tensor's end, or the next segment's
+# columns, which meet zero A columns (the launcher takes A by TMA only where K is a multiple of 128 or SEGS = 1).
 # ----------------------------------------------------------------------------------------------------------------
 @autotune(quant_configs("gemm"), key=["N", "K", "SEGS", "M_BUCKET", "MX"])
 @triton.jit
 def fp8_grouped_gemm_kernel(
-    aq_ptr, as_ptr, row_src_ptr, bq_ptr, bs_ptr, c_ptr, row_scale_ptr,
+    a_desc, b_desc, aq_ptr, as_ptr, row_src_ptr, bq_ptr, bs_ptr, c_ptr, row_scale_ptr,
     tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
     N, K, NKG, M_BUCKET,
     stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
     SEGS: tl.constexpr, GATHER_A: tl.constexpr, SCALE_ROWS: tl.constexpr, MX: tl.constexpr,
-    GROUP_K: tl.constexpr, B_GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr, B_GROUP_N: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)  # a BLOCK_M part of a TILE_M tile (see grouped_gemm.tile_rows)
     if pid_m >= tl.load(num_tiles_ptr) * (TILE_M // BLOCK_M):
         return
-    expert, rows, row_mask = _tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M, TILE_M)
+    expert, row_start, row_end = _tile_span(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M, TILE_M)
+    rows = row_start + tl.arange(0, BLOCK_M)
+    row_mask = rows < row_end
     if GATHER_A:
         src = tl.load(row_src_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     else:
@@ -245,8 +269,14 @@ def fp8_grouped_gemm_kernel(
                        B_SCALAR)
         for k0 in range(0, K, BLOCK_K):
             k_mask = (k0 + ks) < K
-            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            if A_TMA:  # the sorted rows from the block's first row (rows past the expert's end are not stored)
+                a = a_desc.load([row_start, seg * K + k0])
+            else:
+                a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            if B_TMA:  # the weights viewed as [E * N, SEGS * K]
+                b = tl.trans(b_desc.load([expert * N + col0, seg * K + k0]))
+            else:
+                b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
             kg1 = seg * NKG + (k0 + BLOCK_K) // GROUP_K
             sa1 = _a_scales(as_ptr, src, row_mask, stride_asm, kg1, kg_end, MX, BLOCK_K, GROUP_K)
             sb1 = _b_scales(bs_e, col0, cols, col_mask, stride_bsn, kg1, kg_end, MX, BLOCK_K, GROUP_K, B_GROUP_N,

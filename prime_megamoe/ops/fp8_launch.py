@@ -26,6 +26,7 @@ from ..kernels.fp8_gemm import QTILE_M, fp8_fc1_swiglu_kernel, fp8_grouped_gemm_
 from ..kernels.quantize import dequantize_blocks_kernel, gather_quantize_cols_t_kernel, quantize_blocks_kernel
 from ..kernels.swiglu_grad import swiglu_backward_quantize_kernel
 from .compiled_launch import launch
+from .launch import tma_descriptor, tma_readable
 from .routing_plan import RoutingPlan
 from .sizes import cdiv
 
@@ -280,10 +281,20 @@ def _fmt_args(fmt: QFormat) -> dict:
     return {"MX": fmt.mx, "GROUP_K": fmt.group, "B_GROUP_N": fmt.weight_rows}
 
 
+def _weight_descriptor(bq: QTensor, use_tma: bool | None):
+    """A TMA descriptor over the K-major weights viewed as [E * N, K] (its box is set by the chosen config's
+    pre-launch hook), or None for pointer loads. ``use_tma`` None: where ``launch.tma_readable`` says the GPU can."""
+    w_2d = bq.data.view(-1, bq.data.shape[2])
+    if use_tma is None:
+        use_tma = tma_readable(w_2d)
+    return tma_descriptor(w_2d) if use_tma else None
+
+
 def fp8_fc1_swiglu(xq: QTensor, w1q: QTensor, plan: RoutingPlan, fmt: QFormat, *, inter: int,
-                   h_dtype: torch.dtype | None):
+                   h_dtype: torch.dtype | None, use_tma: bool | None = None):
     """xq [R, H] (source rows, row-scaled), w1q = quantize_w1_fwd(W1) -> (h [P, 2I] in h_dtype or None,
-    a = silu(g) * u as a row-scaled QTensor [P, I]) in expert-sorted row order."""
+    a = silu(g) * u as a row-scaled QTensor [P, I]) in expert-sorted row order. ``use_tma``: read W1 by TMA
+    (default: where the GPU can)."""
     _check_plan(plan)
     num_pairs, hidden = plan.num_pairs, xq.data.shape[1]
     ng_out = cdiv(inter, fmt.group)
@@ -292,30 +303,39 @@ def fp8_fc1_swiglu(xq: QTensor, w1q: QTensor, plan: RoutingPlan, fmt: QFormat, *
     save_h = h_dtype is not None
     h = torch.empty(num_pairs, 2 * inter, dtype=h_dtype, device=xq.data.device) if save_h else a_s
     up_scale_off = cdiv(inter, fmt.weight_rows)
+    b_desc = _weight_descriptor(w1q, use_tma)
     launch(fp8_fc1_swiglu_kernel, _tile_grid(plan, inter),
-        xq.data, xq.scale, plan.row_src, w1q.data, w1q.scale, h, aq, a_s, *_tile_args(plan),
+        b_desc, xq.data, xq.scale, plan.row_src, w1q.data, w1q.scale, h, aq, a_s, *_tile_args(plan),
         inter, hidden, cdiv(hidden, fmt.group), ng_out, up_scale_off, num_pairs,
         xq.data.stride(0), xq.scale.stride(0), w1q.data.stride(0), w1q.data.stride(1),
         w1q.scale.stride(0), w1q.scale.stride(1), h.stride(0), aq.stride(0), a_s.stride(0),
-        SAVE_H=save_h, POW2=fmt.pow2, TILE_M=QTILE_M, **_fmt_args(fmt),
+        SAVE_H=save_h, POW2=fmt.pow2, B_TMA=b_desc is not None, TILE_M=QTILE_M, **_fmt_args(fmt),
     )
     return (h if save_h else None), QTensor(aq, a_s)
 
 
 def fp8_grouped_gemm(aq: QTensor, bq: QTensor, plan: RoutingPlan, fmt: QFormat, *, out_dtype: torch.dtype,
-                     segments: int = 1, gather: bool = False, row_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """C[r] = scale[r] * A[src[r] if gather else r] @ B[e]^T with B the K-major operand [E, N, segments * K]."""
+                     segments: int = 1, gather: bool = False, row_scale: torch.Tensor | None = None,
+                     use_tma: bool | None = None) -> torch.Tensor:
+    """C[r] = scale[r] * A[src[r] if gather else r] @ B[e]^T with B the K-major operand [E, N, segments * K].
+    ``use_tma``: read B by TMA, and A too where it is not gathered and each segment's K is a multiple of 128 (a box
+    must not run into the next segment); default: where the GPU can."""
     _check_plan(plan)
     n, k_total = bq.data.shape[1], bq.data.shape[2]
     k = k_total // segments
     c = torch.empty(plan.num_pairs, n, dtype=out_dtype, device=aq.data.device)
+    b_desc = _weight_descriptor(bq, use_tma)
+    a_tma = b_desc is not None and not gather and (segments == 1 or k % 128 == 0) and (
+        use_tma or tma_readable(aq.data))
+    a_desc = tma_descriptor(aq.data) if a_tma else None
     launch(fp8_grouped_gemm_kernel, _tile_grid(plan, n),
-        aq.data, aq.scale, plan.row_src, bq.data, bq.scale, c,
+        a_desc, b_desc, aq.data, aq.scale, plan.row_src, bq.data, bq.scale, c,
         row_scale if row_scale is not None else plan.row_weight, *_tile_args(plan),
         n, k, cdiv(k, fmt.group), plan.num_pairs,
         aq.data.stride(0), aq.scale.stride(0), bq.data.stride(0), bq.data.stride(1),
         bq.scale.stride(0), bq.scale.stride(1), c.stride(0),
-        SEGS=segments, GATHER_A=gather, SCALE_ROWS=row_scale is not None, TILE_M=QTILE_M, **_fmt_args(fmt),
+        SEGS=segments, GATHER_A=gather, SCALE_ROWS=row_scale is not None, A_TMA=a_tma, B_TMA=b_desc is not None,
+        TILE_M=QTILE_M, **_fmt_args(fmt),
     )
     return c
 

@@ -104,8 +104,8 @@ def grouped_gemm(
         if b_2d is None:
             raise ValueError("grouped_gemm: use_tma=True needs contiguous weights (they are read as one 2D tensor)")
         # The boxes are set per config by the autotuner's pre-launch hook (tuning.gemm_tma_boxes)
-        b_desc = _descriptor(b_2d)
-        a_desc = None if gather else _descriptor(a)
+        b_desc = tma_descriptor(b_2d)
+        a_desc = None if gather else tma_descriptor(a)
     c = a.new_empty(plan.sorted_rows, n) if out is None else out
     num_sms = _num_sms(a.device)
     launch(grouped_gemm_kernel, _tile_grid(plan, n, num_sms),
@@ -118,7 +118,7 @@ def grouped_gemm(
     return c
 
 
-def _descriptor(t: torch.Tensor) -> TensorDescriptor:
+def tma_descriptor(t: torch.Tensor) -> TensorDescriptor:
     """A TMA descriptor over 2D ``t``; its box is set by the chosen config's pre-launch hook."""
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [16, 16])
 
@@ -178,7 +178,7 @@ def grouped_wgrad(
     if use_tma is None:
         use_tma = tma_readable(dense)
     # The descriptor's block shape is set per config by the autotuner's pre-launch hook (tuning.dense_chunk_shape).
-    desc = _descriptor(dense) if use_tma else None
+    desc = tma_descriptor(dense) if use_tma else None
     m, n = a.shape[1], b.shape[1]
     grid = lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]), plan.num_local_experts)
     launch(grouped_wgrad_kernel, grid,
