@@ -577,6 +577,30 @@ case "${1:-}" in
       --out "$LOGS/fp8_ep2.json"
     tail -3 "$LOGS/fp8_ep2.log"
     cat "$LOGS/fp8_probe.log" ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final|s9profile|s9split|s9wgrad|s9publish|s9final|s9spare|s9b235|s10push|s10record|s10final|s10trim|s11probe|s11b|s11c|s11d" >&2
+  s11e)  # TMA reads in the fp8 weight gradients, FC1 back on pointer loads: the quantised precisions' and the one-GPU
+         # bf16 tests (GPU 0) beside every fp8 kernel candidate with and without TMA (GPU 1); the EP check (both
+         # GPUs); fp8 / fp8_bwd at T=16384 with torch, one call and back to back (GPU 1); EP=2 over collectives
+    (
+      CUDA_VISIBLE_DEVICES=0 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_fp8 240 python -m pytest -q tests/test_fp8_experts.py \
+        -k "gpu or half_tile or tma" -rA
+      tail -2 "$LOGS/pytest_fp8.log"
+      CUDA_VISIBLE_DEVICES=0 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_gpu 240 python -m pytest -q \
+        tests/test_mega_moe_gpu.py tests/test_tile_blocks.py tests/test_validation.py -rA
+      tail -2 "$LOGS/pytest_gpu.log"
+    ) &
+    CUDA_VISIBLE_DEVICES=1 step fp8_probe 420 python scripts/fp8_probe.py
+    wait
+    (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 120 torchrun --nproc-per-node 2 gpu_check_ep.py)
+    grep -h "PASS\|FAIL\|Error" "$LOGS/ep_check.log" | head -9
+    fp8bench new 200 --backends torch mega_moe
+    (CUDA_VISIBLE_DEVICES=1 step fp8_r5 150 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+      --precisions fp8 fp8_bwd --backends mega_moe --repeat 5 --iters 5 --warmup 2 --out "$LOGS/fp8_r5.json")
+    tail -3 "$LOGS/fp8_r5.log"
+    step fp8_ep2 300 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+      --precisions fp8 fp8_bwd --transports collectives --backends mega_moe --iters 5 --warmup 2 \
+      --out "$LOGS/fp8_ep2.json"
+    tail -3 "$LOGS/fp8_ep2.log"
+    cat "$LOGS/fp8_probe.log" ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final|s9profile|s9split|s9wgrad|s9publish|s9final|s9spare|s9b235|s10push|s10record|s10final|s10trim|s11probe|s11b|s11c|s11d|s11e" >&2
      exit 2 ;;
 esac

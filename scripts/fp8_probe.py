@@ -85,15 +85,15 @@ def main():
         ("FC1 dgrad", fp8_gemm.fp8_grouped_gemm_kernel,
          lambda tma: fl.fp8_grouped_gemm(d.dh_rows, w1b, plan, fmt, out_dtype=x.dtype, segments=2, use_tma=tma)),
     ]
-    # Each row-tiled GEMM with pointer loads, then with TMA reads (checked against the pointer loads' first config).
+    row_tiled += [
+        ("dW1", fp8_gemm.fp8_grouped_wgrad_kernel,
+         lambda tma: fl.fp8_grouped_wgrad(d.dh_t, x_t, plan, fmt, gw1, expert_tiles=tiles, use_tma=tma)),
+        ("dW2", fp8_gemm.fp8_grouped_wgrad_kernel,
+         lambda tma: fl.fp8_grouped_wgrad(dy_t, d.aw_t, plan, fmt, gw2, expert_tiles=tiles, use_tma=tma)),
+    ]
+    # Each GEMM with pointer loads, then with TMA reads (checked against the pointer loads' first config).
     cases = [(f"{name}{' tma' if tma else ''}", name, kernel, (lambda run=run, tma=tma: run(tma)))
              for name, kernel, run in row_tiled for tma in (False, True)]
-    cases += [
-        ("dW1", "dW1", fp8_gemm.fp8_grouped_wgrad_kernel,
-         lambda: fl.fp8_grouped_wgrad(d.dh_t, x_t, plan, fmt, gw1, expert_tiles=tiles)),
-        ("dW2", "dW2", fp8_gemm.fp8_grouped_wgrad_kernel,
-         lambda: fl.fp8_grouped_wgrad(dy_t, d.aw_t, plan, fmt, gw2, expert_tiles=tiles)),
-    ]
     print(f"{args.shape}, T = {args.tokens}, {pairs} rows, {num_experts} experts, H = {hidden}, I = {inter}, "
           f"fmt {fmt.name}{' pow2' if fmt.pow2 else ''}")
     print(f"{'GEMM':14s} {'config':22s} {'ms':>7s} {'TFLOP/s':>8s} same")

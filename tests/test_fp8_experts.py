@@ -345,9 +345,10 @@ def test_fc2_dgrad_and_swiglu_backward_pass_against_float64(fmt):
 @pytest.mark.parametrize("fmt,hidden,inter", [(fl.fp8_format(), 192, 96), (fl.fp8_format(), 256, 128),
                                                (fl.MX_FORMAT, 192, 96)], ids=["fp8_ragged", "fp8_aligned", "mx"])
 def test_tma_reads_compute_the_same(fmt, hidden, inter):
-    """The row-tiled fp8 GEMMs read their weights (and a sorted, not gathered A) by TMA where the GPU has it: FC1,
-    FC2, the FC2 dgrad and the two-segment FC1 dgrad must give bitwise what pointer loads give. H, I not multiples of
-    128 (boxes past K and N) and multiples (the FC1 dgrad's A by TMA too); ragged routing with an empty expert."""
+    """The fp8 GEMMs may read their operands by TMA (the row-tiled ones their weights and a sorted, not gathered A;
+    the weight gradient both cols_t operands): FC1, FC2, the FC2 dgrad, the two-segment FC1 dgrad and the weight
+    gradient must give bitwise what pointer loads give. H, I not multiples of 128 (boxes past K and N) and multiples
+    (the FC1 dgrad's A by TMA too); ragged routing with an empty expert."""
     device = "cuda" if torch.cuda.is_available() else "cpu"  # (the interpreter emulates TMA on a CPU)
     tokens, experts, top_k = 150, 4, 2
     index, weights = ragged_routing(tokens, experts, top_k, seed=21, hot_fraction=0.9)
@@ -361,16 +362,20 @@ def test_tma_reads_compute_the_same(fmt, hidden, inter):
     w1f, w1b, w2f, w2b = (fl.quantize_w1_fwd(w1, fmt), fl.quantize_w1_bwd(w1, fmt), fl.quantize_w2_fwd(w2, fmt),
                           fl.quantize_w2_bwd(w2, fmt))
     dh = fl.quantize_rows(torch.randn(plan.num_pairs, 2 * inter, generator=gen).to(device), fmt, segments=2)
+    x_t, dy_t = fl.quantize_sorted_cols_t(x, plan, fmt), fl.quantize_sorted_cols_t(dy, plan, fmt)
+    tiles = fl.expert_tile_offsets(plan)
     for use_tma in (False, True):
         h, aq = fl.fp8_fc1_swiglu(xq, w1f, plan, fmt, inter=inter, h_dtype=torch.float32, use_tma=use_tma)
         outs = [h, aq.data.view(torch.uint8), aq.scale,
                 fl.fp8_grouped_gemm(aq, w2f, plan, fmt, out_dtype=torch.float32, row_scale=plan.row_weight,
                                     use_tma=use_tma),
                 fl.fp8_grouped_gemm(dyq, w2b, plan, fmt, out_dtype=torch.float32, gather=True, use_tma=use_tma),
-                fl.fp8_grouped_gemm(dh, w1b, plan, fmt, out_dtype=torch.float32, segments=2, use_tma=use_tma)]
+                fl.fp8_grouped_gemm(dh, w1b, plan, fmt, out_dtype=torch.float32, segments=2, use_tma=use_tma),
+                fl.fp8_grouped_wgrad(x_t, dy_t, plan, fmt, torch.empty(experts, hidden, hidden, device=device),
+                                     expert_tiles=tiles, use_tma=use_tma)]
         if not use_tma:
             pointers = outs
-    for name, a, b in zip(("h", "a", "a scales", "FC2", "FC2 dgrad", "FC1 dgrad"), pointers, outs):
+    for name, a, b in zip(("h", "a", "a scales", "FC2", "FC2 dgrad", "FC1 dgrad", "wgrad"), pointers, outs):
         assert torch.equal(a, b), f"{name} differs when read by TMA"
 
 

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from .grouped_gemm import tile_rows as _tile_rows
 from .grouped_gemm import tile_span as _tile_span
-from .grouped_gemm import wgrad_tile_offsets
+from .grouped_gemm import wgrad_tile_ids, wgrad_tile_offsets
 from .quantize import store_rows_q
 from .tuning import autotune
 
@@ -59,9 +59,17 @@ def tma_boxes(nargs) -> None:
         nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
 
 
+def wgrad_tma_boxes(nargs) -> None:
+    """Pre-launch hook of the weight-gradient configs: both cols_t operands (where read by TMA) in [BLOCK_M, BLOCK_K]
+    and [BLOCK_N, BLOCK_K] boxes."""
+    if nargs.get("a_desc") is not None:
+        nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+        nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+
+
 def _cfg(bn, bk, warps, stages, bm=QTILE_M, **extra):
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, **extra}, num_warps=warps, num_stages=stages,
-                         pre_hook=None if "GROUP_M" in extra else tma_boxes)
+                         pre_hook=wgrad_tma_boxes if "GROUP_M" in extra else tma_boxes)
 
 
 def _candidates(kind: str) -> list[triton.Config]:
@@ -321,10 +329,10 @@ def _wgrad_scales(as_ptr, bs_ptr, t, t_end, offs_m, offs_n, m_mask, n_mask, stri
 @autotune(quant_configs("wgrad"), key=["M", "N", "M_BUCKET", "MX"])
 @triton.jit
 def fp8_grouped_wgrad_kernel(
-    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, expert_tiles_ptr,
+    a_desc, b_desc, a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, expert_tiles_ptr,
     M, N, M_BUCKET,
     stride_am, stride_asr, stride_bn, stride_bsr, stride_ce, stride_cm, stride_cn,
-    MX: tl.constexpr, GROUP_R: tl.constexpr,
+    MX: tl.constexpr, GROUP_R: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     tl.static_assert(BLOCK_K % GROUP_R == 0)
@@ -332,6 +340,8 @@ def fp8_grouped_wgrad_kernel(
     G: tl.constexpr = BLOCK_K // GROUP_R
     expert = tl.program_id(1)
     offs_m, offs_n, m_mask, n_mask = wgrad_tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = wgrad_tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    m0, n0 = pid_m * BLOCK_M, pid_n * BLOCK_N
     t_begin = tl.load(expert_tiles_ptr + expert)
     t_end = tl.load(expert_tiles_ptr + expert + 1)
     k0 = t_begin.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -343,8 +353,12 @@ def fp8_grouped_wgrad_kernel(
                            G)
     for t in range(t_begin, t_end):
         # Padding rows of the tile are zeros in memory: no row mask.
-        a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
-        b = tl.load(b_ptrs, mask=n_mask[:, None], other=0.0)
+        if USE_TMA:  # boxes past M or N read zeros at the tensor's end
+            a = a_desc.load([m0, t * BLOCK_K])
+            b = b_desc.load([n0, t * BLOCK_K])
+        else:
+            a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=n_mask[:, None], other=0.0)
         sa1, sb1 = _wgrad_scales(as_ptr, bs_ptr, t + 1, t_end, offs_m, offs_n, m_mask, n_mask, stride_asr, stride_bsr,
                                  MX, G)
         acc = _scaled_mma(acc, a, sa, tl.trans(b), sb, MX, False)

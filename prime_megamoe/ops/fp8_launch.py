@@ -291,10 +291,11 @@ def _weight_descriptor(bq: QTensor, use_tma: bool | None):
 
 
 def fp8_fc1_swiglu(xq: QTensor, w1q: QTensor, plan: RoutingPlan, fmt: QFormat, *, inter: int,
-                   h_dtype: torch.dtype | None, use_tma: bool | None = None):
+                   h_dtype: torch.dtype | None, use_tma: bool = False):
     """xq [R, H] (source rows, row-scaled), w1q = quantize_w1_fwd(W1) -> (h [P, 2I] in h_dtype or None,
-    a = silu(g) * u as a row-scaled QTensor [P, I]) in expert-sorted row order. ``use_tma``: read W1 by TMA
-    (default: where the GPU can)."""
+    a = silu(g) * u as a row-scaled QTensor [P, I]) in expert-sorted row order. ``use_tma``: read W1 by TMA; off by
+    default, as pointer loads measured faster for FC1 (1.172 against 1.205 ms at Qwen3-30B-A3B, T = 16384,
+    fp8_probe_s11_tma.txt), while TMA leads for the other row-tiled GEMMs."""
     _check_plan(plan)
     num_pairs, hidden = plan.num_pairs, xq.data.shape[1]
     ng_out = cdiv(inter, fmt.group)
@@ -388,10 +389,11 @@ def expert_tile_offsets(plan: RoutingPlan) -> torch.Tensor:
 
 
 def fp8_grouped_wgrad(a_t: QTensor, b_t: QTensor, plan: RoutingPlan, fmt: QFormat, out: torch.Tensor, *,
-                      expert_tiles: torch.Tensor) -> torch.Tensor:
+                      expert_tiles: torch.Tensor, use_tma: bool | None = None) -> torch.Tensor:
     """out[e] = A[rows of e]^T @ B[rows of e] in fp8 with fp32 accumulation, out [E, M, N] (any dtype and strides).
     Both operands come in the cols_t layout (``quantize_sorted_cols_t`` or ``fp8_fc2_dgrad_dswiglu``): a_t [M, T128],
-    b_t [N, T128], T128 = max_tiles * 128; ``expert_tiles`` = ``expert_tile_offsets(plan)``."""
+    b_t [N, T128], T128 = max_tiles * 128; ``expert_tiles`` = ``expert_tile_offsets(plan)``. ``use_tma``: read both
+    by TMA (default: where the GPU can)."""
     _check_tile_space_plan(plan)
     m, n = a_t.data.shape[0], b_t.data.shape[0]
     width = plan.max_tiles * QTILE_M
@@ -406,13 +408,16 @@ def fp8_grouped_wgrad(a_t: QTensor, b_t: QTensor, plan: RoutingPlan, fmt: QForma
             )
     if out.shape != (plan.num_local_experts, m, n):
         raise ValueError(f"out must be [{plan.num_local_experts}, {m}, {n}], got {list(out.shape)}")
+    if use_tma is None:
+        use_tma = tma_readable(a_t.data) and tma_readable(b_t.data)
+    a_desc, b_desc = (tma_descriptor(a_t.data), tma_descriptor(b_t.data)) if use_tma else (None, None)
     grid = lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]), plan.num_local_experts)
     launch(fp8_grouped_wgrad_kernel, grid,
-        a_t.data, a_t.scale, b_t.data, b_t.scale, out, expert_tiles,
+        a_desc, b_desc, a_t.data, a_t.scale, b_t.data, b_t.scale, out, expert_tiles,
         m, n, plan.num_pairs,
         a_t.data.stride(0), a_t.scale.stride(0), b_t.data.stride(0), b_t.scale.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
-        MX=fmt.mx, GROUP_R=fmt.group,
+        MX=fmt.mx, GROUP_R=fmt.group, USE_TMA=use_tma,
     )
     return out
 
