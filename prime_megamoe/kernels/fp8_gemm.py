@@ -9,7 +9,8 @@ Two scale formats, picked by the constexpr ``MX``:
   128 columns of K (``GROUP_K`` = 128); the B operand (weights) one per 128 x 128 block (``B_GROUP_N`` = 128). Each
   BLOCK_K (<= 128, dividing 128) step is one fp8 ``tl.dot`` into a fresh fp32 tile that is then scaled and added to
   the accumulator, so partial sums are promoted to full fp32 every 128 products (wgmma's fp8 accumulator is
-  narrower than fp32).
+  narrower than fp32). Where a tile's columns lie in one weight block (BLOCK_N <= 128) the weight's scale is one
+  number per step, so the promotion scales rows only; each step's scales are loaded a step ahead.
 - ``MX = True`` (OCP MXFP8): e8m0 scales for 1 x 32 blocks along K on both operands (``GROUP_K`` = 32,
   ``B_GROUP_N`` = 1), consumed by ``tl.dot_scaled``. Blackwell runs that natively; on Hopper Triton decomposes it
   (upcasts the operands to bf16 with the scale applied, then a bf16 MMA): mxfp8 on Hopper is an emulation with

@@ -27,7 +27,7 @@ What each GEMM quantises, and the scale layout its operands need (scales always 
   SwiGLU backward pass (``kernels.swiglu_grad``) reads g_a and h once and emits dh = [dg | du] twice in fp8:
   row-scaled per half [P, 2I] (for the FC1 dgrad) and column-scaled, stored transposed as dh^T (for the W1 wgrad),
   plus (w * a)^T column-scaled (for the W2 wgrad) and the top-k weight gradient <dy W2, a>. (In the GEMM's epilogue
-  these outputs made that kernel take 2.5 ms at the shape below.)
+  these outputs made that kernel take 2.56 ms at the shape below; the GEMM and the pass take 0.53 + 0.67 ms.)
 - FC1 dgrad (reduction 2I, two halves): A = dh [P, 2I] row-scaled per half; B = the copy W1^T [E, H, 2I].
 - W1 wgrad, dW1[e] = dh^T x (reduction over the expert's rows): A = dh^T from that pass; B = x^T: the source rows
   gathered in sorted order and quantised per tile and column by one pass (``fl.quantize_sorted_cols_t``), written
