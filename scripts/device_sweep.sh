@@ -601,6 +601,16 @@ case "${1:-}" in
       --out "$LOGS/fp8_ep2.json"
     tail -3 "$LOGS/fp8_ep2.log"
     cat "$LOGS/fp8_probe.log" ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final|s9profile|s9split|s9wgrad|s9publish|s9final|s9spare|s9b235|s10push|s10record|s10final|s10trim|s11probe|s11b|s11c|s11d|s11e" >&2
+  s11f)  # the final fp8 package again on another machine: fp8 / fp8_bwd at T=16384 with torch, one call and back to
+         # back (GPU 1); EP=2 over collectives (both GPUs)
+    fp8bench new 200 --backends torch mega_moe
+    (CUDA_VISIBLE_DEVICES=1 step fp8_r5 150 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+      --precisions fp8 fp8_bwd --backends mega_moe --repeat 5 --iters 5 --warmup 2 --out "$LOGS/fp8_r5.json")
+    tail -3 "$LOGS/fp8_r5.log"
+    step fp8_ep2 300 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+      --precisions fp8 fp8_bwd --transports collectives --backends mega_moe --iters 5 --warmup 2 \
+      --out "$LOGS/fp8_ep2.json"
+    tail -3 "$LOGS/fp8_ep2.log" ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final|s9profile|s9split|s9wgrad|s9publish|s9final|s9spare|s9b235|s10push|s10record|s10final|s10trim|s11probe|s11b|s11c|s11d|s11e|s11f" >&2
      exit 2 ;;
 esac
