@@ -64,6 +64,17 @@ fp8bench() {  # fp8bench new|base LIMIT ARGS...: fp8 and fp8_bwd, Qwen3-30B-A3B,
     --out "$LOGS/fp8_$which.json" --profile-dir "$LOGS/prof_fp8_$which")
   tail -6 "$LOGS/fp8_$which.log"
 }
+fp8record() {  # the fp8 record: fp8 / fp8_bwd at T=16384 with torch, one call (profiled) and back to back (GPU 1);
+               # EP=2 over collectives (both GPUs)
+  fp8bench new 200 --backends torch mega_moe
+  (CUDA_VISIBLE_DEVICES=1 step fp8_r5 150 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+    --precisions fp8 fp8_bwd --backends mega_moe --repeat 5 --iters 5 --warmup 2 --out "$LOGS/fp8_r5.json")
+  tail -3 "$LOGS/fp8_r5.log"
+  step fp8_ep2 300 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+    --precisions fp8 fp8_bwd --transports collectives --backends mega_moe --iters 5 --warmup 2 \
+    --out "$LOGS/fp8_ep2.json"
+  tail -3 "$LOGS/fp8_ep2.log"
+}
 timelines() {  # one-call timelines from launch events: the no-grad forward, then forward + backward
   step timeline_fwd 100 torchrun --nproc-per-node 2 scripts/call_timeline.py --out "$LOGS/timeline_fwd"
   step timeline_grad 120 torchrun --nproc-per-node 2 scripts/call_timeline.py --grad --out "$LOGS/timeline_grad"
@@ -592,25 +603,22 @@ case "${1:-}" in
     wait
     (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 120 torchrun --nproc-per-node 2 gpu_check_ep.py)
     grep -h "PASS\|FAIL\|Error" "$LOGS/ep_check.log" | head -9
-    fp8bench new 200 --backends torch mega_moe
-    (CUDA_VISIBLE_DEVICES=1 step fp8_r5 150 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
-      --precisions fp8 fp8_bwd --backends mega_moe --repeat 5 --iters 5 --warmup 2 --out "$LOGS/fp8_r5.json")
-    tail -3 "$LOGS/fp8_r5.log"
-    step fp8_ep2 300 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
-      --precisions fp8 fp8_bwd --transports collectives --backends mega_moe --iters 5 --warmup 2 \
-      --out "$LOGS/fp8_ep2.json"
-    tail -3 "$LOGS/fp8_ep2.log"
+    fp8record
     cat "$LOGS/fp8_probe.log" ;;
   s11f)  # the final fp8 package again on another machine: fp8 / fp8_bwd at T=16384 with torch, one call and back to
          # back (GPU 1); EP=2 over collectives (both GPUs)
-    fp8bench new 200 --backends torch mega_moe
-    (CUDA_VISIBLE_DEVICES=1 step fp8_r5 150 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
-      --precisions fp8 fp8_bwd --backends mega_moe --repeat 5 --iters 5 --warmup 2 --out "$LOGS/fp8_r5.json")
-    tail -3 "$LOGS/fp8_r5.log"
-    step fp8_ep2 300 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
-      --precisions fp8 fp8_bwd --transports collectives --backends mega_moe --iters 5 --warmup 2 \
-      --out "$LOGS/fp8_ep2.json"
-    tail -3 "$LOGS/fp8_ep2.log" ;;
-  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final|s9profile|s9split|s9wgrad|s9publish|s9final|s9spare|s9b235|s10push|s10record|s10final|s10trim|s11probe|s11b|s11c|s11d|s11e|s11f" >&2
+    fp8record ;;
+  s11g)  # one shared helper for both SwiGLU backward passes: the bf16 pass timed (dswiglu_probe) and the quantised
+         # precisions' GPU tests (GPU 1) beside the one-GPU bf16 tests (GPU 0)
+    CUDA_VISIBLE_DEVICES=0 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_gpu 200 python -m pytest -q tests/test_mega_moe_gpu.py \
+      tests/test_tile_blocks.py tests/test_validation.py -rA &
+    (
+      CUDA_VISIBLE_DEVICES=1 step dswiglu_probe 100 python scripts/dswiglu_probe.py
+      CUDA_VISIBLE_DEVICES=1 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_fp8 200 python -m pytest -q \
+        tests/test_fp8_experts.py -k "gpu or half_tile or tma" -rA
+    )
+    wait
+    cat "$LOGS/dswiglu_probe.log"; tail -1 "$LOGS/pytest_gpu.log" "$LOGS/pytest_fp8.log" ;;
+  *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final|s9profile|s9split|s9wgrad|s9publish|s9final|s9spare|s9b235|s10push|s10record|s10final|s10trim|s11probe|s11b|s11c|s11d|s11e|s11f|s11g" >&2
      exit 2 ;;
 esac

@@ -24,6 +24,21 @@ from .quantize import store_cols_t, store_rows_q
 
 
 @triton.jit
+def _swiglu_backward_block(ga_ptr, h_ptr, rows64, cols, mask, w, N, stride_gam, stride_hm):
+    """One block of rows x columns: loads g_a and h = [g | u] (zeros outside ``mask``) and returns, in fp32,
+    (g_a * a for the dw sums, a = silu(g) * u, dg, du) with w the rows' routing weights [rows, 1]."""
+    ga = tl.load(ga_ptr + rows64[:, None] * stride_gam + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
+    g = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(h_ptrs + N, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    act = silu * u
+    da = ga * w
+    return ga * act, act, da * u * (sig + silu * (1.0 - sig)), da * silu
+
+
+@triton.jit
 def swiglu_backward_rows_kernel(
     ga_ptr, h_ptr, row_weight_ptr, dh_ptr, aw_ptr, dw_ptr,
     tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
@@ -40,18 +55,12 @@ def swiglu_backward_rows_kernel(
         for c0 in range(0, N, BLOCK_C):
             cols = c0 + tl.arange(0, BLOCK_C)
             mask = row_mask[:, None] & (cols < N)[None, :]
-            ga = tl.load(ga_ptr + rows64[:, None] * stride_gam + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
-            g = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(h_ptrs + N, mask=mask, other=0.0).to(tl.float32)
-            sig = tl.sigmoid(g)
-            silu = g * sig
-            act = silu * u
-            dw += tl.sum(ga * act, axis=1)
-            da = ga * w
+            ga_act, act, dg, du = _swiglu_backward_block(ga_ptr, h_ptr, rows64, cols, mask, w, N, stride_gam,
+                                                         stride_hm)
+            dw += tl.sum(ga_act, axis=1)
             dh_ptrs = dh_ptr + rows64[:, None] * stride_dhm + cols[None, :]
-            tl.store(dh_ptrs, (da * u * (sig + silu * (1.0 - sig))).to(dh_ptr.dtype.element_ty), mask=mask)
-            tl.store(dh_ptrs + N, (da * silu).to(dh_ptr.dtype.element_ty), mask=mask)
+            tl.store(dh_ptrs, dg.to(dh_ptr.dtype.element_ty), mask=mask)
+            tl.store(dh_ptrs + N, du.to(dh_ptr.dtype.element_ty), mask=mask)
             tl.store(aw_ptr + rows64[:, None] * stride_awm + cols[None, :], (act * w).to(aw_ptr.dtype.element_ty),
                      mask=mask)
         tl.store(dw_ptr + rows, dw, mask=row_mask)
@@ -89,18 +98,9 @@ def swiglu_backward_quantize_kernel(
         cols = blk * BLOCK_C + tl.arange(0, BLOCK_C)
         col_mask = cols < N
         mask = row_mask[:, None] & col_mask[None, :]
-        ga = tl.load(ga_ptr + rows64[:, None] * stride_gam + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
-        g = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(h_ptrs + N, mask=mask, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(g)
-        silu = g * sig
-        act = silu * u
-        da = ga * w
-        dg = da * u * (sig + silu * (1.0 - sig))
-        du = da * silu
+        ga_act, act, dg, du = _swiglu_backward_block(ga_ptr, h_ptr, rows64, cols, mask, w, N, stride_gam, stride_hm)
         if ROWS_OUT:
-            tl.store(dw_partial_ptr + blk * stride_dwp + rows, tl.sum(ga * act, axis=1), mask=row_mask)
+            tl.store(dw_partial_ptr + blk * stride_dwp + rows, tl.sum(ga_act, axis=1), mask=row_mask)
             store_rows_q(dhq_ptr, dhs_ptr, dg, rows64, row_mask, cols, col_mask, 0, 0, NG_OUT, stride_dhm,
                          stride_dhsm, blk, MX, POW2, BLOCK_R, BLOCK_C, GROUP_K)
             store_rows_q(dhq_ptr, dhs_ptr, du, rows64, row_mask, cols, col_mask, N, NG_OUT, NG_OUT, stride_dhm,
