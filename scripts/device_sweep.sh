@@ -618,7 +618,7 @@ case "${1:-}" in
         tests/test_fp8_experts.py -k "gpu or half_tile or tma" -rA
     )
     wait
-    cat "$LOGS/dswiglu_probe.log"; tail -1 "$LOGS/pytest_gpu.log" "$LOGS/pytest_fp8.log" ;;
+    cat "$LOGS/dswiglu_probe.log"; tail -n 1 "$LOGS/pytest_gpu.log" "$LOGS/pytest_fp8.log" ;;
   *) echo "usage: $0 check|bench|train|probe|pipeline|final|record|last|split|direct|launch_ab|events|s4record|ownfirst|pull|s6ab|s6plan|s6final|s6more|s6prio|s7probe|s7wgrad|s7tma|s7final|s7timeline|s7lease|s8record|s8timeline|s8pull|s8memop|s8final|s9profile|s9split|s9wgrad|s9publish|s9final|s9spare|s9b235|s10push|s10record|s10final|s10trim|s11probe|s11b|s11c|s11d|s11e|s11f|s11g" >&2
      exit 2 ;;
 esac
