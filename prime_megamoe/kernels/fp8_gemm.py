@@ -86,7 +86,7 @@ def _candidates(kind: str) -> list[triton.Config]:
         return [_cfg(128, 128, 4, 3, bm=64), _cfg(128, 128, 4, 4, bm=64), _cfg(128, 128, 8, 3, bm=64),
                 _cfg(128, 128, 8, 3)]
     if kind == "wgrad":  # BLOCK_K is the row tile (QTILE_M); BLOCK_M / BLOCK_N tile the weight; 64 x 128 on 4 warps
-        # leads (dW1 1.59 ms, dW2 0.82); 128 x 256 and 256 x 128 took 2.2-4.8 ms, a fifth stage 2.45 / 1.25
+        # leads (dW1 1.22 ms, dW2 0.65 with TMA reads); 128 x 256 and 256 x 128 took 2.2-4.8 ms, a fifth stage more
         return [
             _cfg(128, QTILE_M, 4, 3, bm=64, GROUP_M=8),
             _cfg(128, QTILE_M, 4, 4, bm=64, GROUP_M=8),

@@ -13,6 +13,9 @@ A quantised GEMM operand is a ``QTensor`` (values in ``torch.float8_e4m3fn`` and
   K-major in tile space, ``data [N, max_tiles * 128]`` (row j of the plan's row tile t at column ``128 t + j``,
   zeros past the end of the tile's expert), ``scale [max_tiles * (128 // G_rows), N]``: one scale per column for
   every G_rows-row block of every row tile (see ``kernels/quantize.py``).
+
+The GEMM launchers read operands through TMA tensor descriptors where the GPU has TMA (``launch.tma_readable``) and
+``use_tma`` does not say otherwise; the interpreter emulates descriptors, so CPU tests can run either path.
 """
 
 from __future__ import annotations
@@ -294,8 +297,8 @@ def fp8_fc1_swiglu(xq: QTensor, w1q: QTensor, plan: RoutingPlan, fmt: QFormat, *
                    h_dtype: torch.dtype | None, use_tma: bool = False):
     """xq [R, H] (source rows, row-scaled), w1q = quantize_w1_fwd(W1) -> (h [P, 2I] in h_dtype or None,
     a = silu(g) * u as a row-scaled QTensor [P, I]) in expert-sorted row order. ``use_tma``: read W1 by TMA; off by
-    default, as pointer loads measured faster for FC1 (1.172 against 1.205 ms at Qwen3-30B-A3B, T = 16384,
-    fp8_probe_s11_tma.txt), while TMA leads for the other row-tiled GEMMs."""
+    default: for FC1 pointer loads measured as fast or faster (1.172 / 1.166 ms against 1.205 / 1.168 with TMA at
+    Qwen3-30B-A3B, T = 16384, fp8_probe_s11_tma.txt / _wgrad_tma.txt), while TMA leads for the other GEMMs."""
     _check_plan(plan)
     num_pairs, hidden = plan.num_pairs, xq.data.shape[1]
     ng_out = cdiv(inter, fmt.group)
