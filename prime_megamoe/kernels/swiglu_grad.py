@@ -24,18 +24,16 @@ from .quantize import store_cols_t, store_rows_q
 
 
 @triton.jit
-def _swiglu_backward_block(ga_ptr, h_ptr, rows64, cols, mask, w, N, stride_gam, stride_hm):
-    """One block of rows x columns: loads g_a and h = [g | u] (zeros outside ``mask``) and returns, in fp32,
-    (g_a * a for the dw sums, a = silu(g) * u, dg, du) with w the rows' routing weights [rows, 1]."""
+def _swiglu_inputs(ga_ptr, h_ptr, rows64, cols, mask, N, stride_gam, stride_hm):
+    """One block of rows x columns: g_a and h = [g | u] loaded in fp32 (zeros outside ``mask``), and from them
+    (g_a, u, sigmoid(g), silu(g), a = silu(g) * u)."""
     ga = tl.load(ga_ptr + rows64[:, None] * stride_gam + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
     g = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(h_ptrs + N, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(g)
     silu = g * sig
-    act = silu * u
-    da = ga * w
-    return ga * act, act, da * u * (sig + silu * (1.0 - sig)), da * silu
+    return ga, u, sig, silu, silu * u
 
 
 @triton.jit
@@ -55,12 +53,12 @@ def swiglu_backward_rows_kernel(
         for c0 in range(0, N, BLOCK_C):
             cols = c0 + tl.arange(0, BLOCK_C)
             mask = row_mask[:, None] & (cols < N)[None, :]
-            ga_act, act, dg, du = _swiglu_backward_block(ga_ptr, h_ptr, rows64, cols, mask, w, N, stride_gam,
-                                                         stride_hm)
-            dw += tl.sum(ga_act, axis=1)
+            ga, u, sig, silu, act = _swiglu_inputs(ga_ptr, h_ptr, rows64, cols, mask, N, stride_gam, stride_hm)
+            dw += tl.sum(ga * act, axis=1)
+            da = ga * w
             dh_ptrs = dh_ptr + rows64[:, None] * stride_dhm + cols[None, :]
-            tl.store(dh_ptrs, dg.to(dh_ptr.dtype.element_ty), mask=mask)
-            tl.store(dh_ptrs + N, du.to(dh_ptr.dtype.element_ty), mask=mask)
+            tl.store(dh_ptrs, (da * u * (sig + silu * (1.0 - sig))).to(dh_ptr.dtype.element_ty), mask=mask)
+            tl.store(dh_ptrs + N, (da * silu).to(dh_ptr.dtype.element_ty), mask=mask)
             tl.store(aw_ptr + rows64[:, None] * stride_awm + cols[None, :], (act * w).to(aw_ptr.dtype.element_ty),
                      mask=mask)
         tl.store(dw_ptr + rows, dw, mask=row_mask)
@@ -98,9 +96,12 @@ def swiglu_backward_quantize_kernel(
         cols = blk * BLOCK_C + tl.arange(0, BLOCK_C)
         col_mask = cols < N
         mask = row_mask[:, None] & col_mask[None, :]
-        ga_act, act, dg, du = _swiglu_backward_block(ga_ptr, h_ptr, rows64, cols, mask, w, N, stride_gam, stride_hm)
+        ga, u, sig, silu, act = _swiglu_inputs(ga_ptr, h_ptr, rows64, cols, mask, N, stride_gam, stride_hm)
+        da = ga * w
+        dg = da * u * (sig + silu * (1.0 - sig))
+        du = da * silu
         if ROWS_OUT:
-            tl.store(dw_partial_ptr + blk * stride_dwp + rows, tl.sum(ga_act, axis=1), mask=row_mask)
+            tl.store(dw_partial_ptr + blk * stride_dwp + rows, tl.sum(ga * act, axis=1), mask=row_mask)
             store_rows_q(dhq_ptr, dhs_ptr, dg, rows64, row_mask, cols, col_mask, 0, 0, NG_OUT, stride_dhm,
                          stride_dhsm, blk, MX, POW2, BLOCK_R, BLOCK_C, GROUP_K)
             store_rows_q(dhq_ptr, dhs_ptr, du, rows64, row_mask, cols, col_mask, N, NG_OUT, NG_OUT, stride_dhm,
