@@ -33,7 +33,6 @@ Kernels only: they know nothing of autograd or configs.
 
 from __future__ import annotations
 
-import os
 
 import triton
 import triton.language as tl
@@ -42,39 +41,19 @@ from .grouped_gemm import tile_rows as _tile_rows
 from .grouped_gemm import tile_span as _tile_span
 from .grouped_gemm import wgrad_tile_ids, wgrad_tile_offsets
 from .quantize import store_rows_q
-from .tuning import autotune
+from .tuning import autotune, gemm_tma_boxes, interpreting
 
 QTILE_M = 128  # row tile of every quantised grouped GEMM = the token-dim block of the wgrad scales
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def tma_boxes(nargs) -> None:
-    """Pre-launch hook of the row-tiled configs: the launch's TMA descriptors (where it has them) get the config's
-    boxes, A [BLOCK_M, BLOCK_K] and the K-major weights [BLOCK_N, BLOCK_K]."""
-    if nargs.get("a_desc") is not None:
-        nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
-    if nargs.get("b_desc") is not None:
-        nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
-
-
-def wgrad_tma_boxes(nargs) -> None:
-    """Pre-launch hook of the weight-gradient configs: both cols_t operands (where read by TMA) in [BLOCK_M, BLOCK_K]
-    and [BLOCK_N, BLOCK_K] boxes."""
-    if nargs.get("a_desc") is not None:
-        nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
-        nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
-
-
 def _cfg(bn, bk, warps, stages, bm=QTILE_M, **extra):
+    # Every fp8 operand read by TMA is K-major: the row-tiled GEMMs' A and weights, both cols_t operands of the wgrad
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, **extra}, num_warps=warps, num_stages=stages,
-                         pre_hook=wgrad_tma_boxes if "GROUP_M" in extra else tma_boxes)
+                         pre_hook=gemm_tma_boxes)
 
 
 def _candidates(kind: str) -> list[triton.Config]:
-    if _interpreting():
+    if interpreting():
         extra = {"GROUP_M": 1} if kind == "wgrad" else {}
         return [_cfg(128, 128, 1, 1, **extra)]  # (tests launch the half-tile path explicitly)
     # Kept from every earlier candidate by scripts/fp8_probe.py at Qwen3-30B-A3B, T = 16384 (fp8_probe_s11_*.txt in

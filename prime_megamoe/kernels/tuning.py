@@ -65,13 +65,14 @@ def dense_chunk_shape(nargs) -> None:
 
 
 def gemm_tma_boxes(nargs) -> None:
-    """A grouped-GEMM config's pre-launch hook: the TMA descriptors of the launch (where it has them) get the config's
-    boxes, A [BLOCK_M, BLOCK_K] and B [BLOCK_N, BLOCK_K] (K-major weights) or [BLOCK_K, BLOCK_N]."""
-    if nargs["a_desc"] is not None:
+    """A GEMM config's pre-launch hook: the TMA descriptors of the launch (where it has them) get the config's boxes,
+    A [BLOCK_M, BLOCK_K] and B [BLOCK_N, BLOCK_K] (K-major, as every B of a kernel without a B_KMAJOR argument is)
+    or [BLOCK_K, BLOCK_N]."""
+    if nargs.get("a_desc") is not None:
         nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
-    if nargs["b_desc"] is not None:
+    if nargs.get("b_desc") is not None:
         bn, bk = nargs["BLOCK_N"], nargs["BLOCK_K"]
-        nargs["b_desc"].block_shape = [bn, bk] if nargs["B_KMAJOR"] else [bk, bn]
+        nargs["b_desc"].block_shape = [bn, bk] if nargs.get("B_KMAJOR", True) else [bk, bn]
 
 
 def autotune_configs(kind: str) -> list[triton.Config]:

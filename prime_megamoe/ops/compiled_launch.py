@@ -11,6 +11,11 @@ The cache key holds everything the compiled kernel depends on, so a hit can only
 have picked: each tensor's dtype and 16-byte alignment, each integer's specialisation class (== 1, divisible by 16,
 64-bit) or, for the autotuning key's arguments, its value, the constexpr and launch options, and the device.
 
+The key does not hold the autotuner's candidate list: code that swaps ``kernel.configs`` between launches (tests
+pinning one config, ``scripts/fp8_probe.py``) sets ``PRIME_MEGAMOE_DIRECT_LAUNCH=0``, or it would keep running the
+kernel compiled first. (Keying on the list's identity would cost every launch host time, and a freed list's id can
+come back for another.)
+
 Under the interpreter (CPU tests) kernels have no compiled form: ``launch`` is ``kernel[grid](...)`` there. So is it
 with ``PRIME_MEGAMOE_DIRECT_LAUNCH=0`` (for comparing the two paths).
 """
