@@ -15,8 +15,8 @@ quantise / dequantise round trip exactly.
 
 The ``@triton.jit`` helpers (``scale_from_amax``, ``quant_groups_rows``, ``quant_groups_cols``, ``store_rows_q``,
 ``store_cols_t``) are shared with the GEMM epilogues in ``fp8_gemm.py`` and the SwiGLU backward in ``swiglu_grad.py``,
-so every producer of fp8 activations computes bitwise the same values and scales as the standalone kernels below. Kernels only: host launchers live in
-``prime_megamoe.ops.fp8_launch``.
+so every producer of fp8 activations computes bitwise the same values and scales as the standalone kernels below.
+Kernels only: host launchers live in ``prime_megamoe.ops.fp8_launch``.
 
 Weight-gradient operands ("cols_t" layout). The wgrads reduce over an expert's sorted rows, so their operands are
 scaled along the rows (one scale per column for every GROUP_R-row block of a 128-row tile of the routing plan) and

@@ -19,9 +19,10 @@ backward  own block's first piece (read from dy itself; pushing dy to the peers 
           rank sums its W dx blocks in rank order
 
 Fixed orders everywhere (rank order for the sums, segment order inside each expert's weight-gradient reduction), so
-outputs and gradients are bitwise repeatable, and the same under every transport. What the forward saves: a copy
-of the gathered rows [W*C, H] (for the W1 weight gradient; the transport's own buffers are reused by later rounds), h = x W1^T in sorted order, and the plan itself, leased from
-the transport's pool until the graph is freed (``PlanLease``); see ``expert_compute`` for why h and not a recompute.
+outputs and gradients are bitwise repeatable, and the same under every transport. What the forward saves: a copy of the
+gathered rows [W*C, H] (for the W1 weight gradient; the transport's own buffers are reused by later rounds), h = x W1^T
+in sorted order, and the plan itself, leased from the transport's pool until the graph is freed (``PlanLease``); see
+``expert_compute`` for why h and not a recompute.
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ def compute_order(transport: Transport):
 
 def own_split(num_local: int) -> int:
     """Local experts [0, split) form the own block's first piece, the rest its last. Three quarters first: the host
-    issues the push, the peers' routing plans and their first GEMMs while the GPU computes that piece, and a single call is
-    host-bound (an even split left the GPU idle there, 3.37-3.52 against 3.21-3.27 ms forward in an A/B on one
-    machine, BENCHMARKS.md); the last quarter still outlasts the return of the last peer's results."""
+    issues the push, the peers' routing plans and their first GEMMs while the GPU computes that piece, and a single
+    call is host-bound (an even split left the GPU idle there, 3.37-3.52 against 3.21-3.27 ms forward in an A/B on
+    one machine, BENCHMARKS.md); the last quarter still outlasts the return of the last peer's results."""
     return num_local * 3 // 4
 
 

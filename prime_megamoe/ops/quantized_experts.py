@@ -51,21 +51,21 @@ after updates the counter cannot see (writes through ``.data``, FSDP re-gathers 
 every optimizer step. The cache holds 2 bytes per expert parameter (plus scales: 1/4096 of that for fp8 blocks,
 1/32 for mx): as much as a bf16 copy of the weights.
 
-What the forward saves: the source rows (the caller holds them anyway), W1 and W2 (references), the routing plan and
-h in the input dtype (bf16 in training) for the SwiGLU backward, as the bf16 path does. At T = 16384, H = 2048,
-I = 768, k = 8 (P = 131072): h = P * 2I * 2 B = 402.7 MB per layer, the plan ~1.6 MB; nothing else. Cheaper choices,
-not taken: h in fp8 with 1x128 scales (208 MB, but the SwiGLU derivative then sees e4m3 noise in g and u), or only
-the 34 MB fp8 copy of x and an FC1 recompute in the backward (+1/3 of the forward's FLOPs). Trainers checkpoint
-activations, which keeps one layer's h alive at a time. Transients at that shape: forward x fp8 34 MB, a fp8 101 MB
-(+3 MB scales), the FC2 output before the combine 537 MB (as in bf16); backward (max_tiles * 128 = 147456 tile-space
-rows) dy fp8 34 MB (freed after the FC2 dgrad), g_a 201 MB (freed after the SwiGLU backward pass), dh row-scaled 201 MB (freed after the FC1 dgrad), dh^T 226 MB
-(freed after dW1), (w * a)^T 113 MB, the K-major copies x^T then dy^T 302 MB each (one at a time, each freed after
-its wgrad), scales ~27 MB, the FC1 dgrad output before the combine 537 MB.
+What the forward saves: the source rows (the caller holds them anyway), W1 and W2 (references), the routing plan and h
+in the input dtype (bf16 in training) for the SwiGLU backward, as the bf16 path does. At T = 16384, H = 2048, I = 768,
+k = 8 (P = 131072): h = P * 2I * 2 B = 402.7 MB per layer, the plan ~1.6 MB; nothing else. Cheaper choices, not taken: h
+in fp8 with 1x128 scales (208 MB, but the SwiGLU derivative then sees e4m3 noise in g and u), or only the 34 MB fp8 copy
+of x and an FC1 recompute in the backward (+1/3 of the forward's FLOPs). Trainers checkpoint activations, which keeps
+one layer's h alive at a time. Transients at that shape: forward x fp8 34 MB, a fp8 101 MB (+3 MB scales), the FC2
+output before the combine 537 MB (as in bf16); backward (max_tiles * 128 = 147456 tile-space rows) dy fp8 34 MB (freed
+after the FC2 dgrad), g_a 201 MB (freed after the SwiGLU backward pass), dh row-scaled 201 MB (freed after the FC1
+dgrad), dh^T 226 MB (freed after dW1), (w * a)^T 113 MB, the K-major copies x^T then dy^T 302 MB each (one at a time,
+each freed after its wgrad), scales ~27 MB, the FC1 dgrad output before the combine 537 MB.
 
-Expert parallelism (``ops.ep_exchange``, over collectives): fp8 and mxfp8 send each rank's tokens as the rows
-FC1 reads, fp8 with their row scales, about half the bytes of bf16; the receivers dequantise them, and FC1's own
-quantisation maps those rows back onto the values sent (to within an fp32 rounding of a scale). The W1 weight gradient then reads these rounded
-tokens instead of the originals (its column-scaled operand is a second rounding of them), the one numerical
+Expert parallelism (``ops.ep_exchange``, over collectives): fp8 and mxfp8 send each rank's tokens as the rows FC1 reads,
+fp8 with their row scales, about half the bytes of bf16; the receivers dequantise them, and FC1's own quantisation maps
+those rows back onto the values sent (to within an fp32 rounding of a scale). The W1 weight gradient then reads these
+rounded tokens instead of the originals (its column-scaled operand is a second rounding of them), the one numerical
 difference from EP = 1. fp8_bwd sends bf16 tokens (its forward is bf16).
 
 ``fp8_bwd`` runs the bf16 forward kernels (``ops.launch``) and the same fp8 backward as ``fp8``.
