@@ -81,6 +81,20 @@ timelines() {  # one-call timelines from launch events: the no-grad forward, the
   grep -h "call:" "$LOGS"/timeline_*.txt
 }
 case "${1:-}" in
+  ws)  # the warp-specialised fp8 GEMM: its GPU tests then the layer against ab_base/ (GPU 0); the fp8 probe with its
+       # rows then the layer with this tree (GPU 1)
+    (CUDA_VISIBLE_DEVICES=0 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_ws 200 python -m pytest -q tests/test_fp8_gemm_ws.py \
+      tests/test_fp8_experts.py -k "gpu or half_tile or tma or ws" -rA
+     tail -3 "$LOGS/pytest_ws.log"
+     cd ab_base && CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site:$PWD step fp8_base 180 python -m prime_megamoe.bench \
+      --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd --iters 5 --warmup 2 --out "$LOGS/fp8_base.json"
+     tail -4 "$LOGS/fp8_base.log") &
+    CUDA_VISIBLE_DEVICES=1 step fp8_probe 300 python scripts/fp8_probe.py
+    tail -24 "$LOGS/fp8_probe.log"
+    CUDA_VISIBLE_DEVICES=1 step fp8_new 180 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+      --precisions fp8 fp8_bwd --iters 5 --warmup 2 --out "$LOGS/fp8_new.json" --profile-dir "$LOGS/prof_fp8_new"
+    tail -4 "$LOGS/fp8_new.log"
+    wait ;;
   check)
     (cd scripts && PRIME_MEGAMOE_AUTOTUNE=0 step ep_check 240 torchrun --nproc-per-node 2 gpu_check_ep.py)
     (cd scripts && step timeout_check 90 torchrun --nproc-per-node 2 gpu_check_timeout.py) ;;

@@ -11,6 +11,11 @@ typed by name: ``*_ptr`` are pointers (int32 for index-like names, fp32 for weig
 non-constexpr arguments are int32, divisible by 16 unless named in --ones (specialised to 1, as a unit stride is at
 run time); --types overrides any of these by name (a TMA descriptor: "tensordesc<bf16[64, 256]>"; a descriptor the
 config leaves unused: null in --constexprs). Uses Triton's own ptxas and cuobjdump; needs TRITON_INTERPRET unset.
+
+Gluon kernels (``@gluon.jit``) compile the same way; a descriptor type without a layout gets the default NVMMA shared
+layout of its block, ``num_warps`` comes from --warps and --maxnreg caps the launch-time registers (warp-specialised
+kernels raise their MMA partition's registers from there). For them the registers column is the launch-time count
+and "partition" lists each ``setmaxnreg`` target in the PTX.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import json
 import os
 import subprocess
 import tempfile
+
+import re
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -44,11 +51,35 @@ def jit_function(kernel):
     return kernel
 
 
+def is_gluon(fn) -> bool:
+    from triton.experimental.gluon._runtime import GluonJITFunction
+
+    return isinstance(fn, GluonJITFunction)
+
+
+def gluon_descriptor_type(ty: str) -> str:
+    """'tensordesc<fp8e4nv[128, 128]>' -> the same with the block's default NVMMA shared layout, as Gluon needs."""
+    from triton.experimental.gluon import language as gl
+
+    inner = ty[len("tensordesc<"):-1]
+    if "]," in inner:
+        return ty  # a layout is given
+    dtype, shape = inner.split("[")
+    block = [int(v) for v in shape.rstrip("]").split(",")]
+    element = {"fp8e4nv": gl.float8e4nv, "bf16": gl.bfloat16, "fp16": gl.float16, "fp32": gl.float32}[dtype.strip()]
+    layout = gl.NVMMASharedLayout.get_default_for(block, element)
+    return f"tensordesc<{inner},{layout!r}>"
+
+
 def resource_usage(kernel, constexprs: dict, num_warps: int, num_stages: int, dtype: str, ones=(),
-                   types: dict | None = None) -> dict:
-    """Compile for sm_90 and return {"registers", "spill_bytes", "shared_bytes"}; ``types`` overrides argument
-    types by name (e.g. {"as_ptr": "*fp32"})."""
+                   types: dict | None = None, maxnreg: int | None = None) -> dict:
+    """Compile for sm_90 and return {"registers", "spill_bytes", "shared_bytes", "partition_registers"}; ``types``
+    overrides argument types by name (e.g. {"as_ptr": "*fp32"})."""
     fn = jit_function(kernel)
+    gluon = is_gluon(fn)
+    if gluon:
+        constexprs = {**constexprs, "num_warps": num_warps}
+        types = {n: gluon_descriptor_type(t) if t.startswith("tensordesc") else t for n, t in (types or {}).items()}
     constexprs = {**constexprs, **{name: 1 for name in ones}}
     names = fn.arg_names
     missing = [n for n in names if n not in constexprs and fn.params[names.index(n)].is_constexpr]
@@ -59,9 +90,17 @@ def resource_usage(kernel, constexprs: dict, num_warps: int, num_stages: int, dt
     signature.update({n: t for n, t in (types or {}).items() if n in signature and signature[n] != "constexpr"})
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if signature[n] != "constexpr" and not signature[n].startswith("tensordesc")}
-    src = ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items() if k in names}, attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
+    constants = {(names.index(k),): v for k, v in constexprs.items() if k in names}
+    if gluon:
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        src = GluonASTSource(fn, signature, constants, attrs)
+    else:
+        src = ASTSource(fn, signature, constants, attrs)
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
@@ -70,8 +109,10 @@ def resource_usage(kernel, constexprs: dict, num_warps: int, num_stages: int, dt
                              check=True).stdout
     fields = dict(item.split(":", 1) for item in next(line for line in out.splitlines() if "REG:" in line).split()
                   if ":" in item)
+    partitions = sorted({int(v) for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
+                                                     compiled.asm["ptx"])})
     return {"registers": int(fields["REG"]), "spill_bytes": int(fields["STACK"]),
-            "shared_bytes": int(compiled.metadata.shared)}
+            "shared_bytes": int(compiled.metadata.shared), "partition_registers": partitions}
 
 
 def main():
@@ -84,6 +125,7 @@ def main():
     p.add_argument("--dtype", default="bf16", help="element type of data pointers (bf16, fp16, fp32, fp8e4nv)")
     p.add_argument("--ones", nargs="*", default=[], help="integer arguments specialised to 1 (unit strides)")
     p.add_argument("--types", default="{}", help='JSON object of argument types by name, e.g. {"as_ptr": "*fp32"}')
+    p.add_argument("--maxnreg", type=int, default=None, help="launch-time register cap (warp-specialised kernels)")
     args = p.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: the interpreter has no compiled kernels")
@@ -97,10 +139,12 @@ def main():
             continue
         bm, bn, bk, warps, stages = (int(v) for v in config.split(","))
         runs.append((config, {**base, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, warps, stages))
-    print(f"{'config':22s} {'registers':>9s} {'spill B':>8s} {'smem B':>8s}")
+    print(f"{'config':22s} {'registers':>9s} {'spill B':>8s} {'smem B':>8s} partition")
     for label, constexprs, warps, stages in runs:
-        use = resource_usage(kernel, constexprs, warps, stages, args.dtype, args.ones, json.loads(args.types))
-        print(f"{label:22s} {use['registers']:9d} {use['spill_bytes']:8d} {use['shared_bytes']:8d}")
+        use = resource_usage(kernel, constexprs, warps, stages, args.dtype, args.ones, json.loads(args.types),
+                             args.maxnreg)
+        parts = ",".join(str(r) for r in use["partition_registers"]) or "-"
+        print(f"{label:22s} {use['registers']:9d} {use['spill_bytes']:8d} {use['shared_bytes']:8d} {parts}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,76 @@
+"""Host side of the warp-specialised Hopper fp8 grouped GEMM (``kernels/fp8_gemm_ws.py``): when it applies, its TMA
+descriptors, its persistent grid.
+
+``ws_gemm_applies`` says whether a row-tiled fp8 GEMM can run there: a Hopper GPU (the kernel is sm_90 wgmma code),
+the fp8 format (not mx), A not gathered, each segment's K a multiple of 128 when there are two segments, and both
+operands TMA-readable. ``fp8_launch.fp8_grouped_gemm`` takes this kernel where it applies and ``use_ws`` does not
+say otherwise; asking for it (``use_ws=True``) where it does not apply is an error that says why.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .launch import _cuda_properties, _num_sms, tma_readable
+from .routing_plan import RoutingPlan
+from .sizes import cdiv
+
+WS_BLOCK_M, WS_BLOCK_N, WS_BLOCK_K = 128, 128, 128
+WS_STAGES = 4  # 4 x 32 KB of operand buffers
+WS_LOAD_REGS = 40  # registers of the producer warp; the two MMA warp groups get the rest (setmaxnreg)
+WS_MAXNREG = 168  # launch-time registers per thread: 12 warps x 32 x 168 fit the SM's 64K
+
+
+def ws_gemm_unavailable(aq_data: torch.Tensor, bq_data: torch.Tensor, *, mx: bool, gather: bool, segments: int,
+                        k: int) -> str | None:
+    """Why the warp-specialised kernel cannot run this GEMM, or None when it can."""
+    if aq_data.device.type != "cuda":
+        return "it runs on a CUDA GPU only (Gluon kernels have no interpreter)"
+    if _cuda_properties(aq_data.device).major != 9:
+        return "it is Hopper (sm_90) wgmma code"
+    if mx:
+        return "it takes the fp8 format (fp32 1x128 / 128x128 scales), not mx"
+    if gather:
+        return "it reads A by TMA and cannot gather rows"
+    if segments == 2 and k % WS_BLOCK_K:
+        return f"with two segments each segment's K must be a multiple of {WS_BLOCK_K} (got {k})"
+    if not (tma_readable(aq_data) and tma_readable(bq_data.view(-1, bq_data.shape[-1]))):
+        return "its operands must be TMA-readable (contiguous rows, 16-byte aligned)"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _layouts():
+    from triton.experimental.gluon import language as gl
+
+    a = gl.NVMMASharedLayout.get_default_for([WS_BLOCK_M, WS_BLOCK_K], gl.float8e4nv)
+    b = gl.NVMMASharedLayout.get_default_for([WS_BLOCK_N, WS_BLOCK_K], gl.float8e4nv)
+    return a, b
+
+
+def fp8_grouped_gemm_ws(aq_data, aq_scale, bq_data, bq_scale, plan: RoutingPlan, c: torch.Tensor, *, k: int,
+                        n_groups: int, segments: int, row_scale: torch.Tensor | None, b_group_n: int) -> None:
+    """c[r] = row_scale[r] * A[r] @ B[e]^T with the warp-specialised kernel (callers check ``ws_gemm_unavailable``
+    first): A [P, segments * k] fp8 row-scaled, B the K-major weights [E, N, segments * k]."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from ..kernels.fp8_gemm_ws import fp8_grouped_gemm_ws_kernel
+
+    n = bq_data.shape[1]
+    if aq_data.shape[0] == 0:  # no rows (a rank that receives nothing): no tiles, and no descriptor over nothing
+        return
+    a_layout, b_layout = _layouts()
+    b_2d = bq_data.view(-1, bq_data.shape[2])
+    a_desc = TensorDescriptor.from_tensor(aq_data, [WS_BLOCK_M, WS_BLOCK_K], a_layout)
+    b_desc = TensorDescriptor.from_tensor(b_2d, [WS_BLOCK_N, WS_BLOCK_K], b_layout)
+    tiles = plan.max_tiles * cdiv(n, WS_BLOCK_N)
+    grid = (max(1, min(_num_sms(c.device), tiles)),)
+    fp8_grouped_gemm_ws_kernel[grid](
+        a_desc, b_desc, aq_scale, bq_scale, c, row_scale if row_scale is not None else plan.row_weight,
+        plan.tile_expert, plan.tile_row, plan.num_tiles, plan.expert_offsets,
+        n, k, n_groups, aq_scale.stride(0), bq_scale.stride(0), bq_scale.stride(1), c.stride(0),
+        SEGS=segments, SCALE_ROWS=row_scale is not None, B_GROUP_N=b_group_n, STAGES=WS_STAGES,
+        LOAD_REGS=WS_LOAD_REGS, num_warps=8, maxnreg=WS_MAXNREG,
+    )

@@ -1,0 +1,112 @@
+"""The warp-specialised Hopper fp8 grouped GEMM (``kernels/fp8_gemm_ws.py``, ``ops/fp8_ws_launch.py``).
+
+Gluon kernels have no interpreter: on the CPU the kernel is compiled for sm_90 (registers, no spill, the producer /
+MMA register split) and the launcher's applicability rules are checked; on a Hopper GPU its output is checked against
+the Triton fp8 kernel (same K order, same promotion) and against float64 torch on the same quantised operands."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prime_megamoe.kernels.fp8_gemm import QTILE_M
+from prime_megamoe.ops import fp8_launch as fl
+from prime_megamoe.ops.fp8_ws_launch import fp8_grouped_gemm_ws, ws_gemm_unavailable
+from prime_megamoe.ops.routing_plan import build_routing_plan
+from tests.oracle import ragged_routing, rel_err
+from tests.test_register_check import compile_for_hopper
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90 wgmma code, no interpreter)")
+
+
+def test_ws_kernel_compiles_for_hopper_with_its_register_split():
+    rows = compile_for_hopper(
+        "prime_megamoe.kernels.fp8_gemm_ws:fp8_grouped_gemm_ws_kernel",
+        {"SEGS": 2, "SCALE_ROWS": True, "B_GROUP_N": 128, "STAGES": 4, "LOAD_REGS": 40},
+        ["--warps", "8", "--maxnreg", "168", "--types",
+         '{"bs_ptr": "*fp32", "a_desc": "tensordesc<fp8e4nv[128, 128]>", '
+         '"b_desc": "tensordesc<fp8e4nv[128, 128]>"}'],
+    )
+    (_, registers, spill, smem, partitions), = rows
+    assert int(registers) == 168 and int(spill) == 0
+    assert int(smem) >= 4 * 2 * 128 * 128  # four stages of A and B tiles
+    targets = [int(v) for v in partitions.split(",")]
+    assert max(targets) >= 232, f"the MMA warp groups should get >= 232 registers, got {targets}"
+
+
+def test_ws_applicability_says_why_not():
+    a = torch.empty(256, 256, dtype=fl.FP8_DTYPE)
+    b = torch.empty(2, 128, 256, dtype=fl.FP8_DTYPE)
+    assert "CUDA GPU" in ws_gemm_unavailable(a, b, mx=False, gather=False, segments=1, k=256)
+
+
+def _quantised_problem(tokens, hidden, inter, experts, top_k, seed, device):
+    index, weights = ragged_routing(tokens, experts, top_k, seed=seed, hot_fraction=0.8)
+    plan = build_routing_plan(index.to(device), weights.to(device), expert_base=0, num_local_experts=experts,
+                              tile_m=QTILE_M)
+    gen = torch.Generator().manual_seed(seed)
+    fmt = fl.fp8_format()
+    aq = fl.quantize_rows(torch.randn(plan.num_pairs, inter, generator=gen).to(device), fmt)
+    dh = fl.quantize_rows(torch.randn(plan.num_pairs, 2 * inter, generator=gen).to(device), fmt, segments=2)
+    w1 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(device)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter**0.5).to(device)
+    return plan, fmt, aq, dh, fl.quantize_w2_fwd(w2, fmt), fl.quantize_w1_bwd(w1, fmt)
+
+
+def _reference(a_rows, b_weights, plan, row_scale=None):
+    """float64: out[r] = row_scale[r] * A[r] @ B[e]^T per expert's rows."""
+    offsets = plan.expert_offsets.tolist()
+    out = torch.zeros(a_rows.shape[0], b_weights.shape[1], dtype=torch.float64)
+    for e in range(b_weights.shape[0]):
+        r0, r1 = offsets[e], offsets[e + 1]
+        out[r0:r1] = a_rows[r0:r1] @ b_weights[e].T
+    if row_scale is not None:
+        out *= row_scale.double().cpu()[:, None]
+    return out
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("hidden,inter", [(256, 128), (384, 256), (192, 96)], ids=["small", "two_k_blocks", "ragged"])
+def test_ws_gemm_matches_the_triton_kernel(hidden, inter):
+    """FC2 (row-scaled output, K = I) and the two-segment FC1 dgrad (K = 2I), ragged routing with an empty expert
+    and one taking most rows; I = 96 (K past a block, N not a multiple of 128) runs FC2 only: two segments need each
+    K a multiple of 128, and asking for it there is an error."""
+    device = "cuda"
+    plan, fmt, aq, dh, w2f, w1b = _quantised_problem(300, hidden, inter, 4, 2, seed=5, device=device)
+    cases = [("FC2", aq, w2f, 1, plan.row_weight)]
+    if inter % 128 == 0:
+        cases.append(("FC1 dgrad", dh, w1b, 2, None))
+    else:
+        with pytest.raises(ValueError, match="multiple of 128"):
+            fl.fp8_grouped_gemm(dh, w1b, plan, fmt, out_dtype=torch.float32, segments=2, use_ws=True)
+    for name, a, b, segments, row_scale in cases:
+        kw = {"out_dtype": torch.float32, "segments": segments, "row_scale": row_scale}
+        ws = fl.fp8_grouped_gemm(a, b, plan, fmt, use_ws=True, **kw)
+        triton_kernel = fl.fp8_grouped_gemm(a, b, plan, fmt, use_ws=False, use_tma=False, **kw)
+        torch.testing.assert_close(ws, triton_kernel, rtol=1e-6, atol=1e-6, msg=name)
+        a_deq = fl.dequantize_rows(a, fmt, segments=segments).double().cpu()
+        b_deq = fl.dequantize_weight(b, fmt, k_halves=segments).double().cpu()
+        assert rel_err(ws.cpu(), _reference(a_deq, b_deq, plan, row_scale)) < 1e-4, name
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_ws_gemm_on_a_rank_that_receives_nothing():
+    """Every token routed to other ranks' experts: the plan has rows but no tiles; the kernel must finish and write
+    nothing (the output keeps its fill)."""
+    device = "cuda"
+    index, weights = ragged_routing(64, 8, 2, seed=6, empty_expert=None, hot_expert=None, forbid=range(0, 4))
+    plan = build_routing_plan(index.to(device), weights.to(device), expert_base=0, num_local_experts=4,
+                              tile_m=QTILE_M)
+    assert int(plan.num_tiles[0]) == 0 and plan.num_pairs > 0
+    fmt = fl.fp8_format()
+    aq = fl.quantize_rows(torch.randn(plan.num_pairs, 128, device=device), fmt)
+    w2f = fl.quantize_w2_fwd(torch.randn(4, 256, 128, device=device), fmt)
+    assert ws_gemm_unavailable(aq.data, w2f.data, mx=False, gather=False, segments=1, k=128) is None
+    c = torch.full((plan.num_pairs, 256), 7.0, device=device)
+    fp8_grouped_gemm_ws(aq.data, aq.scale, w2f.data, w2f.scale, plan, c, k=128, n_groups=1, segments=1,
+                        row_scale=None, b_group_n=128)
+    torch.cuda.synchronize()
+    assert torch.equal(c, torch.full_like(c, 7.0))
