@@ -81,6 +81,12 @@ timelines() {  # one-call timelines from launch events: the no-grad forward, the
   grep -h "call:" "$LOGS"/timeline_*.txt
 }
 case "${1:-}" in
+  ws2)  # the warp-specialised fp8 GEMM's configs: its GPU tests (GPU 0) beside the probe's ws rows (GPU 1)
+    CUDA_VISIBLE_DEVICES=0 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_ws 240 python -m pytest -q tests/test_fp8_gemm_ws.py \
+      -rA &
+    CUDA_VISIBLE_DEVICES=1 step fp8_probe_ws 240 python scripts/fp8_probe.py --ws-only
+    wait
+    tail -5 "$LOGS/pytest_ws.log"; tail -24 "$LOGS/fp8_probe_ws.log" ;;
   ws)  # the warp-specialised fp8 GEMM: its GPU tests then the layer against ab_base/ (GPU 0); the fp8 probe with its
        # rows then the layer with this tree (GPU 1)
     (CUDA_VISIBLE_DEVICES=0 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_ws 200 python -m pytest -q tests/test_fp8_gemm_ws.py \

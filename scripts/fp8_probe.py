@@ -21,7 +21,7 @@ from triton.testing import do_bench
 from prime_megamoe.bench import make_inputs
 from prime_megamoe.kernels import fp8_gemm
 from prime_megamoe.ops import fp8_launch as fl
-from prime_megamoe.ops.fp8_ws_launch import ws_gemm_unavailable
+from prime_megamoe.ops.fp8_ws_launch import WS_CONFIGS, fp8_grouped_gemm_ws, ws_gemm_unavailable
 from prime_megamoe.ops.routing_plan import build_routing_plan
 
 
@@ -52,6 +52,9 @@ def main():
     p.add_argument("--shape", default="qwen3-30b-a3b")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--pow2", action="store_true", help="power-of-two scales")
+    p.add_argument("--ws-only", action="store_true",
+                   help="only the GEMMs the warp-specialised kernel runs: its configs against the Triton kernel's "
+                        "first candidate (TMA reads)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (interpreter, tiny shape)")
     args = p.parse_args()
     # Candidates are swapped in the autotuner between launches: launch through Triton itself, not through the
@@ -97,6 +100,8 @@ def main():
     # Each GEMM with pointer loads, then with TMA reads (checked against the pointer loads' first config).
     cases = [(f"{name}{' tma' if tma else ''}", name, kernel, (lambda run=run, tma=tma: run(tma)))
              for name, kernel, run in row_tiled for tma in (False, True)]
+    if args.ws_only:
+        cases = [c for c in cases if c[1] in ("FC2", "FC2 dgrad", "FC1 dgrad") and c[0] != c[1]]
     print(f"{args.shape}, T = {args.tokens}, {pairs} rows, {num_experts} experts, H = {hidden}, I = {inter}, "
           f"fmt {fmt.name}{' pow2' if fmt.pow2 else ''}")
     print(f"{'GEMM':14s} {'config':22s} {'ms':>7s} {'TFLOP/s':>8s} same")
@@ -104,7 +109,7 @@ def main():
     refs = {}
     for label, name, kernel, run in cases:
         candidates = list(kernel.configs)
-        for cfg in candidates:
+        for cfg in candidates[:1] if args.ws_only else candidates:
             single_config(kernel, cfg)
             try:
                 out = run()
@@ -126,28 +131,37 @@ def main():
     # would have to match).
     src = plan.row_src[:pairs].long()
     dyq_sorted = fl.QTensor(dyq.data[src], dyq.scale[src])
-    ws_cases = [
-        ("FC2", lambda: fl.fp8_grouped_gemm(aq, w2f, plan, fmt, out_dtype=x.dtype, row_scale=plan.row_weight,
-                                            use_ws=True)),
-        ("FC2 dgrad", lambda: fl.fp8_grouped_gemm(dyq_sorted, w2b, plan, fmt, out_dtype=x.dtype, use_ws=True)),
-        ("FC1 dgrad", lambda: fl.fp8_grouped_gemm(d.dh_rows, w1b, plan, fmt, out_dtype=x.dtype, segments=2,
-                                                  use_ws=True)),
-    ]
-    for name, run in ws_cases:
+    def ws_run(a, b, segments=1, row_scale=None):
+        def run(cfg):
+            c = torch.empty(pairs, b.data.shape[1], dtype=x.dtype, device=x.device)
+            k = b.data.shape[2] // segments
+            fp8_grouped_gemm_ws(a.data, a.scale, b.data, b.scale, plan, c, k=k, n_groups=-(-k // fmt.group),
+                                segments=segments, row_scale=row_scale, b_group_n=fmt.weight_rows, config=cfg)
+            return c
+        return run
+
+    ws_cases = [("FC2", ws_run(aq, w2f, row_scale=plan.row_weight)), ("FC2 dgrad", ws_run(dyq_sorted, w2b)),
+                ("FC1 dgrad", ws_run(d.dh_rows, w1b, segments=2))]
+    why_not = ws_gemm_unavailable(dyq.data, w2b.data, mx=False, gather=False, segments=1, k=hidden)
+    for (name, run), cfg in ((case, cfg) for case in ws_cases for cfg in WS_CONFIGS):
         label = f"{name} ws"
-        why_not = ws_gemm_unavailable(dyq.data, w2b.data, mx=False, gather=False, segments=1, k=hidden)
         if why_not is not None:
             print(f"{label:14s} skipped: {why_not}")
-            continue
-        out = snapshot(run())
-        ms = bench(run, warmup=5, rep=40)
+            break
+        out = snapshot(run(cfg))
+        ms = bench(lambda: run(cfg), warmup=5, rep=40)
         ref = refs[name]
         same = all(torch.equal(a, b) for a, b in zip(out, ref))
         diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(out, ref))
-        print(f"{label:14s} {'128x128x128 w8+1 s4':22s} {ms:7.3f} {flop[name] / ms / 1e9:8.1f} {same} "
-              f"(max diff {diff:.3g})")
+        desc = f"{cfg.block_m}x128x128 x{cfg.consumers} s{cfg.stages}"
+        print(f"{label:14s} {desc:22s} {ms:7.3f} {flop[name] / ms / 1e9:8.1f} {same} (max diff {diff:.3g})")
         if ms < best[name][0]:
-            best[name] = (ms, "ws")
+            best[name] = (ms, f"ws {desc}")
+
+    if args.ws_only:
+        for name, (ms, cfg) in best.items():
+            print(f"  {name:16s} {ms:7.3f}  {cfg}")
+        return
 
     # The quantising SwiGLU backward pass alone (g_a from the FC2 dgrad above), a few warp counts.
     g_a = fl.fp8_grouped_gemm(dyq, w2b, plan, fmt, out_dtype=x.dtype, gather=True)
