@@ -11,12 +11,14 @@ flight (``warpgroup_mma_wait(num_outstanding=1)``), and the loads come from a pr
 
 - the producer partition (1 warp) walks the program's persistent tile sequence and issues the TMA copies of A and B
   into rings of ``STAGES`` shared-memory buffers, each guarded by a ``ready`` / ``empty`` mbarrier pair;
-- the MMA partitions issue the wgmma of each step asynchronously into a fresh fp32 tile, wait for the previous
-  step's, free that step's buffers, then scale and add it; after the last step they apply the row scale and store
-  the tile with a row mask (an expert's rows end inside a tile, so a TMA store would overwrite the next expert's
-  rows). ``CONSUMERS`` = 1: one 8-warp partition (two warp groups, 64 rows each) per 128-row tile. ``CONSUMERS`` =
-  2 (ping-pong): two 4-warp partitions take alternate 64-row tiles from rings of their own, so one's promotion and
-  epilogue run while the other's MMAs do.
+- the MMA partition (``num_warps`` = 8: two warp groups, 64 rows each of a 128-row tile) issues the wgmma of each
+  step asynchronously into a fresh fp32 tile, waits for the previous step's, frees that step's buffers, then scales
+  and adds it; after the last step it applies the row scale and stores the tile with a row mask (an expert's rows
+  end inside a tile, so a TMA store would overwrite the next expert's rows).
+
+Nothing a step or a tile needs waits on a global load in its own step: the scales of step j + 1 are loaded during
+step j and multiplied when used, and the next tile's expert, rows, row end, first scales and row scales are loaded
+while this tile's MMAs run (a persistent program has no other program on its SM to hide those latencies).
 
 Tiles are numbered row tile major, column tile minor (as the Triton kernel's grid), and program p takes tiles p,
 p + programs, ...; both partitions walk that sequence. Requirements (the launcher checks them): BLOCK_K = 128 = the
@@ -36,35 +38,26 @@ _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_glo
 
 
 @gluon.jit
-def _tile_of(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             TILE_M: gl.constexpr):
-    """Expert, first row and first column of persistent tile t (a BLOCK_M part of a TILE_M row tile)."""
-    PARTS: gl.constexpr = TILE_M // BLOCK_M
-    part_tile = t // n_col_tiles
-    row_tile = part_tile // PARTS
-    row0 = gl.load(tile_row_ptr + row_tile) + (part_tile % PARTS) * BLOCK_M
-    return gl.load(tile_expert_ptr + row_tile), row0, (t % n_col_tiles) * BLOCK_N
+def _tile_of(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, BLOCK_N: gl.constexpr):
+    """Expert, first row and first column of persistent tile t."""
+    row_tile = t // n_col_tiles
+    return gl.load(tile_expert_ptr + row_tile), gl.load(tile_row_ptr + row_tile), (t % n_col_tiles) * BLOCK_N
 
 
 @gluon.jit
 def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
-                    N, K, SEGS: gl.constexpr, CONSUMERS: gl.constexpr, TILE_M: gl.constexpr):
-    """Producer: every tile of this program in order; tile i goes to consumer i % CONSUMERS's ring of buffers."""
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+                    N, K, SEGS: gl.constexpr):
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-    STAGES: gl.constexpr = a_bufs.type.shape[0] // CONSUMERS
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
     n_col_tiles = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
-    n_steps = SEGS * k_steps
-    total = gl.load(num_tiles_ptr) * (TILE_M // BLOCK_M) * n_col_tiles
-    i = 0
+    total = gl.load(num_tiles_ptr) * n_col_tiles
+    it = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
-        expert, row0, col0 = _tile_of(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, BLOCK_M, BLOCK_N, TILE_M)
-        ring = i % CONSUMERS
-        it = (i // CONSUMERS) * n_steps  # steps this ring has carried before this tile
-        for j in range(n_steps):
-            s = ring * STAGES + it % STAGES
+        expert, row0, col0 = _tile_of(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, BLOCK_N)
+        for j in range(SEGS * k_steps):
+            s = it % STAGES
             # A buffer is free once the MMA that read it is done; a fresh mbarrier counts as phase 1 done.
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             k = (j // k_steps) * K + (j % k_steps) * BLOCK_K
@@ -73,104 +66,113 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_pt
             _tma_load(a_desc, [row0, k], bar, a_bufs.index(s))
             _tma_load(b_desc, [expert * N + col0, k], bar, b_bufs.index(s))
             it += 1
-        i += 1
 
 
 @gluon.jit
 def _mma_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scale_ptr,
                    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
-                   N, K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm,
-                   SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, B_GROUP_N: gl.constexpr, CONSUMERS: gl.constexpr,
-                   TILE_M: gl.constexpr, CONSUMER: gl.constexpr):
-    """Consumer CONSUMER: tiles CONSUMER, CONSUMER + CONSUMERS, ... of this program, from its ring of buffers."""
+                   M, N, K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm,
+                   SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, B_GROUP_N: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
-    STAGES: gl.constexpr = a_bufs.type.shape[0] // CONSUMERS
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
     # One warp group per 64 rows; fp8 wgmma takes K = 32 per instruction.
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
     n_col_tiles = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
     n_steps = SEGS * k_steps
-    total = gl.load(num_tiles_ptr) * (TILE_M // BLOCK_M) * n_col_tiles
+    total = gl.load(num_tiles_ptr) * n_col_tiles
     programs = gl.num_programs(0)
+    lane_rows = gl.arange(0, BLOCK_M, layout=row_layout)
+
+    # The first tile's indices and first scales. Scale loads are masked to A's rows only: rows past the expert's end
+    # read other rows' scales, which only meet outputs that are not stored.
+    # (With no tiles at all the tile list holds no valid entry: nothing is loaded, the loop below does not run.)
+    any_tile = total > 0
+    t0 = gl.minimum(gl.program_id(0), total - 1)
+    expert = gl.load(tile_expert_ptr + t0 // n_col_tiles, mask=any_tile, other=0)
+    row0 = gl.load(tile_row_ptr + t0 // n_col_tiles, mask=any_tile, other=0)
+    col0 = (t0 % n_col_tiles) * BLOCK_N
+    row_end = gl.load(expert_offsets_ptr + expert + 1)
+    rows = row0 + lane_rows
+    sa_next = gl.load(as_ptr + rows.to(gl.int64) * stride_asm, mask=rows < M, other=0.0)
+    sb_next = gl.load(bs_ptr + expert.to(gl.int64) * stride_bse + (col0 // B_GROUP_N) * stride_bsn)
+    rs_next = gl.load(row_scale_ptr + rows, mask=rows < M, other=0.0).to(gl.float32) if SCALE_ROWS else sa_next
     it = 0
-    for t in range(gl.program_id(0) + CONSUMER * programs, total, CONSUMERS * programs):
-        expert, row0, col0 = _tile_of(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, BLOCK_M, BLOCK_N, TILE_M)
-        rows = row0 + gl.arange(0, BLOCK_M, layout=row_layout)
-        row_mask = rows < gl.load(expert_offsets_ptr + expert + 1)
+    for t in range(gl.program_id(0), total, programs):
+        rows = row0 + lane_rows
+        row_mask = rows < row_end
         sa_ptrs = as_ptr + rows.to(gl.int64) * stride_asm
         sb_ptr = bs_ptr + expert.to(gl.int64) * stride_bse + (col0 // B_GROUP_N) * stride_bsn
+        row_scale = rs_next
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
 
         # Step 0: issue its MMA; its promotion happens once step 1's MMA is in flight.
-        s = CONSUMER * STAGES + it % STAGES
+        s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         prev = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)),
                              gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout), use_acc=False, is_async=True)
-        prev_scale = gl.load(sa_ptrs, mask=row_mask, other=0.0) * gl.load(sb_ptr)
-        prev_s = s
+        prev_sa, prev_sb, prev_s = sa_next, sb_next, s
         it += 1
+        # The next tile's indices: loaded now, used after this tile's steps.
+        expert_n, row0_n, col0_n = _tile_of(gl.minimum(t + programs, total - 1), n_col_tiles, tile_expert_ptr,
+                                            tile_row_ptr, BLOCK_N)
         for j in range(1, n_steps):
-            s = CONSUMER * STAGES + it % STAGES
+            s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             cur = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)),
                                 gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout), use_acc=False, is_async=True)
             kg = (j // k_steps) * NKG + j % k_steps
-            cur_scale = gl.load(sa_ptrs + kg, mask=row_mask, other=0.0) * gl.load(sb_ptr + kg)
+            cur_sa = gl.load(sa_ptrs + kg, mask=rows < M, other=0.0)
+            cur_sb = gl.load(sb_ptr + kg)
             # Step j - 1 is done (step j may still run): free its buffers, promote its product.
             prev = warpgroup_mma_wait(num_outstanding=1, deps=(prev, ))
             mbarrier.arrive(empty.index(prev_s), count=1)
-            acc += prev * prev_scale[:, None]
-            prev, prev_scale, prev_s = cur, cur_scale, s
+            acc += prev * (prev_sa * prev_sb)[:, None]
+            prev, prev_sa, prev_sb, prev_s = cur, cur_sa, cur_sb, s
             it += 1
         prev = warpgroup_mma_wait(num_outstanding=0, deps=(prev, ))
         mbarrier.arrive(empty.index(prev_s), count=1)
-        acc += prev * prev_scale[:, None]
+        acc += prev * (prev_sa * prev_sb)[:, None]
 
+        # The next tile's row end and first scales, loaded before this tile's stores.
+        rows_n = row0_n + lane_rows
+        row_end_n = gl.load(expert_offsets_ptr + expert_n + 1)
+        sa_next = gl.load(as_ptr + rows_n.to(gl.int64) * stride_asm, mask=rows_n < M, other=0.0)
+        sb_next = gl.load(bs_ptr + expert_n.to(gl.int64) * stride_bse + (col0_n // B_GROUP_N) * stride_bsn)
         if SCALE_ROWS:
-            acc = acc * gl.load(row_scale_ptr + rows, mask=row_mask, other=0.0).to(gl.float32)[:, None]
+            rs_next = gl.load(row_scale_ptr + rows_n, mask=rows_n < M, other=0.0).to(gl.float32)
+            acc = acc * row_scale[:, None]
         cols = col0 + gl.arange(0, BLOCK_N, layout=col_layout)
         c_ptrs = c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :]
         gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & (cols < N)[None, :])
+        expert, row0, col0, row_end = expert_n, row0_n, col0_n, row_end_n
 
 
 @gluon.jit
 def fp8_grouped_gemm_ws_kernel(
     a_desc, b_desc, as_ptr, bs_ptr, c_ptr, row_scale_ptr,
     tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
-    N, K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm,
+    M, N, K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm,
     SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, B_GROUP_N: gl.constexpr, STAGES: gl.constexpr,
-    CONSUMERS: gl.constexpr, TILE_M: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
-    num_warps: gl.constexpr,
+    LOAD_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """CONSUMERS = 1: the default partition (num_warps = 8, two warp groups) computes every 128-row tile.
-    CONSUMERS = 2 (ping-pong): the default partition (num_warps = 4) and a 4-warp worker take alternate 64-row tiles,
-    each with its own ring of STAGES buffers, so one's promotion and epilogue overlap the other's MMAs."""
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [CONSUMERS * STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [CONSUMERS * STAGES] + b_desc.block_type.shape, b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS * STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS * STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(CONSUMERS * STAGES):
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    FIRST: gl.constexpr = 0
-    SECOND: gl.constexpr = 1
-    load_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
-                 N, K, SEGS, CONSUMERS, TILE_M)
-    first = (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scale_ptr,
-             tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
-             N, K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm, SEGS, SCALE_ROWS, B_GROUP_N, CONSUMERS,
-             TILE_M, FIRST)
-    if CONSUMERS == 1:
-        gl.warp_specialize([(_mma_partition, first), (_load_partition, load_args)], [1], [LOAD_REGS])
-    else:
-        second = (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scale_ptr,
-                  tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
-                  N, K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm, SEGS, SCALE_ROWS, B_GROUP_N, CONSUMERS,
-                  TILE_M, SECOND)
-        gl.warp_specialize([(_mma_partition, first), (_mma_partition, second), (_load_partition, load_args)],
-                           [4, 1], [MMA_REGS, LOAD_REGS])
+    gl.warp_specialize([
+        (_mma_partition, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scale_ptr,
+                          tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
+                          M, N, K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm,
+                          SEGS, SCALE_ROWS, B_GROUP_N, num_warps)),
+        (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
+                           num_tiles_ptr, N, K, SEGS)),
+    ], [1], [LOAD_REGS])
