@@ -21,7 +21,7 @@ from triton.testing import do_bench
 from prime_megamoe.bench import make_inputs
 from prime_megamoe.kernels import fp8_gemm
 from prime_megamoe.ops import fp8_launch as fl
-from prime_megamoe.ops.fp8_ws_launch import WS_STAGES, fp8_grouped_gemm_ws, ws_gemm_unavailable
+from prime_megamoe.ops.fp8_ws_launch import WS_CONFIGS, fp8_grouped_gemm_ws, ws_gemm_unavailable
 from prime_megamoe.ops.routing_plan import build_routing_plan
 
 
@@ -136,14 +136,14 @@ def main():
             c = torch.empty(pairs, b.data.shape[1], dtype=x.dtype, device=x.device)
             k = b.data.shape[2] // segments
             fp8_grouped_gemm_ws(a.data, a.scale, b.data, b.scale, plan, c, k=k, n_groups=-(-k // fmt.group),
-                                segments=segments, row_scale=row_scale, b_group_n=fmt.weight_rows, stages=cfg)
+                                segments=segments, row_scale=row_scale, b_group_n=fmt.weight_rows, config=cfg)
             return c
         return run
 
     ws_cases = [("FC2", ws_run(aq, w2f, row_scale=plan.row_weight)), ("FC2 dgrad", ws_run(dyq_sorted, w2b)),
                 ("FC1 dgrad", ws_run(d.dh_rows, w1b, segments=2))]
     why_not = ws_gemm_unavailable(dyq.data, w2b.data, mx=False, gather=False, segments=1, k=hidden)
-    for (name, run), cfg in ((case, cfg) for case in ws_cases for cfg in WS_STAGES):
+    for (name, run), cfg in ((case, cfg) for case in ws_cases for cfg in WS_CONFIGS):
         label = f"{name} ws"
         if why_not is not None:
             print(f"{label:14s} skipped: {why_not}")
@@ -153,7 +153,7 @@ def main():
         ref = refs[name]
         same = all(torch.equal(a, b) for a, b in zip(out, ref))
         diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(out, ref))
-        desc = f"128x128x128 w8+1 s{cfg}"
+        desc = f"{cfg.block_m}x128x128 w{cfg.num_warps}+1 s{cfg.stages}"
         print(f"{label:14s} {desc:22s} {ms:7.3f} {flop[name] / ms / 1e9:8.1f} {same} (max diff {diff:.3g})")
         if ms < best[name][0]:
             best[name] = (ms, f"ws {desc}")

@@ -11,7 +11,7 @@ flight (``warpgroup_mma_wait(num_outstanding=1)``), and the loads come from a pr
 
 - the producer partition (1 warp) walks the program's persistent tile sequence and issues the TMA copies of A and B
   into rings of ``STAGES`` shared-memory buffers, each guarded by a ``ready`` / ``empty`` mbarrier pair;
-- the MMA partition (``num_warps`` = 8: two warp groups, 64 rows each of a 128-row tile) issues the wgmma of each
+- the MMA partition (``num_warps`` / 4 warp groups, 64 rows each of a BLOCK_M-row tile) issues the wgmma of each
   step asynchronously into a fresh fp32 tile, waits for the previous step's, frees that step's buffers, then scales
   and adds it; after the last step it applies the row scale and stores the tile with a row mask (an expert's rows
   end inside a tile, so a TMA store would overwrite the next expert's rows).
@@ -38,24 +38,31 @@ _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_glo
 
 
 @gluon.jit
-def _tile_of(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, BLOCK_N: gl.constexpr):
-    """Expert, first row and first column of persistent tile t."""
-    row_tile = t // n_col_tiles
-    return gl.load(tile_expert_ptr + row_tile), gl.load(tile_row_ptr + row_tile), (t % n_col_tiles) * BLOCK_N
+def _tile_of(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             TILE_M: gl.constexpr, valid=True):
+    """Expert, first row and first column of persistent tile t: a BLOCK_M part of one of the plan's TILE_M-row tiles
+    and a BLOCK_N column block. ``valid`` False: no load (zeros)."""
+    PARTS: gl.constexpr = TILE_M // BLOCK_M
+    part = t // n_col_tiles
+    row_tile = part // PARTS
+    expert = gl.load(tile_expert_ptr + row_tile, mask=valid, other=0)
+    row0 = gl.load(tile_row_ptr + row_tile, mask=valid, other=0) + (part % PARTS) * BLOCK_M
+    return expert, row0, (t % n_col_tiles) * BLOCK_N
 
 
 @gluon.jit
 def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
-                    N, K, SEGS: gl.constexpr):
+                    N, K, SEGS: gl.constexpr, TILE_M: gl.constexpr):
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     n_col_tiles = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
-    total = gl.load(num_tiles_ptr) * n_col_tiles
+    total = gl.load(num_tiles_ptr) * (TILE_M // BLOCK_M) * n_col_tiles
     it = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
-        expert, row0, col0 = _tile_of(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, BLOCK_N)
+        expert, row0, col0 = _tile_of(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, BLOCK_M, BLOCK_N, TILE_M)
         for j in range(SEGS * k_steps):
             s = it % STAGES
             # A buffer is free once the MMA that read it is done; a fresh mbarrier counts as phase 1 done.
@@ -72,7 +79,8 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_pt
 def _mma_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scale_ptr,
                    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
                    M, N, K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm,
-                   SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, B_GROUP_N: gl.constexpr, num_warps: gl.constexpr):
+                   SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, B_GROUP_N: gl.constexpr, TILE_M: gl.constexpr,
+                   num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
@@ -85,7 +93,7 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scal
     n_col_tiles = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
     n_steps = SEGS * k_steps
-    total = gl.load(num_tiles_ptr) * n_col_tiles
+    total = gl.load(num_tiles_ptr) * (TILE_M // BLOCK_M) * n_col_tiles
     programs = gl.num_programs(0)
     lane_rows = gl.arange(0, BLOCK_M, layout=row_layout)
 
@@ -94,9 +102,8 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scal
     # (With no tiles at all the tile list holds no valid entry: nothing is loaded, the loop below does not run.)
     any_tile = total > 0
     t0 = gl.minimum(gl.program_id(0), total - 1)
-    expert = gl.load(tile_expert_ptr + t0 // n_col_tiles, mask=any_tile, other=0)
-    row0 = gl.load(tile_row_ptr + t0 // n_col_tiles, mask=any_tile, other=0)
-    col0 = (t0 % n_col_tiles) * BLOCK_N
+    expert, row0, col0 = _tile_of(t0, n_col_tiles, tile_expert_ptr, tile_row_ptr, BLOCK_M, BLOCK_N, TILE_M,
+                                  valid=any_tile)
     row_end = gl.load(expert_offsets_ptr + expert + 1)
     rows = row0 + lane_rows
     sa_next = gl.load(as_ptr + rows.to(gl.int64) * stride_asm, mask=rows < M, other=0.0)
@@ -120,7 +127,7 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scal
         it += 1
         # The next tile's indices: loaded now, used after this tile's steps.
         expert_n, row0_n, col0_n = _tile_of(gl.minimum(t + programs, total - 1), n_col_tiles, tile_expert_ptr,
-                                            tile_row_ptr, BLOCK_N)
+                                            tile_row_ptr, BLOCK_M, BLOCK_N, TILE_M)
         for j in range(1, n_steps):
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
@@ -159,7 +166,7 @@ def fp8_grouped_gemm_ws_kernel(
     tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
     M, N, K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm,
     SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, B_GROUP_N: gl.constexpr, STAGES: gl.constexpr,
-    LOAD_REGS: gl.constexpr, num_warps: gl.constexpr,
+    TILE_M: gl.constexpr, LOAD_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -172,7 +179,7 @@ def fp8_grouped_gemm_ws_kernel(
         (_mma_partition, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scale_ptr,
                           tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
                           M, N, K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm,
-                          SEGS, SCALE_ROWS, B_GROUP_N, num_warps)),
+                          SEGS, SCALE_ROWS, B_GROUP_N, TILE_M, num_warps)),
         (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
-                           num_tiles_ptr, N, K, SEGS)),
+                           num_tiles_ptr, N, K, SEGS, TILE_M)),
     ], [1], [LOAD_REGS])

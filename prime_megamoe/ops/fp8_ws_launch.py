@@ -10,17 +10,43 @@ say otherwise; asking for it (``use_ws=True``) where it does not apply is an err
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
+from ..kernels.fp8_gemm import QTILE_M
 from .launch import _cuda_properties, _num_sms, tma_readable
 from .routing_plan import RoutingPlan
 from .sizes import cdiv
 
-WS_BLOCK_M, WS_BLOCK_N, WS_BLOCK_K = 128, 128, 128
-WS_LOAD_REGS = 40  # registers of the producer warp; the two MMA warp groups get the rest (setmaxnreg)
-WS_MAXNREG = 168  # launch-time registers per thread: 12 warps x 32 x 168 fit the SM's 64K
-WS_STAGES = (4, 6)  # buffers of A and B (32 KB a stage); the first is the default
+WS_BLOCK_N, WS_BLOCK_K = 128, 128
+WS_LOAD_REGS = 40  # registers of the producer warp; the MMA warp groups get the rest (setmaxnreg)
+
+
+@dataclass(frozen=True)
+class WSConfig:
+    """block_m = 128: one program per SM, two MMA warp groups of 64 rows each (launch-time registers 168: 12 warps
+    fit the SM's 64K); block_m = 64: two programs per SM, one MMA warp group each (registers 128, so 2 x 8 warps
+    fit). stages: buffers of A (block_m x 128) and B (128 x 128) fp8."""
+
+    block_m: int = 128
+    stages: int = 4
+
+    @property
+    def num_warps(self) -> int:
+        return self.block_m // 16
+
+    @property
+    def maxnreg(self) -> int:
+        return 168 if self.block_m == 128 else 128
+
+    @property
+    def programs_per_sm(self) -> int:
+        return 128 // self.block_m
+
+
+WS_CONFIGS = (WSConfig(128, 4), WSConfig(128, 6), WSConfig(64, 4), WSConfig(64, 3))
+WS_DEFAULT = WS_CONFIGS[0]
 
 
 def ws_gemm_unavailable(aq_data: torch.Tensor, bq_data: torch.Tensor, *, mx: bool, gather: bool, segments: int,
@@ -42,17 +68,17 @@ def ws_gemm_unavailable(aq_data: torch.Tensor, bq_data: torch.Tensor, *, mx: boo
 
 
 @functools.lru_cache(maxsize=None)
-def _layouts():
+def _layouts(block_m: int):
     from triton.experimental.gluon import language as gl
 
-    a = gl.NVMMASharedLayout.get_default_for([WS_BLOCK_M, WS_BLOCK_K], gl.float8e4nv)
+    a = gl.NVMMASharedLayout.get_default_for([block_m, WS_BLOCK_K], gl.float8e4nv)
     b = gl.NVMMASharedLayout.get_default_for([WS_BLOCK_N, WS_BLOCK_K], gl.float8e4nv)
     return a, b
 
 
 def fp8_grouped_gemm_ws(aq_data, aq_scale, bq_data, bq_scale, plan: RoutingPlan, c: torch.Tensor, *, k: int,
                         n_groups: int, segments: int, row_scale: torch.Tensor | None, b_group_n: int,
-                        stages: int = WS_STAGES[0]) -> None:
+                        config: WSConfig = WS_DEFAULT) -> None:
     """c[r] = row_scale[r] * A[r] @ B[e]^T with the warp-specialised kernel (callers check ``ws_gemm_unavailable``
     first): A [P, segments * k] fp8 row-scaled, B the K-major weights [E, N, segments * k]."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -62,16 +88,16 @@ def fp8_grouped_gemm_ws(aq_data, aq_scale, bq_data, bq_scale, plan: RoutingPlan,
     rows, n = aq_data.shape[0], bq_data.shape[1]
     if rows == 0:  # no rows (a rank that receives nothing): no tiles, and no descriptor over nothing
         return
-    a_layout, b_layout = _layouts()
+    a_layout, b_layout = _layouts(config.block_m)
     b_2d = bq_data.view(-1, bq_data.shape[2])
-    a_desc = TensorDescriptor.from_tensor(aq_data, [WS_BLOCK_M, WS_BLOCK_K], a_layout)
+    a_desc = TensorDescriptor.from_tensor(aq_data, [config.block_m, WS_BLOCK_K], a_layout)
     b_desc = TensorDescriptor.from_tensor(b_2d, [WS_BLOCK_N, WS_BLOCK_K], b_layout)
-    tiles = plan.max_tiles * cdiv(n, WS_BLOCK_N)
-    grid = (max(1, min(_num_sms(c.device), tiles)),)
+    tiles = plan.max_tiles * (QTILE_M // config.block_m) * cdiv(n, WS_BLOCK_N)
+    grid = (max(1, min(config.programs_per_sm * _num_sms(c.device), tiles)),)
     fp8_grouped_gemm_ws_kernel[grid](
         a_desc, b_desc, aq_scale, bq_scale, c, row_scale if row_scale is not None else plan.row_weight,
         plan.tile_expert, plan.tile_row, plan.num_tiles, plan.expert_offsets,
         rows, n, k, n_groups, aq_scale.stride(0), bq_scale.stride(0), bq_scale.stride(1), c.stride(0),
-        SEGS=segments, SCALE_ROWS=row_scale is not None, B_GROUP_N=b_group_n, STAGES=stages,
-        LOAD_REGS=WS_LOAD_REGS, num_warps=8, maxnreg=WS_MAXNREG,
+        SEGS=segments, SCALE_ROWS=row_scale is not None, B_GROUP_N=b_group_n, STAGES=config.stages,
+        TILE_M=QTILE_M, LOAD_REGS=WS_LOAD_REGS, num_warps=config.num_warps, maxnreg=config.maxnreg,
     )
