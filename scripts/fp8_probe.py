@@ -84,12 +84,11 @@ def main():
          lambda tma: fl.fp8_fc1_swiglu(xq, w1f, plan, fmt, inter=inter, h_dtype=x.dtype, use_tma=tma)),
         ("FC2", fp8_gemm.fp8_grouped_gemm_kernel,
          lambda tma: fl.fp8_grouped_gemm(aq, w2f, plan, fmt, out_dtype=x.dtype, row_scale=plan.row_weight,
-                                         use_tma=tma, use_ws=False)),
+                                         use_tma=tma)),
         ("FC2 dgrad", fp8_gemm.fp8_grouped_gemm_kernel,
          lambda tma: fl.fp8_grouped_gemm(dyq, w2b, plan, fmt, out_dtype=x.dtype, gather=True, use_tma=tma)),
         ("FC1 dgrad", fp8_gemm.fp8_grouped_gemm_kernel,
-         lambda tma: fl.fp8_grouped_gemm(d.dh_rows, w1b, plan, fmt, out_dtype=x.dtype, segments=2, use_tma=tma,
-                                         use_ws=False)),
+         lambda tma: fl.fp8_grouped_gemm(d.dh_rows, w1b, plan, fmt, out_dtype=x.dtype, segments=2, use_tma=tma)),
     ]
     row_tiled += [
         ("dW1", fp8_gemm.fp8_grouped_wgrad_kernel,

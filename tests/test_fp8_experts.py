@@ -345,7 +345,7 @@ def test_fc2_dgrad_and_swiglu_backward_pass_against_float64(fmt):
 @pytest.mark.parametrize("fmt,hidden,inter", [(fl.fp8_format(), 192, 96), (fl.fp8_format(), 256, 128),
                                                (fl.MX_FORMAT, 192, 96)], ids=["fp8_ragged", "fp8_aligned", "mx"])
 def test_tma_reads_compute_the_same(fmt, hidden, inter):
-    """The Triton fp8 GEMMs may read their operands by TMA (the row-tiled ones their weights and a sorted A;
+    """The fp8 GEMMs may read their operands by TMA (the row-tiled ones their weights and a sorted, not gathered A;
     the weight gradient both cols_t operands): FC1, FC2, the FC2 dgrad, the two-segment FC1 dgrad and the weight
     gradient must give bitwise what pointer loads give. H, I not multiples of 128 (boxes past K and N) and multiples
     (the FC1 dgrad's A by TMA too); ragged routing with an empty expert."""
@@ -368,10 +368,9 @@ def test_tma_reads_compute_the_same(fmt, hidden, inter):
         h, aq = fl.fp8_fc1_swiglu(xq, w1f, plan, fmt, inter=inter, h_dtype=torch.float32, use_tma=use_tma)
         outs = [h, aq.data.view(torch.uint8), aq.scale,
                 fl.fp8_grouped_gemm(aq, w2f, plan, fmt, out_dtype=torch.float32, row_scale=plan.row_weight,
-                                    use_tma=use_tma, use_ws=False),
+                                    use_tma=use_tma),
                 fl.fp8_grouped_gemm(dyq, w2b, plan, fmt, out_dtype=torch.float32, gather=True, use_tma=use_tma),
-                fl.fp8_grouped_gemm(dh, w1b, plan, fmt, out_dtype=torch.float32, segments=2, use_tma=use_tma,
-                                    use_ws=False),
+                fl.fp8_grouped_gemm(dh, w1b, plan, fmt, out_dtype=torch.float32, segments=2, use_tma=use_tma),
                 fl.fp8_grouped_wgrad(x_t, dy_t, plan, fmt, torch.empty(experts, hidden, hidden, device=device),
                                      expert_tiles=tiles, use_tma=use_tma)]
         if not use_tma:

@@ -1,10 +1,12 @@
 """Host side of the warp-specialised Hopper fp8 grouped GEMM (``kernels/fp8_gemm_ws.py``): when it applies, its TMA
 descriptors, its persistent grid.
 
-``ws_gemm_applies`` says whether a row-tiled fp8 GEMM can run there: a Hopper GPU (the kernel is sm_90 wgmma code),
-the fp8 format (not mx), A not gathered, each segment's K a multiple of 128 when there are two segments, and both
-operands TMA-readable. ``fp8_launch.fp8_grouped_gemm`` takes this kernel where it applies and ``use_ws`` does not
-say otherwise; asking for it (``use_ws=True``) where it does not apply is an error that says why.
+``ws_gemm_unavailable`` says why a row-tiled fp8 GEMM cannot run there, or None where it can: it needs a Hopper GPU
+(the kernel is sm_90 wgmma code), the fp8 format (not mx), A not gathered, each segment's K a multiple of 128 when
+there are two segments, and both operands TMA-readable. ``fp8_launch.fp8_grouped_gemm(use_ws=True)`` runs it;
+asking for it where it does not apply is an error that says why. The layer does not ask for it: at Qwen3-30B-A3B,
+T = 16384 on one H200 every config below computed the Triton kernel's bits but took 10-35% longer
+(benchmarks/results/fp8_probe_s12_ws.txt).
 """
 
 from __future__ import annotations
