@@ -24,10 +24,9 @@ import argparse
 import importlib
 import json
 import os
+import re
 import subprocess
 import tempfile
-
-import re
 
 import triton
 from triton.backends.compiler import GPUTarget
