@@ -81,6 +81,15 @@ timelines() {  # one-call timelines from launch events: the no-grad forward, the
   grep -h "call:" "$LOGS"/timeline_*.txt
 }
 case "${1:-}" in
+  ncu_ws)  # Nsight Compute on one FC2 launch: the Triton fp8 kernel, then the warp-specialised one (GPU 0)
+    for kern in triton ws; do
+      step "ncu_$kern" 240 ncu --clock-control none --kernel-name regex:fp8_grouped_gemm --launch-skip 2 \
+        --launch-count 1 --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+        --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+        --section SourceCounters python scripts/fp8_gemm_once.py --gemm fc2 --kernel $kern
+      grep -E "Duration|Throughput|Stall|Warp Cycles|Issued|Eligible|Active Warps|Registers|Shared Memory|L2 Hit|Executed Ipc|One or More|No Eligible" \
+        "$LOGS/ncu_$kern.log" | head -40
+    done ;;
   ws2)  # the warp-specialised fp8 GEMM's configs: its GPU tests (GPU 0) beside the probe's ws rows (GPU 1)
     CUDA_VISIBLE_DEVICES=0 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_ws 240 python -m pytest -q tests/test_fp8_gemm_ws.py \
       -rA &
