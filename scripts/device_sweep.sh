@@ -90,6 +90,16 @@ case "${1:-}" in
       grep -E "Duration|Throughput|Stall|Warp Cycles|Issued|Eligible|Active Warps|Registers|Shared Memory|L2 Hit|Executed Ipc|One or More|No Eligible" \
         "$LOGS/ncu_$kern.log" | head -40
     done ;;
+  ncu_src)  # the ws probe rows, then Nsight Compute on one ws FC2 launch: summary, and stall samples per SASS line
+    step fp8_probe_ws 240 python scripts/fp8_probe.py --ws-only
+    tail -20 "$LOGS/fp8_probe_ws.log"
+    ncu_args="--clock-control none --kernel-name regex:fp8_grouped_gemm_ws --launch-skip 2 --launch-count 1"
+    step ncu_ws 200 ncu $ncu_args --section SpeedOfLight --section WarpStateStats --section SourceCounters \
+      --section MemoryWorkloadAnalysis python scripts/fp8_gemm_once.py --gemm fc2 --kernel ws
+    grep -E "Duration|Stall|Warp Cycles|L2 Compression Input|excessive" "$LOGS/ncu_ws.log" | head -20
+    step ncu_ws_sass 200 ncu $ncu_args --section WarpStateStats --section SourceCounters --page source \
+      --print-source sass --csv python scripts/fp8_gemm_once.py --gemm fc2 --kernel ws
+    wc -l "$LOGS/ncu_ws_sass.log" ;;
   ws2)  # the warp-specialised fp8 GEMM's configs: its GPU tests (GPU 0) beside the probe's ws rows (GPU 1)
     CUDA_VISIBLE_DEVICES=0 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_ws 240 python -m pytest -q tests/test_fp8_gemm_ws.py \
       -rA &

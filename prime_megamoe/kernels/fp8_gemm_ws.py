@@ -94,7 +94,7 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scal
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-    col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [num_warps, 1], [1, 0])
     n_col_tiles = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
     n_steps = SEGS * k_steps
@@ -117,7 +117,6 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scal
     it = 0
     for t in range(gl.program_id(0), total, programs):
         rows = row0 + lane_rows
-        row_mask = rows < row_end
         sa_ptrs = as_ptr + rows.to(gl.int64) * stride_asm
         sb_ptr = bs_ptr + expert.to(gl.int64) * stride_bse + (col0 // B_GROUP_N) * stride_bsn
         row_scale = rs_next
@@ -159,9 +158,13 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scal
         if SCALE_ROWS:
             rs_next = gl.load(row_scale_ptr + rows_n, mask=rows_n < M, other=0.0).to(gl.float32)
             acc = acc * row_scale[:, None]
-        cols = col0 + gl.arange(0, BLOCK_N, layout=col_layout)
-        c_ptrs = c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :]
-        gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & (cols < N)[None, :])
+        # Stored from a row-contiguous layout (16 bytes a thread, whole rows a warp): from the MMA layout each
+        # thread would write 4 bytes per row and 8-column block, and every 32-byte sector would be written twice.
+        out = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), store_layout)
+        rows_s = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))
+        cols_s = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
+        c_ptrs = c_ptr + rows_s.to(gl.int64)[:, None] * stride_cm + cols_s[None, :]
+        gl.store(c_ptrs, out, mask=(rows_s < row_end)[:, None] & (cols_s < N)[None, :])
         expert, row0, col0, row_end = expert_n, row0_n, col0_n, row_end_n
 
 
