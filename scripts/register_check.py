@@ -111,7 +111,25 @@ def resource_usage(kernel, constexprs: dict, num_warps: int, num_stages: int, dt
     partitions = sorted({int(v) for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
                                                      compiled.asm["ptx"])})
     return {"registers": int(fields["REG"]), "spill_bytes": int(fields["STACK"]),
-            "shared_bytes": int(compiled.metadata.shared), "partition_registers": partitions}
+            "shared_bytes": int(compiled.metadata.shared), "partition_registers": partitions,
+            "wgmma_serialised": wgmma_serialised(compiled.asm["ptx"])}
+
+
+def wgmma_serialised(ptx: str) -> bool:
+    """Whether ptxas serialises the kernel's wgmma instructions (its C7514 / C7515 performance notes: accumulator
+    registers read or written while a wgmma runs), which makes every wgmma wait for the one before."""
+    if "wgmma.mma_async" not in ptx:
+        return False
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(90).path  # the ptxas Triton itself compiled the kernel with
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "kernel.o")],
+                             capture_output=True, text=True)
+    return "wgmma.mma_async instructions are serialized" in out.stdout + out.stderr
 
 
 def main():
@@ -138,12 +156,13 @@ def main():
             continue
         bm, bn, bk, warps, stages = (int(v) for v in config.split(","))
         runs.append((config, {**base, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, warps, stages))
-    print(f"{'config':22s} {'registers':>9s} {'spill B':>8s} {'smem B':>8s} partition")
+    print(f"{'config':22s} {'registers':>9s} {'spill B':>8s} {'smem B':>8s} {'partition':>15s} wgmma")
     for label, constexprs, warps, stages in runs:
         use = resource_usage(kernel, constexprs, warps, stages, args.dtype, args.ones, json.loads(args.types),
                              args.maxnreg)
         parts = ",".join(str(r) for r in use["partition_registers"]) or "-"
-        print(f"{label:22s} {use['registers']:9d} {use['spill_bytes']:8d} {use['shared_bytes']:8d} {parts}")
+        wgmma = "serialised" if use["wgmma_serialised"] else "ok"
+        print(f"{label:22s} {use['registers']:9d} {use['spill_bytes']:8d} {use['shared_bytes']:8d} {parts:>15s} {wgmma}")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ def test_ws_kernel_compiles_for_hopper_with_its_register_split(cfg, scale_rows):
          f'{{"bs_ptr": "*fp32", "a_desc": "tensordesc<fp8e4nv[{cfg.block_m}, 128]>", '
          '"b_desc": "tensordesc<fp8e4nv[128, 128]>"}'],
     )
-    (_, registers, spill, smem, partitions), = rows
+    (_, registers, spill, smem, partitions, wgmma), = rows
+    assert wgmma == "ok", "ptxas serialises the kernel's wgmma instructions (see register_check.wgmma_serialised)"
     assert int(registers) == cfg.maxnreg and int(spill) == 0
     assert int(smem) >= cfg.stages * (cfg.block_m + 128) * 128  # the ring of A and B tiles
     targets = [int(v) for v in partitions.split(",")]

@@ -4,21 +4,23 @@ Same math and operands as ``fp8_grouped_gemm_kernel`` with MX = False: ``C[r] = 
 expert-sorted rows [P, SEGS * K] (fp8, one fp32 scale per row and 128 columns), B the K-major weights viewed as
 [E * N, SEGS * K] (fp8, one fp32 scale per 128 x 128 block), fp32 accumulation promoted every 128 products.
 
-Why a second kernel: in the Triton kernel every 128-wide K step waits for its own MMA before it scales the partial
-product and adds it (Triton places ``wgmma.wait_group 0`` right after each step's MMAs), so within a warp group the
-promotion never overlaps the tensor cores. Here the promotion of step j runs while the MMA of step j + 1 is in
-flight (``warpgroup_mma_wait(num_outstanding=1)``), and the loads come from a producer warp of their own:
+Why a second kernel: the Triton kernel's programs load their own operands and stall on each step's MMA before they
+scale its product; only other programs on the SM fill that time. Here the loads come from a producer warp of their
+own, and the MMA warp groups only compute:
 
 - the producer partition (1 warp) walks the program's persistent tile sequence and issues the TMA copies of A and B
-  into rings of ``STAGES`` shared-memory buffers, each guarded by a ``ready`` / ``empty`` mbarrier pair;
-- the MMA partition (``num_warps`` / 4 warp groups, 64 rows each of a BLOCK_M-row tile) issues the wgmma of each
-  step asynchronously into a fresh fp32 tile, waits for the previous step's, frees that step's buffers, then scales
-  and adds it; after the last step it applies the row scale and stores the tile with a row mask (an expert's rows
-  end inside a tile, so a TMA store would overwrite the next expert's rows).
+  into a ring of ``STAGES`` shared-memory buffers, each guarded by a ``ready`` / ``empty`` mbarrier pair;
+- the MMA partition (``num_warps`` / 4 warp groups, 64 rows each of a BLOCK_M-row tile) issues each step's wgmma
+  into a fresh fp32 tile, waits for it, frees the step's buffers, then scales and adds it; after the last step it
+  applies the row scale and stores the tile from a row-contiguous layout with a row mask (an expert's rows end
+  inside a tile, so a TMA store would overwrite the next expert's rows).
 
-Nothing a step or a tile needs waits on a global load in its own step: the scales of step j + 1 are loaded during
-step j and multiplied when used, and the next tile's expert, rows, row end, first scales and row scales are loaded
-while this tile's MMAs run (a persistent program has no other program on its SM to hide those latencies).
+Waiting for step j - 1 only, with step j in flight, would overlap the promotion with the tensor cores inside a warp
+group, but ptxas then serialises every wgmma of the kernel (its C7514 / C7515 notes: a wgmma's accumulator
+registers are read or written while another wgmma runs), which cost more than it saves; so the overlap comes from
+the other warp group (128-row tiles) or the other program on the SM (64-row tiles). Nothing a step or a tile needs
+waits on a global load in its own step: the scales of step j + 1 are loaded during step j and multiplied when used,
+and the next tile's expert, rows, row end, first scales and row scales are loaded while this tile's MMAs run.
 
 Tiles are numbered row tile major, column tile minor (as the Triton kernel's grid), and program p takes tiles p,
 p + programs, ...; both partitions walk that sequence. Requirements (the launcher checks them): BLOCK_K = 128 = the
@@ -81,6 +83,34 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_pt
 
 
 @gluon.jit
+def _issue_step(a_bufs, b_bufs, ready, it, mma_layout: gl.constexpr):
+    """Wait for step ``it``'s buffers and issue its wgmma into a fresh fp32 tile (asynchronous)."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    s = it % STAGES
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    tile = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)),
+                         gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout), use_acc=False, is_async=True)
+    return tile, s
+
+
+@gluon.jit
+def _step_scales(sa_ptrs, sb_ptr, rows, M, j, k_steps, NKG):
+    """Row scales and the weight block's scale of step j (segment j // k_steps); multiplied when used."""
+    kg = (j // k_steps) * NKG + j % k_steps
+    return gl.load(sa_ptrs + kg, mask=rows < M, other=0.0), gl.load(sb_ptr + kg)
+
+
+@gluon.jit
+def _promote(acc, tile, sa, sb, empty, slot, OUTSTANDING: gl.constexpr):
+    """Wait until at most OUTSTANDING wgmma groups run (this tile's is done), free its buffers, add it scaled."""
+    done = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(tile, ))
+    mbarrier.arrive(empty.index(slot), count=1)
+    return acc + done * (sa * sb)[:, None]
+
+
+@gluon.jit
 def _mma_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scale_ptr,
                    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
                    M, N, K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm,
@@ -89,7 +119,6 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scal
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
     # One warp group per 64 rows; fp8 wgmma takes K = 32 per instruction.
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
@@ -122,33 +151,19 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scal
         row_scale = rs_next
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
 
-        # Step 0: issue its MMA; its promotion happens once step 1's MMA is in flight.
-        s = it % STAGES
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        prev = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)),
-                             gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout), use_acc=False, is_async=True)
-        prev_sa, prev_sb, prev_s = sa_next, sb_next, s
-        it += 1
+        # Each step's MMA into a fresh fp32 tile, waited for, then scaled and added. (Waiting for the previous step's
+        # only, with the next in flight, makes ptxas serialise every wgmma of the kernel: a wgmma's accumulator
+        # registers must not be written while another wgmma runs, and each fresh tile is.)
+        sa, sb = sa_next, sb_next
         # The next tile's indices: loaded now, used after this tile's steps.
         expert_n, row0_n, col0_n = _tile_of(gl.minimum(t + programs, total - 1), n_col_tiles, tile_expert_ptr,
                                             tile_row_ptr, BLOCK_M, BLOCK_N, TILE_M)
-        for j in range(1, n_steps):
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            cur = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)),
-                                gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout), use_acc=False, is_async=True)
-            kg = (j // k_steps) * NKG + j % k_steps
-            cur_sa = gl.load(sa_ptrs + kg, mask=rows < M, other=0.0)
-            cur_sb = gl.load(sb_ptr + kg)
-            # Step j - 1 is done (step j may still run): free its buffers, promote its product.
-            prev = warpgroup_mma_wait(num_outstanding=1, deps=(prev, ))
-            mbarrier.arrive(empty.index(prev_s), count=1)
-            acc += prev * (prev_sa * prev_sb)[:, None]
-            prev, prev_sa, prev_sb, prev_s = cur, cur_sa, cur_sb, s
+        for j in range(n_steps):
+            tile, slot = _issue_step(a_bufs, b_bufs, ready, it, mma_layout)
             it += 1
-        prev = warpgroup_mma_wait(num_outstanding=0, deps=(prev, ))
-        mbarrier.arrive(empty.index(prev_s), count=1)
-        acc += prev * (prev_sa * prev_sb)[:, None]
+            sa_n, sb_n = _step_scales(sa_ptrs, sb_ptr, rows, M, gl.minimum(j + 1, n_steps - 1), k_steps, NKG)
+            acc = _promote(acc, tile, sa, sb, empty, slot, 0)
+            sa, sb = sa_n, sb_n
 
         # The next tile's row end and first scales, loaded before this tile's stores.
         rows_n = row0_n + lane_rows
