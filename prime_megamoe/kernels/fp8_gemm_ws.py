@@ -115,7 +115,10 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scal
                    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
                    M, N, K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm,
                    SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, B_GROUP_N: gl.constexpr, TILE_M: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr):
+    """MMA partition CONSUMER of CONSUMERS: this program's tiles CONSUMER, CONSUMER + CONSUMERS, ... (every tile
+    takes the same number of steps from the one ring of buffers, in the producer's order)."""
+    num_warps: gl.constexpr = gl.num_warps()
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
@@ -129,13 +132,14 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scal
     n_steps = SEGS * k_steps
     total = gl.load(num_tiles_ptr) * (TILE_M // BLOCK_M) * n_col_tiles
     programs = gl.num_programs(0)
+    stride = CONSUMERS * programs  # between this partition's tiles
     lane_rows = gl.arange(0, BLOCK_M, layout=row_layout)
 
     # The first tile's indices and first scales. Scale loads are masked to A's rows only: rows past the expert's end
     # read other rows' scales, which only meet outputs that are not stored.
     # (With no tiles at all the tile list holds no valid entry: nothing is loaded, the loop below does not run.)
     any_tile = total > 0
-    t0 = gl.minimum(gl.program_id(0), total - 1)
+    t0 = gl.minimum(gl.program_id(0) + CONSUMER * programs, total - 1)
     expert, row0, col0 = _tile_of(t0, n_col_tiles, tile_expert_ptr, tile_row_ptr, BLOCK_M, BLOCK_N, TILE_M,
                                   valid=any_tile)
     row_end = gl.load(expert_offsets_ptr + expert + 1)
@@ -143,8 +147,8 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scal
     sa_next = gl.load(as_ptr + rows.to(gl.int64) * stride_asm, mask=rows < M, other=0.0)
     sb_next = gl.load(bs_ptr + expert.to(gl.int64) * stride_bse + (col0 // B_GROUP_N) * stride_bsn)
     rs_next = gl.load(row_scale_ptr + rows, mask=rows < M, other=0.0).to(gl.float32) if SCALE_ROWS else sa_next
-    it = 0
-    for t in range(gl.program_id(0), total, programs):
+    it = CONSUMER * n_steps  # ring steps before this partition's first tile
+    for t in range(gl.program_id(0) + CONSUMER * programs, total, stride):
         rows = row0 + lane_rows
         sa_ptrs = as_ptr + rows.to(gl.int64) * stride_asm
         sb_ptr = bs_ptr + expert.to(gl.int64) * stride_bse + (col0 // B_GROUP_N) * stride_bsn
@@ -156,7 +160,7 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scal
         # registers must not be written while another wgmma runs, and each fresh tile is.)
         sa, sb = sa_next, sb_next
         # The next tile's indices: loaded now, used after this tile's steps.
-        expert_n, row0_n, col0_n = _tile_of(gl.minimum(t + programs, total - 1), n_col_tiles, tile_expert_ptr,
+        expert_n, row0_n, col0_n = _tile_of(gl.minimum(t + stride, total - 1), n_col_tiles, tile_expert_ptr,
                                             tile_row_ptr, BLOCK_M, BLOCK_N, TILE_M)
         for j in range(n_steps):
             tile, slot = _issue_step(a_bufs, b_bufs, ready, it, mma_layout)
@@ -181,6 +185,7 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scal
         c_ptrs = c_ptr + rows_s.to(gl.int64)[:, None] * stride_cm + cols_s[None, :]
         gl.store(c_ptrs, out, mask=(rows_s < row_end)[:, None] & (cols_s < N)[None, :])
         expert, row0, col0, row_end = expert_n, row0_n, col0_n, row_end_n
+        it += (CONSUMERS - 1) * n_steps  # the other partitions' tiles in between
 
 
 @gluon.jit
@@ -189,8 +194,12 @@ def fp8_grouped_gemm_ws_kernel(
     tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
     M, N, K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm,
     SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, B_GROUP_N: gl.constexpr, STAGES: gl.constexpr,
-    TILE_M: gl.constexpr, LOAD_REGS: gl.constexpr, num_warps: gl.constexpr,
+    TILE_M: gl.constexpr, CONSUMERS: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
+    """CONSUMERS = 1: one MMA partition (``num_warps`` = 4 or 8) takes every tile. CONSUMERS = 2 (ping-pong): the
+    default partition and a second 4-warp one (MMA_REGS registers) take alternate tiles, so one's promotion and
+    epilogue can run while the other's MMAs do."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -198,11 +207,24 @@ def fp8_grouped_gemm_ws_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    gl.warp_specialize([
-        (_mma_partition, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scale_ptr,
-                          tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
-                          M, N, K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm,
-                          SEGS, SCALE_ROWS, B_GROUP_N, TILE_M, num_warps)),
-        (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
-                           num_tiles_ptr, N, K, SEGS, TILE_M)),
-    ], [1], [LOAD_REGS])
+    # (The partitions' argument tuples are written out in the call: a tuple bound to a name first loses its
+    # constexprs.)
+    if CONSUMERS == 1:
+        gl.warp_specialize([
+            (_mma_partition, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scale_ptr, tile_expert_ptr,
+                              tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N, K, NKG, stride_asm, stride_bse,
+                              stride_bsn, stride_cm, SEGS, SCALE_ROWS, B_GROUP_N, TILE_M, 0, CONSUMERS)),
+            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
+                               num_tiles_ptr, N, K, SEGS, TILE_M)),
+        ], [1], [LOAD_REGS])
+    else:
+        gl.warp_specialize([
+            (_mma_partition, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scale_ptr, tile_expert_ptr,
+                              tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N, K, NKG, stride_asm, stride_bse,
+                              stride_bsn, stride_cm, SEGS, SCALE_ROWS, B_GROUP_N, TILE_M, 0, CONSUMERS)),
+            (_mma_partition, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scale_ptr, tile_expert_ptr,
+                              tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N, K, NKG, stride_asm, stride_bse,
+                              stride_bsn, stride_cm, SEGS, SCALE_ROWS, B_GROUP_N, TILE_M, 1, CONSUMERS)),
+            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
+                               num_tiles_ptr, N, K, SEGS, TILE_M)),
+        ], [4, 1], [MMA_REGS, LOAD_REGS])
