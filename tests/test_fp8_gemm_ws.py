@@ -78,7 +78,8 @@ def _reference(a_rows, b_weights, plan, row_scale=None):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("hidden,inter", [(256, 128), (384, 256), (192, 96)], ids=["small", "two_k_blocks", "ragged"])
+@pytest.mark.parametrize("hidden,inter", [(256, 128), (384, 256), (1024, 512), (192, 96)],
+                         ids=["small", "two_k_blocks", "eight_k_blocks", "ragged"])
 def test_ws_gemm_matches_the_triton_kernel(hidden, inter):
     """FC2 (row-scaled output, K = I) and the two-segment FC1 dgrad (K = 2I), ragged routing with an empty expert
     and one taking most rows; I = 96 (K past a block, N not a multiple of 128) runs FC2 only: two segments need each
@@ -96,12 +97,16 @@ def test_ws_gemm_matches_the_triton_kernel(hidden, inter):
         ws = fl.fp8_grouped_gemm(a, b, plan, fmt, use_ws=True, **kw)
         triton_kernel = fl.fp8_grouped_gemm(a, b, plan, fmt, use_ws=False, use_tma=False, **kw)
         torch.testing.assert_close(ws, triton_kernel, rtol=1e-6, atol=1e-6, msg=name)
+        # Every config, with as many programs as tiles allow and with 1 and 3 programs (many tiles each: the
+        # persistent loop, the ring's later rounds, the ping-pong partitions' turns).
         for cfg in WS_CONFIGS:
-            c = torch.empty_like(ws)
-            k = b.data.shape[2] // segments
-            fp8_grouped_gemm_ws(a.data, a.scale, b.data, b.scale, plan, c, k=k, n_groups=-(-k // 128),
-                                segments=segments, row_scale=row_scale, b_group_n=128, config=cfg)
-            torch.testing.assert_close(c, triton_kernel, rtol=1e-6, atol=1e-6, msg=f"{name}, {cfg}")
+            for programs in (None, 1, 3):
+                c = torch.empty_like(ws)
+                k = b.data.shape[2] // segments
+                fp8_grouped_gemm_ws(a.data, a.scale, b.data, b.scale, plan, c, k=k, n_groups=-(-k // 128),
+                                    segments=segments, row_scale=row_scale, b_group_n=128, config=cfg,
+                                    programs=programs)
+                torch.testing.assert_close(c, triton_kernel, rtol=1e-6, atol=1e-6, msg=f"{name}, {cfg}, {programs}")
         a_deq = fl.dequantize_rows(a, fmt, segments=segments).double().cpu()
         b_deq = fl.dequantize_weight(b, fmt, k_halves=segments).double().cpu()
         # Hopper's fp8 MMA accumulates each 128-wide step with fewer mantissa bits than fp32 (both kernels alike).

@@ -111,13 +111,16 @@ def _promote(acc, tile, sa, sb, empty, slot, OUTSTANDING: gl.constexpr):
 
 
 @gluon.jit
-def _mma_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scale_ptr,
+def _mma_partition(a_bufs, b_bufs, ready, empty, turn, as_ptr, bs_ptr, c_ptr, row_scale_ptr,
                    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
                    M, N, K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm,
                    SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, B_GROUP_N: gl.constexpr, TILE_M: gl.constexpr,
                    CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr):
     """MMA partition CONSUMER of CONSUMERS: this program's tiles CONSUMER, CONSUMER + CONSUMERS, ... (every tile
-    takes the same number of steps from the one ring of buffers, in the producer's order)."""
+    takes the same number of steps from the one ring of buffers, in the producer's order). With two partitions
+    their main loops take turns (``turn`` mbarriers: one hands over once its tile's MMAs are done, then stores
+    while the other computes), so neither waits on a buffer more than one ring round ahead of the producer, where
+    the phase parity of its mbarrier would no longer tell the rounds apart."""
     num_warps: gl.constexpr = gl.num_warps()
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
@@ -148,7 +151,10 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scal
     sb_next = gl.load(bs_ptr + expert.to(gl.int64) * stride_bse + (col0 // B_GROUP_N) * stride_bsn)
     rs_next = gl.load(row_scale_ptr + rows, mask=rows < M, other=0.0).to(gl.float32) if SCALE_ROWS else sa_next
     it = CONSUMER * n_steps  # ring steps before this partition's first tile
+    k = 0  # this partition's tiles so far
     for t in range(gl.program_id(0) + CONSUMER * programs, total, stride):
+        if CONSUMERS == 2:  # partition 0's first turn is free (a fresh mbarrier counts as phase 1 done)
+            mbarrier.wait(turn.index(CONSUMER), (k & 1) ^ (1 - CONSUMER))
         rows = row0 + lane_rows
         sa_ptrs = as_ptr + rows.to(gl.int64) * stride_asm
         sb_ptr = bs_ptr + expert.to(gl.int64) * stride_bse + (col0 // B_GROUP_N) * stride_bsn
@@ -169,6 +175,9 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scal
             acc = _promote(acc, tile, sa, sb, empty, slot, 0)
             sa, sb = sa_n, sb_n
 
+        if CONSUMERS == 2:
+            mbarrier.arrive(turn.index(1 - CONSUMER), count=1)
+        k += 1
         # The next tile's row end and first scales, loaded before this tile's stores.
         rows_n = row0_n + lane_rows
         row_end_n = gl.load(expert_offsets_ptr + expert_n + 1)
@@ -204,14 +213,17 @@ def fp8_grouped_gemm_ws_kernel(
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
     # (The partitions' argument tuples are written out in the call: a tuple bound to a name first loses its
     # constexprs.)
     if CONSUMERS == 1:
         gl.warp_specialize([
-            (_mma_partition, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scale_ptr, tile_expert_ptr,
+            (_mma_partition, (a_bufs, b_bufs, ready, empty, turn, as_ptr, bs_ptr, c_ptr, row_scale_ptr, tile_expert_ptr,
                               tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N, K, NKG, stride_asm, stride_bse,
                               stride_bsn, stride_cm, SEGS, SCALE_ROWS, B_GROUP_N, TILE_M, 0, CONSUMERS)),
             (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
@@ -219,10 +231,10 @@ def fp8_grouped_gemm_ws_kernel(
         ], [1], [LOAD_REGS])
     else:
         gl.warp_specialize([
-            (_mma_partition, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scale_ptr, tile_expert_ptr,
+            (_mma_partition, (a_bufs, b_bufs, ready, empty, turn, as_ptr, bs_ptr, c_ptr, row_scale_ptr, tile_expert_ptr,
                               tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N, K, NKG, stride_asm, stride_bse,
                               stride_bsn, stride_cm, SEGS, SCALE_ROWS, B_GROUP_N, TILE_M, 0, CONSUMERS)),
-            (_mma_partition, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scale_ptr, tile_expert_ptr,
+            (_mma_partition, (a_bufs, b_bufs, ready, empty, turn, as_ptr, bs_ptr, c_ptr, row_scale_ptr, tile_expert_ptr,
                               tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N, K, NKG, stride_asm, stride_bse,
                               stride_bsn, stride_cm, SEGS, SCALE_ROWS, B_GROUP_N, TILE_M, 1, CONSUMERS)),
             (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,

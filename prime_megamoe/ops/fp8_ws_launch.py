@@ -84,9 +84,10 @@ def _layouts(block_m: int):
 
 def fp8_grouped_gemm_ws(aq_data, aq_scale, bq_data, bq_scale, plan: RoutingPlan, c: torch.Tensor, *, k: int,
                         n_groups: int, segments: int, row_scale: torch.Tensor | None, b_group_n: int,
-                        config: WSConfig = WS_DEFAULT) -> None:
+                        config: WSConfig = WS_DEFAULT, programs: int | None = None) -> None:
     """c[r] = row_scale[r] * A[r] @ B[e]^T with the warp-specialised kernel (callers check ``ws_gemm_unavailable``
-    first): A [P, segments * k] fp8 row-scaled, B the K-major weights [E, N, segments * k]."""
+    first): A [P, segments * k] fp8 row-scaled, B the K-major weights [E, N, segments * k]. ``programs``: at most
+    that many persistent programs (tests give small problems several tiles a program this way)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ..kernels.fp8_gemm_ws import fp8_grouped_gemm_ws_kernel
@@ -99,7 +100,7 @@ def fp8_grouped_gemm_ws(aq_data, aq_scale, bq_data, bq_scale, plan: RoutingPlan,
     a_desc = TensorDescriptor.from_tensor(aq_data, [config.block_m, WS_BLOCK_K], a_layout)
     b_desc = TensorDescriptor.from_tensor(b_2d, [WS_BLOCK_N, WS_BLOCK_K], b_layout)
     tiles = plan.max_tiles * (QTILE_M // config.block_m) * cdiv(n, WS_BLOCK_N)
-    grid = (max(1, min(config.programs_per_sm * _num_sms(c.device), tiles)),)
+    grid = (max(1, min(config.programs_per_sm * _num_sms(c.device), tiles, programs or tiles)),)
     fp8_grouped_gemm_ws_kernel[grid](
         a_desc, b_desc, aq_scale, bq_scale, c, row_scale if row_scale is not None else plan.row_weight,
         plan.tile_expert, plan.tile_row, plan.num_tiles, plan.expert_offsets,
