@@ -14,7 +14,6 @@ from prime_megamoe.ops import fp8_launch as fl
 from prime_megamoe.ops.fp8_ws_launch import (
     WS_CONFIGS,
     WS_LOAD_REGS,
-    WS_MMA_REGS,
     fp8_grouped_gemm_ws,
     ws_gemm_unavailable,
 )
@@ -26,13 +25,13 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90 wgmma code, no interpreter)")
 
 
-@pytest.mark.parametrize("cfg", WS_CONFIGS, ids=lambda c: f"m{c.block_m}s{c.stages}x{c.consumers}")
+@pytest.mark.parametrize("cfg", WS_CONFIGS, ids=lambda c: f"m{c.block_m}s{c.stages}")
 @pytest.mark.parametrize("scale_rows", [True, False])
 def test_ws_kernel_compiles_for_hopper_with_its_register_split(cfg, scale_rows):
     rows = compile_for_hopper(
         "prime_megamoe.kernels.fp8_gemm_ws:fp8_grouped_gemm_ws_kernel",
         {"SEGS": 2, "SCALE_ROWS": scale_rows, "B_GROUP_N": 128, "STAGES": cfg.stages, "TILE_M": QTILE_M,
-         "CONSUMERS": cfg.consumers, "LOAD_REGS": WS_LOAD_REGS, "MMA_REGS": WS_MMA_REGS},
+         "LOAD_REGS": WS_LOAD_REGS},
         ["--warps", str(cfg.num_warps), "--maxnreg", str(cfg.maxnreg), "--types",
          f'{{"bs_ptr": "*fp32", "a_desc": "tensordesc<fp8e4nv[{cfg.block_m}, 128]>", '
          '"b_desc": "tensordesc<fp8e4nv[128, 128]>"}'],
@@ -98,7 +97,7 @@ def test_ws_gemm_matches_the_triton_kernel(hidden, inter):
         triton_kernel = fl.fp8_grouped_gemm(a, b, plan, fmt, use_ws=False, use_tma=False, **kw)
         torch.testing.assert_close(ws, triton_kernel, rtol=1e-6, atol=1e-6, msg=name)
         # Every config, with as many programs as tiles allow and with 1 and 3 programs (many tiles each: the
-        # persistent loop, the ring's later rounds, the ping-pong partitions' turns).
+        # persistent loop, the ring's later rounds, the next tile's indices loaded ahead).
         for cfg in WS_CONFIGS:
             for programs in (None, 1, 3):
                 c = torch.empty_like(ws)

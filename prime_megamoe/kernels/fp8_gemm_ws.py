@@ -111,17 +111,11 @@ def _promote(acc, tile, sa, sb, empty, slot, OUTSTANDING: gl.constexpr):
 
 
 @gluon.jit
-def _mma_partition(a_bufs, b_bufs, ready, empty, turn, as_ptr, bs_ptr, c_ptr, row_scale_ptr,
+def _mma_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scale_ptr,
                    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
                    M, N, K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm,
                    SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, B_GROUP_N: gl.constexpr, TILE_M: gl.constexpr,
-                   CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr):
-    """MMA partition CONSUMER of CONSUMERS: this program's tiles CONSUMER, CONSUMER + CONSUMERS, ... (every tile
-    takes the same number of steps from the one ring of buffers, in the producer's order). With two partitions
-    their main loops take turns (``turn`` mbarriers: one hands over once its tile's MMAs are done, then stores
-    while the other computes), so neither waits on a buffer more than one ring round ahead of the producer, where
-    the phase parity of its mbarrier would no longer tell the rounds apart."""
-    num_warps: gl.constexpr = gl.num_warps()
+                   num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
@@ -135,14 +129,13 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, turn, as_ptr, bs_ptr, c_ptr, ro
     n_steps = SEGS * k_steps
     total = gl.load(num_tiles_ptr) * (TILE_M // BLOCK_M) * n_col_tiles
     programs = gl.num_programs(0)
-    stride = CONSUMERS * programs  # between this partition's tiles
     lane_rows = gl.arange(0, BLOCK_M, layout=row_layout)
 
     # The first tile's indices and first scales. Scale loads are masked to A's rows only: rows past the expert's end
     # read other rows' scales, which only meet outputs that are not stored.
     # (With no tiles at all the tile list holds no valid entry: nothing is loaded, the loop below does not run.)
     any_tile = total > 0
-    t0 = gl.minimum(gl.program_id(0) + CONSUMER * programs, total - 1)
+    t0 = gl.minimum(gl.program_id(0), total - 1)
     expert, row0, col0 = _tile_of(t0, n_col_tiles, tile_expert_ptr, tile_row_ptr, BLOCK_M, BLOCK_N, TILE_M,
                                   valid=any_tile)
     row_end = gl.load(expert_offsets_ptr + expert + 1)
@@ -150,11 +143,8 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, turn, as_ptr, bs_ptr, c_ptr, ro
     sa_next = gl.load(as_ptr + rows.to(gl.int64) * stride_asm, mask=rows < M, other=0.0)
     sb_next = gl.load(bs_ptr + expert.to(gl.int64) * stride_bse + (col0 // B_GROUP_N) * stride_bsn)
     rs_next = gl.load(row_scale_ptr + rows, mask=rows < M, other=0.0).to(gl.float32) if SCALE_ROWS else sa_next
-    it = CONSUMER * n_steps  # ring steps before this partition's first tile
-    k = 0  # this partition's tiles so far
-    for t in range(gl.program_id(0) + CONSUMER * programs, total, stride):
-        if CONSUMERS == 2:  # partition 0's first turn is free (a fresh mbarrier counts as phase 1 done)
-            mbarrier.wait(turn.index(CONSUMER), (k & 1) ^ (1 - CONSUMER))
+    it = 0
+    for t in range(gl.program_id(0), total, programs):
         rows = row0 + lane_rows
         sa_ptrs = as_ptr + rows.to(gl.int64) * stride_asm
         sb_ptr = bs_ptr + expert.to(gl.int64) * stride_bse + (col0 // B_GROUP_N) * stride_bsn
@@ -166,7 +156,7 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, turn, as_ptr, bs_ptr, c_ptr, ro
         # registers must not be written while another wgmma runs, and each fresh tile is.)
         sa, sb = sa_next, sb_next
         # The next tile's indices: loaded now, used after this tile's steps.
-        expert_n, row0_n, col0_n = _tile_of(gl.minimum(t + stride, total - 1), n_col_tiles, tile_expert_ptr,
+        expert_n, row0_n, col0_n = _tile_of(gl.minimum(t + programs, total - 1), n_col_tiles, tile_expert_ptr,
                                             tile_row_ptr, BLOCK_M, BLOCK_N, TILE_M)
         for j in range(n_steps):
             tile, slot = _issue_step(a_bufs, b_bufs, ready, it, mma_layout)
@@ -175,9 +165,6 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, turn, as_ptr, bs_ptr, c_ptr, ro
             acc = _promote(acc, tile, sa, sb, empty, slot, 0)
             sa, sb = sa_n, sb_n
 
-        if CONSUMERS == 2:
-            mbarrier.arrive(turn.index(1 - CONSUMER), count=1)
-        k += 1
         # The next tile's row end and first scales, loaded before this tile's stores.
         rows_n = row0_n + lane_rows
         row_end_n = gl.load(expert_offsets_ptr + expert_n + 1)
@@ -194,7 +181,6 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, turn, as_ptr, bs_ptr, c_ptr, ro
         c_ptrs = c_ptr + rows_s.to(gl.int64)[:, None] * stride_cm + cols_s[None, :]
         gl.store(c_ptrs, out, mask=(rows_s < row_end)[:, None] & (cols_s < N)[None, :])
         expert, row0, col0, row_end = expert_n, row0_n, col0_n, row_end_n
-        it += (CONSUMERS - 1) * n_steps  # the other partitions' tiles in between
 
 
 @gluon.jit
@@ -203,40 +189,21 @@ def fp8_grouped_gemm_ws_kernel(
     tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
     M, N, K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm,
     SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, B_GROUP_N: gl.constexpr, STAGES: gl.constexpr,
-    TILE_M: gl.constexpr, CONSUMERS: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
-    num_warps: gl.constexpr,
+    TILE_M: gl.constexpr, LOAD_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """CONSUMERS = 1: one MMA partition (``num_warps`` = 4 or 8) takes every tile. CONSUMERS = 2 (ping-pong): the
-    default partition and a second 4-warp one (MMA_REGS registers) take alternate tiles, so one's promotion and
-    epilogue can run while the other's MMAs do."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
     # (The partitions' argument tuples are written out in the call: a tuple bound to a name first loses its
     # constexprs.)
-    if CONSUMERS == 1:
-        gl.warp_specialize([
-            (_mma_partition, (a_bufs, b_bufs, ready, empty, turn, as_ptr, bs_ptr, c_ptr, row_scale_ptr, tile_expert_ptr,
-                              tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N, K, NKG, stride_asm, stride_bse,
-                              stride_bsn, stride_cm, SEGS, SCALE_ROWS, B_GROUP_N, TILE_M, 0, CONSUMERS)),
-            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
-                               num_tiles_ptr, N, K, SEGS, TILE_M)),
-        ], [1], [LOAD_REGS])
-    else:
-        gl.warp_specialize([
-            (_mma_partition, (a_bufs, b_bufs, ready, empty, turn, as_ptr, bs_ptr, c_ptr, row_scale_ptr, tile_expert_ptr,
-                              tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N, K, NKG, stride_asm, stride_bse,
-                              stride_bsn, stride_cm, SEGS, SCALE_ROWS, B_GROUP_N, TILE_M, 0, CONSUMERS)),
-            (_mma_partition, (a_bufs, b_bufs, ready, empty, turn, as_ptr, bs_ptr, c_ptr, row_scale_ptr, tile_expert_ptr,
-                              tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N, K, NKG, stride_asm, stride_bse,
-                              stride_bsn, stride_cm, SEGS, SCALE_ROWS, B_GROUP_N, TILE_M, 1, CONSUMERS)),
-            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
-                               num_tiles_ptr, N, K, SEGS, TILE_M)),
-        ], [4, 1], [MMA_REGS, LOAD_REGS])
+    gl.warp_specialize([
+        (_mma_partition, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scale_ptr, tile_expert_ptr,
+                          tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N, K, NKG, stride_asm, stride_bse,
+                          stride_bsn, stride_cm, SEGS, SCALE_ROWS, B_GROUP_N, TILE_M, num_warps)),
+        (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
+                           num_tiles_ptr, N, K, SEGS, TILE_M)),
+    ], [1], [LOAD_REGS])

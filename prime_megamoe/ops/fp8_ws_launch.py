@@ -28,30 +28,26 @@ WS_LOAD_REGS = 40  # registers of the producer warp; the MMA warp groups get the
 @dataclass(frozen=True)
 class WSConfig:
     """block_m = 128: one program per SM, an MMA partition of two warp groups, 64 rows each (launch-time registers
-    168: 12 warps fit the SM's 64K); block_m = 64: one warp group per MMA partition, two programs per SM (registers
-    128, so 2 x 8 warps fit), or with consumers = 2 (ping-pong) one program per SM whose two MMA partitions take
-    alternate tiles. stages: buffers of A (block_m x 128) and B (128 x 128) fp8."""
+    168: 12 warps fit the SM's 64K); block_m = 64: two programs per SM, one MMA warp group each (registers 128, so
+    2 x 8 warps fit). stages: buffers of A (block_m x 128) and B (128 x 128) fp8."""
 
     block_m: int = 128
     stages: int = 4
-    consumers: int = 1
 
     @property
     def num_warps(self) -> int:
-        return 8 if self.block_m == 128 else 4
+        return self.block_m // 16
 
     @property
     def maxnreg(self) -> int:
-        return 128 if self.programs_per_sm == 2 else 168
+        return 168 if self.block_m == 128 else 128
 
     @property
     def programs_per_sm(self) -> int:
-        return 2 if self.block_m == 64 and self.consumers == 1 else 1
+        return 128 // self.block_m
 
 
-WS_MMA_REGS = 232  # the second MMA partition's registers (ping-pong)
-WS_CONFIGS = (WSConfig(128, 4), WSConfig(128, 6), WSConfig(64, 4), WSConfig(64, 4, consumers=2),
-              WSConfig(64, 6, consumers=2))
+WS_CONFIGS = (WSConfig(128, 4), WSConfig(128, 6), WSConfig(64, 4))
 WS_DEFAULT = WS_CONFIGS[0]
 
 
@@ -106,6 +102,5 @@ def fp8_grouped_gemm_ws(aq_data, aq_scale, bq_data, bq_scale, plan: RoutingPlan,
         plan.tile_expert, plan.tile_row, plan.num_tiles, plan.expert_offsets,
         rows, n, k, n_groups, aq_scale.stride(0), bq_scale.stride(0), bq_scale.stride(1), c.stride(0),
         SEGS=segments, SCALE_ROWS=row_scale is not None, B_GROUP_N=b_group_n, STAGES=config.stages,
-        TILE_M=QTILE_M, CONSUMERS=config.consumers, LOAD_REGS=WS_LOAD_REGS, MMA_REGS=WS_MMA_REGS,
-        num_warps=config.num_warps, maxnreg=config.maxnreg,
+        TILE_M=QTILE_M, LOAD_REGS=WS_LOAD_REGS, num_warps=config.num_warps, maxnreg=config.maxnreg,
     )
