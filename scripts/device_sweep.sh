@@ -100,6 +100,23 @@ case "${1:-}" in
     step ncu_ws_sass 200 ncu $ncu_args --section WarpStateStats --section SourceCounters --page source \
       --print-source sass --csv python scripts/fp8_gemm_once.py --gemm fc2 --kernel ws
     wc -l "$LOGS/ncu_ws_sass.log" ;;
+  ws_layer)  # the layer with the warp-specialised FC1 dgrad: the quantised precisions' GPU tests, then the fp8 layer
+             # against ab_base/ (GPU 0), and this tree's layer one call (profiled) and back to back (GPU 1)
+    (CUDA_VISIBLE_DEVICES=0 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_q 200 python -m pytest -q tests/test_fp8_experts.py \
+      tests/test_fp8_gemm_ws.py -k "gpu or half_tile or tma_reads or ws_" -rA
+     tail -3 "$LOGS/pytest_q.log"
+     cd ab_base && CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site:$PWD step fp8_base 150 python -m prime_megamoe.bench \
+      --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd --backends mega_moe --iters 5 --warmup 2 \
+      --out "$LOGS/fp8_base.json"
+     tail -3 "$LOGS/fp8_base.log") &
+    CUDA_VISIBLE_DEVICES=1 step fp8_new 150 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+      --precisions fp8 fp8_bwd --backends torch mega_moe --iters 5 --warmup 2 --out "$LOGS/fp8_new.json" \
+      --profile-dir "$LOGS/prof_fp8_new"
+    tail -4 "$LOGS/fp8_new.log"
+    CUDA_VISIBLE_DEVICES=1 step fp8_new_r5 150 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+      --precisions fp8 fp8_bwd --backends mega_moe --repeat 5 --iters 5 --warmup 2 --out "$LOGS/fp8_new_r5.json"
+    tail -3 "$LOGS/fp8_new_r5.log"
+    wait ;;
   ws2)  # the warp-specialised fp8 GEMM's configs: its GPU tests (GPU 0) beside the probe's ws rows (GPU 1)
     CUDA_VISIBLE_DEVICES=0 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_ws 240 python -m pytest -q tests/test_fp8_gemm_ws.py \
       -rA &
