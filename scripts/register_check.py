@@ -162,7 +162,8 @@ def main():
                              args.maxnreg)
         parts = ",".join(str(r) for r in use["partition_registers"]) or "-"
         wgmma = "serialised" if use["wgmma_serialised"] else "ok"
-        print(f"{label:22s} {use['registers']:9d} {use['spill_bytes']:8d} {use['shared_bytes']:8d} {parts:>15s} {wgmma}")
+        print(f"{label:22s} {use['registers']:9d} {use['spill_bytes']:8d} {use['shared_bytes']:8d} {parts:>15s} "
+              f"{wgmma}")
 
 
 if __name__ == "__main__":

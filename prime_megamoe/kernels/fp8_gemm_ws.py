@@ -28,10 +28,12 @@ scale group, BLOCK_N <= 128 dividing 128 (one weight scale per step), and with S
 of 128 (a box must not run into the next segment). Gluon kernels have no interpreter: this one is tested on the GPU
 against the Triton kernel and compiled for sm_90 on the CPU.
 
-Measured (Qwen3-30B-A3B, T = 16384, one H200, ``scripts/fp8_probe.py --ws-only``): the same bits as the Triton
-kernel, but 10-35% slower (FC2 0.78-0.80 ms against 0.58, FC2 dgrad on pre-gathered rows 0.60-0.62 against 0.54,
-FC1 dgrad 1.27-1.32 against 1.05), with 128- or 64-row tiles, 3 to 6 stages. So the layer keeps the Triton kernel
-(``fp8_launch.fp8_grouped_gemm`` runs this one only with ``use_ws=True``).
+Measured (Qwen3-30B-A3B, T = 16384, one H200, ``scripts/fp8_probe.py --ws-only``, 128-row tiles, 4 stages): the
+same bits as the Triton kernel; the FC1 dgrad 1.002 ms against 1.069 (the layer runs it here), FC2 0.600 against
+0.577 (the layer keeps the Triton kernel), the FC2 dgrad on rows gathered beforehand 0.497 against 0.545 with the
+gather in the Triton kernel (the layer's dy is not gathered; TMA cannot gather on Hopper). Tried and dropped: two
+4-warp MMA partitions on alternate tiles (ping-pong, FC2 0.72 ms: their main loops must take turns, so only the
+epilogues overlap); 64-row tiles with two programs per SM are a config (slower here).
 """
 
 from __future__ import annotations

@@ -323,11 +323,11 @@ def fp8_grouped_gemm(aq: QTensor, bq: QTensor, plan: RoutingPlan, fmt: QFormat, 
                      segments: int = 1, gather: bool = False, row_scale: torch.Tensor | None = None,
                      use_tma: bool | None = None, use_ws: bool = False) -> torch.Tensor:
     """C[r] = scale[r] * A[src[r] if gather else r] @ B[e]^T with B the K-major operand [E, N, segments * K].
-    ``use_ws=True``: run the warp-specialised Hopper kernel (``kernels/fp8_gemm_ws.py``); where it does not apply
-    (``fp8_ws_launch.ws_gemm_unavailable``) that is an error. It is not the default: it computes the same bits but
-    measured 10-35% slower than the Triton kernel at Qwen3-30B-A3B, T = 16384 (fp8_probe_s12_ws.txt). Otherwise the
-    Triton kernel, with ``use_tma``: read B by TMA, and A too where it is not gathered and each segment's K is a
-    multiple of 128 (a box must not run into the next segment); default: where the GPU can."""
+    ``use_ws=True``: run the warp-specialised Hopper kernel (``kernels/fp8_gemm_ws.py``, same bits); where it does
+    not apply (``fp8_ws_launch.ws_gemm_unavailable``) that is an error. Callers choose per GEMM (it was faster for
+    the FC1 dgrad, slower for FC2: fp8_probe_s12_ws.txt). Otherwise the Triton kernel, with ``use_tma``: read B
+    by TMA, and A too where it is not gathered and each segment's K is a multiple of 128 (a box must not run into
+    the next segment); default: where the GPU can."""
     _check_plan(plan)
     n, k_total = bq.data.shape[1], bq.data.shape[2]
     k = k_total // segments

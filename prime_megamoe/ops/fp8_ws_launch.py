@@ -4,9 +4,9 @@ descriptors, its persistent grid.
 ``ws_gemm_unavailable`` says why a row-tiled fp8 GEMM cannot run there, or None where it can: it needs a Hopper GPU
 (the kernel is sm_90 wgmma code), the fp8 format (not mx), A not gathered, each segment's K a multiple of 128 when
 there are two segments, and both operands TMA-readable. ``fp8_launch.fp8_grouped_gemm(use_ws=True)`` runs it;
-asking for it where it does not apply is an error that says why. The layer does not ask for it: at Qwen3-30B-A3B,
-T = 16384 on one H200 every config below computed the Triton kernel's bits but took 10-35% longer
-(benchmarks/results/fp8_probe_s12_ws.txt).
+asking for it where it does not apply is an error that says why. The layer asks for it for the FC1 dgrad, where it
+applies (1.002 against 1.069 ms for the Triton kernel at Qwen3-30B-A3B, T = 16384 on one H200; FC2 took 0.600
+against 0.577, so FC2 keeps the Triton kernel; benchmarks/results/fp8_probe_s12_ws.txt).
 """
 
 from __future__ import annotations
