@@ -105,9 +105,9 @@ def _step_scales(sa_ptrs, sb_ptr, rows, M, j, k_steps, NKG):
 
 
 @gluon.jit
-def _promote(acc, tile, sa, sb, empty, slot, OUTSTANDING: gl.constexpr):
-    """Wait until at most OUTSTANDING wgmma groups run (this tile's is done), free its buffers, add it scaled."""
-    done = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(tile, ))
+def _promote(acc, tile, sa, sb, empty, slot):
+    """Wait for the step's wgmma, free its buffers, add its product scaled."""
+    done = warpgroup_mma_wait(num_outstanding=0, deps=(tile, ))
     mbarrier.arrive(empty.index(slot), count=1)
     return acc + done * (sa * sb)[:, None]
 
@@ -164,7 +164,7 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scal
             tile, slot = _issue_step(a_bufs, b_bufs, ready, it, mma_layout)
             it += 1
             sa_n, sb_n = _step_scales(sa_ptrs, sb_ptr, rows, M, gl.minimum(j + 1, n_steps - 1), k_steps, NKG)
-            acc = _promote(acc, tile, sa, sb, empty, slot, 0)
+            acc = _promote(acc, tile, sa, sb, empty, slot)
             sa, sb = sa_n, sb_n
 
         # The next tile's row end and first scales, loaded before this tile's stores.
