@@ -14,6 +14,7 @@ from prime_megamoe.ops import fp8_launch as fl
 from prime_megamoe.ops.fp8_ws_launch import (
     WS_CONFIGS,
     WS_LOAD_REGS,
+    WS_MMA_REGS,
     fp8_grouped_gemm_ws,
     ws_gemm_unavailable,
 )
@@ -25,15 +26,15 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90 wgmma code, no interpreter)")
 
 
-@pytest.mark.parametrize("cfg", WS_CONFIGS, ids=lambda c: f"m{c.block_m}s{c.stages}")
+@pytest.mark.parametrize("cfg", WS_CONFIGS, ids=lambda c: f"m{c.block_m}s{c.stages}h{c.halves}")
 @pytest.mark.parametrize("scale_rows", [True, False])
 def test_ws_kernel_compiles_for_hopper_with_its_register_split(cfg, scale_rows):
     rows = compile_for_hopper(
         "prime_megamoe.kernels.fp8_gemm_ws:fp8_grouped_gemm_ws_kernel",
         {"SEGS": 2, "SCALE_ROWS": scale_rows, "B_GROUP_N": 128, "STAGES": cfg.stages, "TILE_M": QTILE_M,
-         "LOAD_REGS": WS_LOAD_REGS},
+         "HALVES": cfg.halves, "LOAD_REGS": WS_LOAD_REGS, "MMA_REGS": WS_MMA_REGS},
         ["--warps", str(cfg.num_warps), "--maxnreg", str(cfg.maxnreg), "--types",
-         f'{{"bs_ptr": "*fp32", "a_desc": "tensordesc<fp8e4nv[{cfg.block_m}, 128]>", '
+         f'{{"bs_ptr": "*fp32", "a_desc": "tensordesc<fp8e4nv[{cfg.a_rows}, 128]>", '
          '"b_desc": "tensordesc<fp8e4nv[128, 128]>"}'],
     )
     (_, registers, spill, smem, partitions, wgmma), = rows

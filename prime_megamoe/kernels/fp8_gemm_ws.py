@@ -33,7 +33,9 @@ same bits as the Triton kernel; the FC1 dgrad 1.002 ms against 1.069 (the layer 
 0.577 (the layer keeps the Triton kernel), the FC2 dgrad on rows gathered beforehand 0.497 against 0.545 with the
 gather in the Triton kernel (the layer's dy is not gathered; TMA cannot gather on Hopper). Tried and dropped: two
 4-warp MMA partitions on alternate tiles (ping-pong, FC2 0.72 ms: their main loops must take turns, so only the
-epilogues overlap); 64-row tiles with two programs per SM are a config (slower here).
+epilogues overlap); 64-row tiles with two programs per SM are a config (slower here). HALVES = 2 (two 4-warp MMA
+partitions on the two halves of each tile, so that their barriers do not keep them in step) compiles for sm_90
+without spills or wgmma serialisation but has not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -47,52 +49,54 @@ _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_glo
 
 
 @gluon.jit
-def _tile_of(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _tile_of(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, TILE_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
              TILE_M: gl.constexpr, valid=True):
-    """Expert, first row and first column of persistent tile t: a BLOCK_M part of one of the plan's TILE_M-row tiles
-    and a BLOCK_N column block. ``valid`` False: no load (zeros)."""
-    PARTS: gl.constexpr = TILE_M // BLOCK_M
+    """Expert, first row and first column of persistent tile t: a TILE_ROWS part of one of the plan's TILE_M-row
+    tiles and a BLOCK_N column block. ``valid`` False: no load (zeros)."""
+    PARTS: gl.constexpr = TILE_M // TILE_ROWS
     part = t // n_col_tiles
     row_tile = part // PARTS
     expert = gl.load(tile_expert_ptr + row_tile, mask=valid, other=0)
-    row0 = gl.load(tile_row_ptr + row_tile, mask=valid, other=0) + (part % PARTS) * BLOCK_M
+    row0 = gl.load(tile_row_ptr + row_tile, mask=valid, other=0) + (part % PARTS) * TILE_ROWS
     return expert, row0, (t % n_col_tiles) * BLOCK_N
 
 
 @gluon.jit
 def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
-                    N, K, SEGS: gl.constexpr, TILE_M: gl.constexpr):
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+                    N, K, SEGS: gl.constexpr, TILE_M: gl.constexpr, HALVES: gl.constexpr):
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]  # rows of one MMA partition's A box
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    STAGES: gl.constexpr = b_bufs.type.shape[0]
     n_col_tiles = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
-    total = gl.load(num_tiles_ptr) * (TILE_M // BLOCK_M) * n_col_tiles
+    total = gl.load(num_tiles_ptr) * (TILE_M // (HALVES * BLOCK_M)) * n_col_tiles
     it = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
-        expert, row0, col0 = _tile_of(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, BLOCK_M, BLOCK_N, TILE_M)
+        expert, row0, col0 = _tile_of(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, HALVES * BLOCK_M, BLOCK_N,
+                                      TILE_M)
         for j in range(SEGS * k_steps):
             s = it % STAGES
             # A buffer is free once the MMA that read it is done; a fresh mbarrier counts as phase 1 done.
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             k = (j // k_steps) * K + (j % k_steps) * BLOCK_K
             bar = ready.index(s)
-            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            _tma_load(a_desc, [row0, k], bar, a_bufs.index(s))
+            mbarrier.expect(bar, HALVES * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            for h in gl.static_range(HALVES):
+                _tma_load(a_desc, [row0 + h * BLOCK_M, k], bar, a_bufs.index(HALVES * s + h))
             _tma_load(b_desc, [expert * N + col0, k], bar, b_bufs.index(s))
             it += 1
 
 
 @gluon.jit
-def _issue_step(a_bufs, b_bufs, ready, it, mma_layout: gl.constexpr):
-    """Wait for step ``it``'s buffers and issue its wgmma into a fresh fp32 tile (asynchronous)."""
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
+def _issue_step(a_bufs, b_bufs, ready, it, mma_layout: gl.constexpr, HALF: gl.constexpr, HALVES: gl.constexpr):
+    """Wait for step ``it``'s buffers and issue its wgmma (rows of half HALF) into a fresh fp32 tile."""
+    STAGES: gl.constexpr = b_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     s = it % STAGES
     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-    tile = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)),
+    tile = warpgroup_mma(a_bufs.index(HALVES * s + HALF), b_bufs.index(s).permute((1, 0)),
                          gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout), use_acc=False, is_async=True)
     return tile, s
 
@@ -117,8 +121,11 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scal
                    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
                    M, N, K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm,
                    SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, B_GROUP_N: gl.constexpr, TILE_M: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   HALF: gl.constexpr, HALVES: gl.constexpr):
+    """Rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of every tile of this program (HALVES partitions split a tile)."""
+    num_warps: gl.constexpr = gl.num_warps()
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    TILE_ROWS: gl.constexpr = HALVES * BLOCK_M
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     # One warp group per 64 rows; fp8 wgmma takes K = 32 per instruction.
@@ -129,16 +136,16 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scal
     n_col_tiles = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
     n_steps = SEGS * k_steps
-    total = gl.load(num_tiles_ptr) * (TILE_M // BLOCK_M) * n_col_tiles
+    total = gl.load(num_tiles_ptr) * (TILE_M // TILE_ROWS) * n_col_tiles
     programs = gl.num_programs(0)
-    lane_rows = gl.arange(0, BLOCK_M, layout=row_layout)
+    lane_rows = HALF * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)  # this partition's rows of a tile
 
     # The first tile's indices and first scales. Scale loads are masked to A's rows only: rows past the expert's end
     # read other rows' scales, which only meet outputs that are not stored.
     # (With no tiles at all the tile list holds no valid entry: nothing is loaded, the loop below does not run.)
     any_tile = total > 0
     t0 = gl.minimum(gl.program_id(0), total - 1)
-    expert, row0, col0 = _tile_of(t0, n_col_tiles, tile_expert_ptr, tile_row_ptr, BLOCK_M, BLOCK_N, TILE_M,
+    expert, row0, col0 = _tile_of(t0, n_col_tiles, tile_expert_ptr, tile_row_ptr, TILE_ROWS, BLOCK_N, TILE_M,
                                   valid=any_tile)
     row_end = gl.load(expert_offsets_ptr + expert + 1)
     rows = row0 + lane_rows
@@ -159,9 +166,9 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scal
         sa, sb = sa_next, sb_next
         # The next tile's indices: loaded now, used after this tile's steps.
         expert_n, row0_n, col0_n = _tile_of(gl.minimum(t + programs, total - 1), n_col_tiles, tile_expert_ptr,
-                                            tile_row_ptr, BLOCK_M, BLOCK_N, TILE_M)
+                                            tile_row_ptr, TILE_ROWS, BLOCK_N, TILE_M)
         for j in range(n_steps):
-            tile, slot = _issue_step(a_bufs, b_bufs, ready, it, mma_layout)
+            tile, slot = _issue_step(a_bufs, b_bufs, ready, it, mma_layout, HALF, HALVES)
             it += 1
             sa_n, sb_n = _step_scales(sa_ptrs, sb_ptr, rows, M, gl.minimum(j + 1, n_steps - 1), k_steps, NKG)
             acc = _promote(acc, tile, sa, sb, empty, slot)
@@ -178,7 +185,7 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scal
         # Stored from a row-contiguous layout (16 bytes a thread, whole rows a warp): from the MMA layout each
         # thread would write 4 bytes per row and 8-column block, and every 32-byte sector would be written twice.
         out = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), store_layout)
-        rows_s = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))
+        rows_s = row0 + HALF * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))
         cols_s = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
         c_ptrs = c_ptr + rows_s.to(gl.int64)[:, None] * stride_cm + cols_s[None, :]
         gl.store(c_ptrs, out, mask=(rows_s < row_end)[:, None] & (cols_s < N)[None, :])
@@ -191,21 +198,38 @@ def fp8_grouped_gemm_ws_kernel(
     tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
     M, N, K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm,
     SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, B_GROUP_N: gl.constexpr, STAGES: gl.constexpr,
-    TILE_M: gl.constexpr, LOAD_REGS: gl.constexpr, num_warps: gl.constexpr,
+    TILE_M: gl.constexpr, HALVES: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    """HALVES = 1: one MMA partition (``num_warps`` warps, 64 rows a warp group) computes each tile. HALVES = 2: two
+    4-warp MMA partitions (the default one and a worker with MMA_REGS registers) compute the two 64-row halves of
+    each 128-row tile from the same B buffers; neither waits at the other's barriers, so one's promotion can run
+    while the other's wgmma does (one partition of two warp groups keeps both in step at its barriers)."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [HALVES * STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(empty.index(i), count=HALVES)  # each MMA partition frees the stage
     # (The partitions' argument tuples are written out in the call: a tuple bound to a name first loses its
     # constexprs.)
-    gl.warp_specialize([
-        (_mma_partition, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scale_ptr, tile_expert_ptr,
-                          tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N, K, NKG, stride_asm, stride_bse,
-                          stride_bsn, stride_cm, SEGS, SCALE_ROWS, B_GROUP_N, TILE_M, num_warps)),
-        (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
-                           num_tiles_ptr, N, K, SEGS, TILE_M)),
-    ], [1], [LOAD_REGS])
+    if HALVES == 1:
+        gl.warp_specialize([
+            (_mma_partition, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scale_ptr, tile_expert_ptr,
+                              tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N, K, NKG, stride_asm, stride_bse,
+                              stride_bsn, stride_cm, SEGS, SCALE_ROWS, B_GROUP_N, TILE_M, 0, HALVES)),
+            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
+                               num_tiles_ptr, N, K, SEGS, TILE_M, HALVES)),
+        ], [1], [LOAD_REGS])
+    else:
+        gl.warp_specialize([
+            (_mma_partition, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scale_ptr, tile_expert_ptr,
+                              tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N, K, NKG, stride_asm, stride_bse,
+                              stride_bsn, stride_cm, SEGS, SCALE_ROWS, B_GROUP_N, TILE_M, 0, HALVES)),
+            (_mma_partition, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scale_ptr, tile_expert_ptr,
+                              tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N, K, NKG, stride_asm, stride_bse,
+                              stride_bsn, stride_cm, SEGS, SCALE_ROWS, B_GROUP_N, TILE_M, 1, HALVES)),
+            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
+                               num_tiles_ptr, N, K, SEGS, TILE_M, HALVES)),
+        ], [4, 1], [MMA_REGS, LOAD_REGS])

@@ -27,27 +27,35 @@ WS_LOAD_REGS = 40  # registers of the producer warp; the MMA warp groups get the
 
 @dataclass(frozen=True)
 class WSConfig:
-    """block_m = 128: one program per SM, an MMA partition of two warp groups, 64 rows each (launch-time registers
-    168: 12 warps fit the SM's 64K); block_m = 64: two programs per SM, one MMA warp group each (registers 128, so
-    2 x 8 warps fit). stages: buffers of A (block_m x 128) and B (128 x 128) fp8."""
+    """block_m = 128: one program per SM, either one MMA partition of two warp groups (halves = 1) or two 4-warp MMA
+    partitions taking a 64-row half of each tile each (halves = 2), launch-time registers 168 (12 warps fit the
+    SM's 64K); block_m = 64: two programs per SM, one MMA warp group each (registers 128, so 2 x 8 warps fit).
+    stages: buffers of A (block_m x 128) and B (128 x 128) fp8."""
 
     block_m: int = 128
     stages: int = 4
+    halves: int = 1
 
     @property
-    def num_warps(self) -> int:
-        return self.block_m // 16
+    def a_rows(self) -> int:  # rows of one A box (one MMA partition's part of a tile)
+        return self.block_m // self.halves
+
+    @property
+    def num_warps(self) -> int:  # of the default partition
+        return self.a_rows // 16
 
     @property
     def maxnreg(self) -> int:
-        return 168 if self.block_m == 128 else 128
+        return 168 if self.programs_per_sm == 1 else 128
 
     @property
     def programs_per_sm(self) -> int:
         return 128 // self.block_m
 
 
-WS_CONFIGS = (WSConfig(128, 4), WSConfig(128, 6), WSConfig(64, 4))
+WS_MMA_REGS = 232  # the second MMA partition's registers (halves = 2)
+# WSConfig(128, 4, halves=2) has not run on a GPU yet (the session that wrote it had no device time left).
+WS_CONFIGS = (WSConfig(128, 4), WSConfig(128, 6), WSConfig(64, 4), WSConfig(128, 4, halves=2))
 WS_DEFAULT = WS_CONFIGS[0]
 
 
@@ -91,9 +99,9 @@ def fp8_grouped_gemm_ws(aq_data, aq_scale, bq_data, bq_scale, plan: RoutingPlan,
     rows, n = aq_data.shape[0], bq_data.shape[1]
     if rows == 0:  # no rows (a rank that receives nothing): no tiles, and no descriptor over nothing
         return
-    a_layout, b_layout = _layouts(config.block_m)
+    a_layout, b_layout = _layouts(config.a_rows)
     b_2d = bq_data.view(-1, bq_data.shape[2])
-    a_desc = TensorDescriptor.from_tensor(aq_data, [config.block_m, WS_BLOCK_K], a_layout)
+    a_desc = TensorDescriptor.from_tensor(aq_data, [config.a_rows, WS_BLOCK_K], a_layout)
     b_desc = TensorDescriptor.from_tensor(b_2d, [WS_BLOCK_N, WS_BLOCK_K], b_layout)
     tiles = plan.max_tiles * (QTILE_M // config.block_m) * cdiv(n, WS_BLOCK_N)
     grid = (max(1, min(config.programs_per_sm * _num_sms(c.device), tiles, programs or tiles)),)
@@ -102,5 +110,6 @@ def fp8_grouped_gemm_ws(aq_data, aq_scale, bq_data, bq_scale, plan: RoutingPlan,
         plan.tile_expert, plan.tile_row, plan.num_tiles, plan.expert_offsets,
         rows, n, k, n_groups, aq_scale.stride(0), bq_scale.stride(0), bq_scale.stride(1), c.stride(0),
         SEGS=segments, SCALE_ROWS=row_scale is not None, B_GROUP_N=b_group_n, STAGES=config.stages,
-        TILE_M=QTILE_M, LOAD_REGS=WS_LOAD_REGS, num_warps=config.num_warps, maxnreg=config.maxnreg,
+        TILE_M=QTILE_M, HALVES=config.halves, LOAD_REGS=WS_LOAD_REGS, MMA_REGS=WS_MMA_REGS,
+        num_warps=config.num_warps, maxnreg=config.maxnreg,
     )
