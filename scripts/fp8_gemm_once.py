@@ -47,14 +47,12 @@ def main():
     kernel = fp8_gemm.fp8_grouped_gemm_kernel
     kernel.configs = kernel.configs[:1]
     kernel.cache.clear()
-    k = b.data.shape[2] // segments
     for _ in range(args.calls):
         if args.kernel == "triton":
             fl.fp8_grouped_gemm(a, b, plan, fmt, out_dtype=x.dtype, segments=segments, row_scale=row_scale)
         else:
             c = torch.empty(plan.num_pairs, b.data.shape[1], dtype=x.dtype, device="cuda")
-            fp8_grouped_gemm_ws(a.data, a.scale, b.data, b.scale, plan, c, k=k, n_groups=-(-k // fmt.group),
-                                segments=segments, row_scale=row_scale, b_group_n=fmt.weight_rows,
+            fp8_grouped_gemm_ws(a, b, plan, c, segments=segments, row_scale=row_scale,
                                 config=WSConfig(args.block_m, args.stages))
     torch.cuda.synchronize()
     print(f"{args.gemm} {args.kernel}: {args.calls} calls done")

@@ -133,9 +133,7 @@ def main():
     def ws_run(a, b, segments=1, row_scale=None):
         def run(cfg):
             c = torch.empty(pairs, b.data.shape[1], dtype=x.dtype, device=x.device)
-            k = b.data.shape[2] // segments
-            fp8_grouped_gemm_ws(a.data, a.scale, b.data, b.scale, plan, c, k=k, n_groups=-(-k // fmt.group),
-                                segments=segments, row_scale=row_scale, b_group_n=fmt.weight_rows, config=cfg)
+            fp8_grouped_gemm_ws(a, b, plan, c, segments=segments, row_scale=row_scale, config=cfg)
             return c
         return run
 

@@ -102,9 +102,7 @@ def test_ws_gemm_matches_the_triton_kernel(hidden, inter):
         for cfg in WS_CONFIGS:
             for programs in (None, 1, 3):
                 c = torch.empty_like(ws)
-                k = b.data.shape[2] // segments
-                fp8_grouped_gemm_ws(a.data, a.scale, b.data, b.scale, plan, c, k=k, n_groups=-(-k // 128),
-                                    segments=segments, row_scale=row_scale, b_group_n=128, config=cfg,
+                fp8_grouped_gemm_ws(a, b, plan, c, segments=segments, row_scale=row_scale, config=cfg,
                                     programs=programs)
                 torch.testing.assert_close(c, triton_kernel, rtol=1e-6, atol=1e-6, msg=f"{name}, {cfg}, {programs}")
         a_deq = fl.dequantize_rows(a, fmt, segments=segments).double().cpu()
@@ -128,7 +126,6 @@ def test_ws_gemm_on_a_rank_that_receives_nothing():
     w2f = fl.quantize_w2_fwd(torch.randn(4, 256, 128, device=device), fmt)
     assert ws_gemm_unavailable(aq.data, w2f.data, mx=False, gather=False, segments=1, k=128) is None
     c = torch.full((plan.num_pairs, 256), 7.0, device=device)
-    fp8_grouped_gemm_ws(aq.data, aq.scale, w2f.data, w2f.scale, plan, c, k=128, n_groups=1, segments=1,
-                        row_scale=None, b_group_n=128)
+    fp8_grouped_gemm_ws(aq, w2f, plan, c, segments=1, row_scale=None)
     torch.cuda.synchronize()
     assert torch.equal(c, torch.full_like(c, 7.0))

@@ -321,24 +321,25 @@ def fp8_fc1_swiglu(xq: QTensor, w1q: QTensor, plan: RoutingPlan, fmt: QFormat, *
 
 def fp8_grouped_gemm(aq: QTensor, bq: QTensor, plan: RoutingPlan, fmt: QFormat, *, out_dtype: torch.dtype,
                      segments: int = 1, gather: bool = False, row_scale: torch.Tensor | None = None,
-                     use_tma: bool | None = None, use_ws: bool = False) -> torch.Tensor:
+                     use_tma: bool | None = None, use_ws: bool | None = False) -> torch.Tensor:
     """C[r] = scale[r] * A[src[r] if gather else r] @ B[e]^T with B the K-major operand [E, N, segments * K].
     ``use_ws=True``: run the warp-specialised Hopper kernel (``kernels/fp8_gemm_ws.py``, same bits); where it does
-    not apply (``fp8_ws_launch.ws_gemm_unavailable``) that is an error. Callers choose per GEMM (it was faster for
-    the FC1 dgrad, slower for FC2: fp8_probe_s12_ws.txt). Otherwise the Triton kernel, with ``use_tma``: read B
+    not apply (``fp8_ws_launch.ws_gemm_unavailable``) that is an error. ``use_ws=None``: that kernel where it
+    applies, else the Triton one. Callers choose per GEMM (it was faster for the FC1 dgrad, slower for FC2:
+    fp8_probe_s12_ws.txt). Otherwise the Triton kernel, with ``use_tma``: read B
     by TMA, and A too where it is not gathered and each segment's K is a multiple of 128 (a box must not run into
     the next segment); default: where the GPU can."""
     _check_plan(plan)
     n, k_total = bq.data.shape[1], bq.data.shape[2]
     k = k_total // segments
     c = torch.empty(plan.num_pairs, n, dtype=out_dtype, device=aq.data.device)
-    if use_ws:
+    if use_ws is not False:
         why_not = ws_gemm_unavailable(aq.data, bq.data, mx=fmt.mx, gather=gather, segments=segments, k=k)
-        if why_not is not None:
+        if why_not is None:
+            fp8_grouped_gemm_ws(aq, bq, plan, c, segments=segments, row_scale=row_scale)
+            return c
+        if use_ws:
             raise ValueError(f"use_ws=True: the warp-specialised fp8 GEMM cannot run here: {why_not}")
-        fp8_grouped_gemm_ws(aq.data, aq.scale, bq.data, bq.scale, plan, c, k=k, n_groups=cdiv(k, fmt.group),
-                            segments=segments, row_scale=row_scale, b_group_n=fmt.weight_rows)
-        return c
     b_desc = _weight_descriptor(bq, use_tma)
     a_tma = b_desc is not None and not gather and (segments == 1 or k % 128 == 0) and (
         use_tma or tma_readable(aq.data))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,7 +22,11 @@ from .launch import _cuda_properties, _num_sms, tma_readable
 from .routing_plan import RoutingPlan
 from .sizes import cdiv
 
+if TYPE_CHECKING:
+    from .fp8_launch import QTensor
+
 WS_BLOCK_N, WS_BLOCK_K = 128, 128
+WS_WEIGHT_BLOCK = 128  # rows of a weight scale block in the fp8 format (the only one the kernel takes)
 WS_LOAD_REGS = 40  # registers of the producer warp; the MMA warp groups get the rest (setmaxnreg)
 
 
@@ -86,17 +91,19 @@ def _layouts(block_m: int):
     return a, b
 
 
-def fp8_grouped_gemm_ws(aq_data, aq_scale, bq_data, bq_scale, plan: RoutingPlan, c: torch.Tensor, *, k: int,
-                        n_groups: int, segments: int, row_scale: torch.Tensor | None, b_group_n: int,
-                        config: WSConfig = WS_DEFAULT, programs: int | None = None) -> None:
+def fp8_grouped_gemm_ws(aq: QTensor, bq: QTensor, plan: RoutingPlan, c: torch.Tensor, *, segments: int,
+                        row_scale: torch.Tensor | None, config: WSConfig = WS_DEFAULT,
+                        programs: int | None = None) -> None:
     """c[r] = row_scale[r] * A[r] @ B[e]^T with the warp-specialised kernel (callers check ``ws_gemm_unavailable``
-    first): A [P, segments * k] fp8 row-scaled, B the K-major weights [E, N, segments * k]. ``programs``: at most
-    that many persistent programs (tests give small problems several tiles a program this way)."""
+    first): A [P, segments * K] fp8 with row scales [P, segments * cdiv(K, 128)], B the K-major weights
+    [E, N, segments * K] in fp8 blocks. ``programs``: at most that many persistent programs (tests give small problems
+    several tiles a program this way)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ..kernels.fp8_gemm_ws import fp8_grouped_gemm_ws_kernel
 
-    rows, n = aq_data.shape[0], bq_data.shape[1]
+    aq_data, aq_scale, bq_data, bq_scale = aq.data, aq.scale, bq.data, bq.scale
+    rows, n, k = aq_data.shape[0], bq_data.shape[1], bq_data.shape[2] // segments
     if rows == 0:  # no rows (a rank that receives nothing): no tiles, and no descriptor over nothing
         return
     a_layout, b_layout = _layouts(config.a_rows)
@@ -108,8 +115,8 @@ def fp8_grouped_gemm_ws(aq_data, aq_scale, bq_data, bq_scale, plan: RoutingPlan,
     fp8_grouped_gemm_ws_kernel[grid](
         a_desc, b_desc, aq_scale, bq_scale, c, row_scale if row_scale is not None else plan.row_weight,
         plan.tile_expert, plan.tile_row, plan.num_tiles, plan.expert_offsets,
-        rows, n, k, n_groups, aq_scale.stride(0), bq_scale.stride(0), bq_scale.stride(1), c.stride(0),
-        SEGS=segments, SCALE_ROWS=row_scale is not None, B_GROUP_N=b_group_n, STAGES=config.stages,
+        rows, n, k, aq_scale.shape[1] // segments, aq_scale.stride(0), bq_scale.stride(0), bq_scale.stride(1),
+        c.stride(0), SEGS=segments, SCALE_ROWS=row_scale is not None, B_GROUP_N=WS_WEIGHT_BLOCK, STAGES=config.stages,
         TILE_M=QTILE_M, HALVES=config.halves, LOAD_REGS=WS_LOAD_REGS, MMA_REGS=WS_MMA_REGS,
         num_warps=config.num_warps, maxnreg=config.maxnreg,
     )

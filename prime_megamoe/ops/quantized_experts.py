@@ -90,7 +90,6 @@ from ..kernels.fp8_gemm import QTILE_M
 from . import fp8_launch as fl
 from . import launch
 from .expert_compute import combine_with_pair_values, unquantized_forward
-from .fp8_ws_launch import ws_gemm_unavailable
 from .routing_plan import RoutingPlan, build_routing_plan
 
 QUANTIZED_PRECISIONS = ("fp8", "fp8_bwd", "mxfp8")
@@ -278,9 +277,7 @@ class QuantizedRoutedExperts(torch.autograd.Function):
             w1q = cached_weight_operand(w1, "w1_bwd", fmt)
             # The warp-specialised Hopper kernel where it applies: for the FC1 dgrad it measured 6% faster than the
             # Triton kernel (1.002 against 1.069 ms at Qwen3-30B-A3B, T = 16384; FC2 was 4% slower with it).
-            use_ws = ws_gemm_unavailable(d.dh_rows.data, w1q.data, mx=fmt.mx, gather=False, segments=2,
-                                         k=w1q.data.shape[2] // 2) is None
-            dx_sorted = fl.fp8_grouped_gemm(d.dh_rows, w1q, plan, fmt, out_dtype=rows.dtype, segments=2, use_ws=use_ws)
+            dx_sorted = fl.fp8_grouped_gemm(d.dh_rows, w1q, plan, fmt, out_dtype=rows.dtype, segments=2, use_ws=None)
             grad_rows, grad_weights = combine_with_pair_values(
                 dx_sorted, d.dw_row, plan, rows.dtype, ctx.weights_dtype if ctx.needs_input_grad[2] else None)
             del dx_sorted
