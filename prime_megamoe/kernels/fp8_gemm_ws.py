@@ -52,7 +52,8 @@ _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_glo
 def _tile_of(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, TILE_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
              TILE_M: gl.constexpr, valid=True):
     """Expert, first row and first column of persistent tile t: a TILE_ROWS part of one of the plan's TILE_M-row
-    tiles and a BLOCK_N column block. ``valid`` False: no load (zeros)."""
+    tiles and a BLOCK_N column block. ``valid`` False: no load (zeros). (The Gluon twin of ``grouped_gemm.tile_span``,
+    which a Gluon kernel cannot call.)"""
     PARTS: gl.constexpr = TILE_M // TILE_ROWS
     part = t // n_col_tiles
     row_tile = part // PARTS
