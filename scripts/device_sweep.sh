@@ -123,6 +123,16 @@ case "${1:-}" in
     CUDA_VISIBLE_DEVICES=1 step fp8_probe_ws 240 python scripts/fp8_probe.py --ws-only
     wait
     tail -5 "$LOGS/pytest_ws.log"; tail -24 "$LOGS/fp8_probe_ws.log" ;;
+  s13a)  # the ws GEMM's configs (GPU tests beside the probe, as ws2), then fp8 / fp8_bwd at EP=2 over collectives,
+         # where the FC1 dgrad now runs the ws kernel
+    CUDA_VISIBLE_DEVICES=0 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_ws 240 python -m pytest -q tests/test_fp8_gemm_ws.py \
+      -rA &
+    CUDA_VISIBLE_DEVICES=1 step fp8_probe_ws 240 python scripts/fp8_probe.py --ws-only
+    wait
+    tail -5 "$LOGS/pytest_ws.log"; tail -24 "$LOGS/fp8_probe_ws.log"
+    step fp8_ep2 300 torchrun --nproc-per-node 2 -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+      --precisions fp8 fp8_bwd --transports collectives --iters 5 --warmup 2 --out "$LOGS/fp8_ep2.json"
+    tail -6 "$LOGS/fp8_ep2.log" ;;
   ws)  # the warp-specialised fp8 GEMM: its GPU tests then the layer against ab_base/ (GPU 0); the fp8 probe with its
        # rows then the layer with this tree (GPU 1)
     (CUDA_VISIBLE_DEVICES=0 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_ws 200 python -m pytest -q tests/test_fp8_gemm_ws.py \
