@@ -123,6 +123,11 @@ case "${1:-}" in
     CUDA_VISIBLE_DEVICES=1 step fp8_probe_ws 240 python scripts/fp8_probe.py --ws-only
     wait
     tail -5 "$LOGS/pytest_ws.log"; tail -24 "$LOGS/fp8_probe_ws.log" ;;
+  ws1)  # the ws GEMM's configs on a one-GPU machine: its GPU tests, then the probe's ws rows
+    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_ws 240 python -m pytest -q tests/test_fp8_gemm_ws.py -rA
+    tail -5 "$LOGS/pytest_ws.log"
+    step fp8_probe_ws 240 python scripts/fp8_probe.py --ws-only
+    tail -24 "$LOGS/fp8_probe_ws.log" ;;
   s13a)  # the ws GEMM's configs (GPU tests beside the probe, as ws2), then fp8 / fp8_bwd at EP=2 over collectives,
          # where the FC1 dgrad now runs the ws kernel
     CUDA_VISIBLE_DEVICES=0 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_ws 240 python -m pytest -q tests/test_fp8_gemm_ws.py \
