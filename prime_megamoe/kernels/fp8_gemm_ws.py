@@ -28,14 +28,14 @@ scale group, BLOCK_N <= 128 dividing 128 (one weight scale per step), and with S
 of 128 (a box must not run into the next segment). Gluon kernels have no interpreter: this one is tested on the GPU
 against the Triton kernel and compiled for sm_90 on the CPU.
 
-Measured (Qwen3-30B-A3B, T = 16384, one H200, ``scripts/fp8_probe.py --ws-only``, 128-row tiles, 4 stages): the
-same bits as the Triton kernel; the FC1 dgrad 1.002 ms against 1.069 (the layer runs it here), FC2 0.600 against
-0.577 (the layer keeps the Triton kernel), the FC2 dgrad on rows gathered beforehand 0.497 against 0.545 with the
-gather in the Triton kernel (the layer's dy is not gathered; TMA cannot gather on Hopper). Tried and dropped: two
-4-warp MMA partitions on alternate tiles (ping-pong, FC2 0.72 ms: their main loops must take turns, so only the
-epilogues overlap); 64-row tiles with two programs per SM are a config (slower here). HALVES = 2 (two 4-warp MMA
-partitions on the two halves of each tile, so that their barriers do not keep them in step) compiles for sm_90
-without spills or wgmma serialisation but has not run on a GPU yet.
+Measured (Qwen3-30B-A3B, T = 16384, one H200, ``scripts/fp8_probe.py --ws-only``): the same bits as the Triton
+kernel. HALVES = 2 (two 4-warp MMA partitions on the two halves of each tile, so that neither waits at the other's
+barriers) is the fastest config: FC2 0.543 ms against 0.582 for the Triton kernel, the FC1 dgrad 0.977 against
+1.063, the FC2 dgrad on rows gathered beforehand 0.480 against 0.544 with the gather in the Triton kernel (the
+layer's dy is not gathered; TMA cannot gather on Hopper); one partition of two warp groups took 0.593 / 0.999 / 0.492
+(``benchmarks/results/fp8_probe_s13.txt``). Tried and dropped: two 4-warp MMA partitions on alternate tiles
+(ping-pong, FC2 0.72 ms: their main loops must take turns, so only the epilogues overlap); 64-row tiles with two
+programs per SM are a config (slower here).
 """
 
 from __future__ import annotations

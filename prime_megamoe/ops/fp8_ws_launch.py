@@ -4,9 +4,10 @@ descriptors, its persistent grid.
 ``ws_gemm_unavailable`` says why a row-tiled fp8 GEMM cannot run there, or None where it can: it needs a Hopper GPU
 (the kernel is sm_90 wgmma code), the fp8 format (not mx), A not gathered, each segment's K a multiple of 128 when
 there are two segments, and both operands TMA-readable. ``fp8_launch.fp8_grouped_gemm(use_ws=True)`` runs it;
-asking for it where it does not apply is an error that says why. The layer asks for it for the FC1 dgrad, where it
-applies (1.002 against 1.069 ms for the Triton kernel at Qwen3-30B-A3B, T = 16384 on one H200; FC2 took 0.600
-against 0.577, so FC2 keeps the Triton kernel; benchmarks/results/fp8_probe_s12_ws.txt).
+asking for it where it does not apply is an error that says why. The layer asks for it for FC2 and the FC1 dgrad,
+where it applies: with the default config (two 4-warp MMA partitions on the halves of each 128-row tile) FC2 took
+0.543 ms against 0.582 for the Triton kernel and the FC1 dgrad 0.977 against 1.063 (Qwen3-30B-A3B, T = 16384, one
+H200; benchmarks/results/fp8_probe_s13.txt).
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ class WSConfig:
 
 
 WS_MMA_REGS = 232  # the second MMA partition's registers (halves = 2)
-# WSConfig(128, 4, halves=2) has not run on a GPU yet (the session that wrote it had no device time left).
-WS_CONFIGS = (WSConfig(128, 4), WSConfig(128, 6), WSConfig(64, 4), WSConfig(128, 4, halves=2))
+# The first is the default: the fastest on all three GEMMs the kernel can take (fp8_probe_s13.txt).
+WS_CONFIGS = (WSConfig(128, 4, halves=2), WSConfig(128, 4), WSConfig(128, 6), WSConfig(64, 4))
 WS_DEFAULT = WS_CONFIGS[0]
 
 

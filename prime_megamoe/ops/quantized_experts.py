@@ -21,7 +21,8 @@ What each GEMM quantises, and the scale layout its operands need (scales always 
   gathered per sorted row; B = W1 [E, 2I, H] in 128x128 blocks / 1x32 along H (gate and up halves blocked apart).
   The epilogue stores h (input dtype, for the backward) and a = silu(g) * u in fp8 with 1x128 / 1x32 row scales.
 - FC2 + top-k weight epilogue (reduction I): A = a [P, I] from FC1's epilogue (no extra pass); B = W2 [E, H, I] in
-  128x128 blocks / 1x32 along I. Output in the input dtype, then the deterministic combine.
+  128x128 blocks / 1x32 along I. Output in the input dtype, then the deterministic combine. On Hopper (fp8) it runs
+  the warp-specialised kernel of ``kernels/fp8_gemm_ws.py``.
 - FC2 dgrad (reduction H): A = dy [T, H] row-scaled along H, gathered; B = the transposed copy W2^T [E, I, H]
   (K-major, as Hopper's fp8 wgmma wants), blocks / groups along H. Output g_a [P, I] in the input dtype. Then the
   SwiGLU backward pass (``kernels.swiglu_grad``) reads g_a and h once and emits dh = [dg | du] twice in fp8:
@@ -252,7 +253,8 @@ class QuantizedRoutedExperts(torch.autograd.Function):
             w1q = cached_weight_operand(w1, "w1_fwd", fmt)
             w2q = cached_weight_operand(w2, "w2_fwd", fmt)
             h, aq = fl.fp8_fc1_swiglu(xq, w1q, plan, fmt, inter=inter, h_dtype=rows.dtype if need_grad else None)
-            out_sorted = fl.fp8_grouped_gemm(aq, w2q, plan, fmt, out_dtype=rows.dtype, row_scale=plan.row_weight)
+            out_sorted = fl.fp8_grouped_gemm(aq, w2q, plan, fmt, out_dtype=rows.dtype, row_scale=plan.row_weight,
+                                             use_ws=None)
             out = launch.combine_rows(out_sorted, plan.pair_pos, rows.dtype)
         if need_grad:
             ctx.save_for_backward(rows, w1, w2, h)
