@@ -128,6 +128,30 @@ case "${1:-}" in
     tail -5 "$LOGS/pytest_ws.log"
     step fp8_probe_ws 240 python scripts/fp8_probe.py --ws-only
     tail -24 "$LOGS/fp8_probe_ws.log" ;;
+  s13b)  # where the ws kernel's time goes (variants without promotion / stores), Nsight Compute on its FC2 (summary,
+         # stall samples per SASS line), the quantised precisions' GPU tests, then the layer: this tree, ab_base/
+    step ceiling 240 python scripts/fp8_ws_ceiling.py
+    tail -12 "$LOGS/ceiling.log"
+    ncu_args="--clock-control none --kernel-name regex:fp8_grouped_gemm_ws --launch-skip 2 --launch-count 1"
+    step ncu_ws 200 ncu $ncu_args --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+      --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis python scripts/fp8_gemm_once.py --gemm fc2 \
+      --kernel ws
+    grep -E "Duration|Throughput|Stall|Warp Cycles|Issued|Eligible|L2 Hit|Pipe|One or More|No Eligible" \
+      "$LOGS/ncu_ws.log" | head -40
+    step ncu_ws_sass 200 ncu $ncu_args --section WarpStateStats --section SourceCounters --page source \
+      --print-source sass --csv python scripts/fp8_gemm_once.py --gemm fc2 --kernel ws
+    wc -l "$LOGS/ncu_ws_sass.log"
+    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_fp8 240 python -m pytest -q tests/test_fp8_experts.py -k "gpu or half_tile or tma" -rA
+    tail -3 "$LOGS/pytest_fp8.log"
+    step fp8_new 180 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+      --precisions fp8 fp8_bwd --iters 5 --warmup 2 --out "$LOGS/fp8_new.json"
+    tail -4 "$LOGS/fp8_new.log"
+    (cd ab_base && PYTHONPATH=/tmp/site:$PWD step fp8_base 180 python -m prime_megamoe.bench --shape qwen3-30b-a3b \
+      --tokens 16384 --precisions fp8 fp8_bwd --backends mega_moe --iters 5 --warmup 2 --out "$LOGS/fp8_base.json")
+    tail -3 "$LOGS/fp8_base.log"
+    step fp8_new_r5 180 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --backends mega_moe \
+      --precisions fp8 fp8_bwd --repeat 5 --iters 5 --warmup 2 --out "$LOGS/fp8_new_r5.json"
+    tail -3 "$LOGS/fp8_new_r5.log" ;;
   s13a)  # the ws GEMM's configs (GPU tests beside the probe, as ws2), then fp8 / fp8_bwd at EP=2 over collectives,
          # where the FC1 dgrad now runs the ws kernel
     CUDA_VISIBLE_DEVICES=0 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_ws 240 python -m pytest -q tests/test_fp8_gemm_ws.py \

@@ -1,0 +1,177 @@
+"""Where the warp-specialised fp8 GEMM's time goes: the layer's kernel against variants of it without parts of its
+work, on the layer's FC2 and FC1 dgrad (one Hopper GPU, EP = 1):
+
+    python scripts/fp8_ws_ceiling.py [--shape qwen3-30b-a3b --tokens 16384]
+
+Variants (same producer, same tiles, same two 4-warp MMA partitions on the halves of each 128-row tile):
+- ``ws``: the layer's kernel (``kernels/fp8_gemm_ws.py``, default config);
+- ``promote, no store``: its main loop (each step's MMA into a fresh tile, waited for, scaled, added), no stores;
+- ``plain``: no promotion: every step accumulates into one tile, the next step's MMA is issued before the previous
+  one is waited for (the bf16 main loop: the tensor cores never wait for the scaling), stores as the layer's kernel;
+- ``plain, no store``: that main loop alone.
+Only ``ws`` computes the layer's result; the others measure what the tile shape, the pipeline and the stores cost
+on this GPU (a ceiling for this kernel's structure). Prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.testing import do_bench
+
+from prime_megamoe.bench import make_inputs
+from prime_megamoe.kernels.fp8_gemm import QTILE_M
+from prime_megamoe.kernels.fp8_gemm_ws import _issue_step, _load_partition, _promote, _step_scales, _tile_of
+from prime_megamoe.ops import fp8_launch as fl
+from prime_megamoe.ops.fp8_ws_launch import WS_DEFAULT, WS_LOAD_REGS, WS_MMA_REGS, _layouts, fp8_grouped_gemm_ws
+from prime_megamoe.ops.launch import _num_sms
+from prime_megamoe.ops.routing_plan import build_routing_plan
+from prime_megamoe.ops.sizes import cdiv
+
+
+@gluon.jit
+def _variant_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, tile_expert_ptr, tile_row_ptr,
+                       num_tiles_ptr, expert_offsets_ptr, M, N, K, NKG, stride_asm, stride_bse, stride_bsn,
+                       stride_cm, store, SEGS: gl.constexpr, TILE_M: gl.constexpr, HALF: gl.constexpr,
+                       PROMOTE: gl.constexpr):
+    num_warps: gl.constexpr = gl.num_warps()
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    STAGES: gl.constexpr = b_bufs.type.shape[0]
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_N, 32])
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [num_warps, 1], [1, 0])
+    n_col_tiles = gl.cdiv(N, BLOCK_N)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    n_steps = SEGS * k_steps
+    total = gl.load(num_tiles_ptr) * (TILE_M // (2 * BLOCK_M)) * n_col_tiles
+    lane_rows = HALF * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
+    it = 0
+    for t in range(gl.program_id(0), total, gl.num_programs(0)):
+        expert, row0, col0 = _tile_of(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, 2 * BLOCK_M, BLOCK_N, TILE_M)
+        row_end = gl.load(expert_offsets_ptr + expert + 1)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
+        if PROMOTE:  # as the layer's kernel
+            rows = row0 + lane_rows
+            sa_ptrs = as_ptr + rows.to(gl.int64) * stride_asm
+            sb_ptr = bs_ptr + expert.to(gl.int64) * stride_bse + (col0 // 128) * stride_bsn
+            sa, sb = _step_scales(sa_ptrs, sb_ptr, rows, M, 0, k_steps, NKG)
+            for j in range(n_steps):
+                tile, slot = _issue_step(a_bufs, b_bufs, ready, it, mma_layout, HALF, 2)
+                it += 1
+                sa_n, sb_n = _step_scales(sa_ptrs, sb_ptr, rows, M, gl.minimum(j + 1, n_steps - 1), k_steps, NKG)
+                acc = _promote(acc, tile, sa, sb, empty, slot)
+                sa, sb = sa_n, sb_n
+        else:  # one accumulator, the previous step's MMA waited for after the next one is issued
+            prev = 0
+            for j in range(n_steps):
+                s = it % STAGES
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                acc = warpgroup_mma(a_bufs.index(2 * s + HALF), b_bufs.index(s).permute((1, 0)), acc,
+                                    is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                if j > 0:
+                    mbarrier.arrive(empty.index(prev), count=1)
+                prev = s
+                it += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(empty.index(prev), count=1)
+        if store != 0:
+            out = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), store_layout)
+            rows_s = row0 + HALF * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))
+            cols_s = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
+            c_ptrs = c_ptr + rows_s.to(gl.int64)[:, None] * stride_cm + cols_s[None, :]
+            gl.store(c_ptrs, out, mask=(rows_s < row_end)[:, None] & (cols_s < N)[None, :])
+
+
+@gluon.jit
+def ws_variant_kernel(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
+                      expert_offsets_ptr, M, N, K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm, store,
+                      SEGS: gl.constexpr, STAGES: gl.constexpr, TILE_M: gl.constexpr, PROMOTE: gl.constexpr,
+                      LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr):
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    gl.warp_specialize([
+        (_variant_partition, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, tile_expert_ptr, tile_row_ptr,
+                              num_tiles_ptr, expert_offsets_ptr, M, N, K, NKG, stride_asm, stride_bse, stride_bsn,
+                              stride_cm, store, SEGS, TILE_M, 0, PROMOTE)),
+        (_variant_partition, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, tile_expert_ptr, tile_row_ptr,
+                              num_tiles_ptr, expert_offsets_ptr, M, N, K, NKG, stride_asm, stride_bse, stride_bsn,
+                              stride_cm, store, SEGS, TILE_M, 1, PROMOTE)),
+        (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
+                           num_tiles_ptr, N, K, SEGS, TILE_M, 2)),
+    ], [4, 1], [MMA_REGS, LOAD_REGS])
+
+
+def run_variant(aq, bq, plan, c, *, segments: int, promote: bool, store: bool) -> None:
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    cfg = WS_DEFAULT
+    assert cfg.halves == 2 and cfg.block_m == 128
+    rows, n, k = aq.data.shape[0], bq.data.shape[1], bq.data.shape[2] // segments
+    a_layout, b_layout = _layouts(cfg.a_rows)
+    a_desc = TensorDescriptor.from_tensor(aq.data, [cfg.a_rows, 128], a_layout)
+    b_desc = TensorDescriptor.from_tensor(bq.data.view(-1, bq.data.shape[2]), [128, 128], b_layout)
+    tiles = plan.max_tiles * cdiv(n, 128)
+    grid = (min(_num_sms(c.device), tiles),)
+    ws_variant_kernel[grid](
+        a_desc, b_desc, aq.scale, bq.scale, c, plan.tile_expert, plan.tile_row, plan.num_tiles,
+        plan.expert_offsets, rows, n, k, aq.scale.shape[1] // segments, aq.scale.stride(0), bq.scale.stride(0),
+        bq.scale.stride(1), c.stride(0), int(store), SEGS=segments, STAGES=cfg.stages, TILE_M=QTILE_M,
+        PROMOTE=promote, LOAD_REGS=WS_LOAD_REGS, MMA_REGS=WS_MMA_REGS, num_warps=cfg.num_warps,
+        maxnreg=cfg.maxnreg)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="qwen3-30b-a3b")
+    p.add_argument("--tokens", type=int, default=16384)
+    args = p.parse_args()
+    x, index, weights, w1, w2 = make_inputs(args.shape, args.tokens, 0, 1, seed=0, device="cuda")
+    num_experts, hidden, inter = w2.shape
+    fmt = fl.fp8_format()
+    plan = build_routing_plan(index, weights, expert_base=0, num_local_experts=num_experts, tile_m=QTILE_M)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    gemms = {
+        "FC2": (fl.quantize_rows(torch.randn(plan.num_pairs, inter, device="cuda", generator=gen), fmt),
+                fl.quantize_w2_fwd(w2, fmt), 1),
+        "FC1 dgrad": (fl.quantize_rows(torch.randn(plan.num_pairs, 2 * inter, device="cuda", generator=gen), fmt,
+                                       segments=2), fl.quantize_w1_bwd(w1, fmt), 2),
+    }
+    rows = []
+    for name, (a, b, segments) in gemms.items():
+        flop = 2 * plan.num_pairs * b.data.shape[1] * b.data.shape[2]
+        c = torch.empty(plan.num_pairs, b.data.shape[1], dtype=x.dtype, device="cuda")
+        ref = torch.empty_like(c)
+        fp8_grouped_gemm_ws(a, b, plan, ref, segments=segments, row_scale=None)
+        run_variant(a, b, plan, c, segments=segments, promote=True, store=True)
+        # The variant with promotion and stores is the layer's kernel without the row scale: the same bits.
+        print(f"{name}: promote + store variant equals the layer's kernel: {torch.equal(c, ref)}")
+        runs = {
+            "ws (layer)": lambda: fp8_grouped_gemm_ws(a, b, plan, c, segments=segments, row_scale=None),
+            "promote, no store": lambda: run_variant(a, b, plan, c, segments=segments, promote=True, store=False),
+            "plain": lambda: run_variant(a, b, plan, c, segments=segments, promote=False, store=True),
+            "plain, no store": lambda: run_variant(a, b, plan, c, segments=segments, promote=False, store=False),
+        }
+        for label, fn in runs.items():
+            ms = do_bench(fn, warmup=5, rep=40)
+            rows.append((name, label, ms, flop / ms / 1e9))
+    print(f"\n{args.shape}, T = {args.tokens}, {plan.num_pairs} rows, one {torch.cuda.get_device_name()}")
+    print(f"{'GEMM':10s} {'variant':18s} {'ms':>7s} {'TFLOP/s':>8s}")
+    for name, label, ms, tflops in rows:
+        print(f"{name:10s} {label:18s} {ms:7.3f} {tflops:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
