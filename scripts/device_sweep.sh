@@ -152,6 +152,22 @@ case "${1:-}" in
     step fp8_new_r5 180 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --backends mega_moe \
       --precisions fp8 fp8_bwd --repeat 5 --iters 5 --warmup 2 --out "$LOGS/fp8_new_r5.json"
     tail -3 "$LOGS/fp8_new_r5.log" ;;
+  s13c)  # the ws kernel with ordered halves and TMA stores: its GPU tests, the probe's ws rows, the variants without
+         # promotion / stores, the quantised precisions' GPU tests, the layer (one call, then back to back)
+    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_ws 240 python -m pytest -q tests/test_fp8_gemm_ws.py -rA
+    tail -3 "$LOGS/pytest_ws.log"
+    step fp8_probe_ws 240 python scripts/fp8_probe.py --ws-only
+    tail -24 "$LOGS/fp8_probe_ws.log"
+    step ceiling 240 python scripts/fp8_ws_ceiling.py
+    tail -10 "$LOGS/ceiling.log"
+    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_fp8 240 python -m pytest -q tests/test_fp8_experts.py -k "gpu or half_tile or tma" -rA
+    tail -2 "$LOGS/pytest_fp8.log"
+    step fp8_new 180 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+      --precisions fp8 fp8_bwd --iters 5 --warmup 2 --out "$LOGS/fp8_new.json"
+    tail -4 "$LOGS/fp8_new.log"
+    step fp8_new_r5 180 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --backends mega_moe \
+      --precisions fp8 fp8_bwd --repeat 5 --iters 5 --warmup 2 --out "$LOGS/fp8_new_r5.json"
+    tail -3 "$LOGS/fp8_new_r5.log" ;;
   s13a)  # the ws GEMM's configs (GPU tests beside the probe, as ws2), then fp8 / fp8_bwd at EP=2 over collectives,
          # where the FC1 dgrad now runs the ws kernel
     CUDA_VISIBLE_DEVICES=0 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_ws 240 python -m pytest -q tests/test_fp8_gemm_ws.py \

@@ -5,9 +5,10 @@ work, on the layer's FC2 and FC1 dgrad (one Hopper GPU, EP = 1):
 
 Variants (same producer, same tiles, same two 4-warp MMA partitions on the halves of each 128-row tile):
 - ``ws``: the layer's kernel (``kernels/fp8_gemm_ws.py``, default config);
-- ``promote, no store``: its main loop (each step's MMA into a fresh tile, waited for, scaled, added), no stores;
+- ``promote, no store``: the main loop of its config without ``ordered`` (each step's MMA into a fresh tile, waited
+  for, scaled, added), no stores;
 - ``plain``: no promotion: every step accumulates into one tile, the next step's MMA is issued before the previous
-  one is waited for (the bf16 main loop: the tensor cores never wait for the scaling), stores as the layer's kernel;
+  one is waited for (the bf16 main loop: the tensor cores never wait for the scaling), stores from registers;
 - ``plain, no store``: that main loop alone.
 Only ``ws`` computes the layer's result; the others measure what the tile shape, the pipeline and the stores cost
 on this GPU (a ceiling for this kernel's structure). Prints a table last.
@@ -63,7 +64,7 @@ def _variant_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, tile
             sb_ptr = bs_ptr + expert.to(gl.int64) * stride_bse + (col0 // 128) * stride_bsn
             sa, sb = _step_scales(sa_ptrs, sb_ptr, rows, M, 0, k_steps, NKG)
             for j in range(n_steps):
-                tile, slot = _issue_step(a_bufs, b_bufs, ready, it, mma_layout, HALF, 2)
+                tile, slot = _issue_step(a_bufs, b_bufs, ready, ready, it, mma_layout, HALF, 2, False)
                 it += 1
                 sa_n, sb_n = _step_scales(sa_ptrs, sb_ptr, rows, M, gl.minimum(j + 1, n_steps - 1), k_steps, NKG)
                 acc = _promote(acc, tile, sa, sb, empty, slot)

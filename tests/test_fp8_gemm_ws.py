@@ -6,6 +6,8 @@ the Triton fp8 kernel (same K order, same promotion) and against float64 torch o
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -26,21 +28,31 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90 wgmma code, no interpreter)")
 
 
-@pytest.mark.parametrize("cfg", WS_CONFIGS, ids=lambda c: f"m{c.block_m}s{c.stages}h{c.halves}")
+def _config_id(cfg):
+    return (f"m{cfg.block_m}s{cfg.stages}h{cfg.halves}{'o' if cfg.ordered else ''}"
+            f"{'t' if cfg.tma_store else ''}")
+
+
+@pytest.mark.parametrize("cfg", WS_CONFIGS, ids=_config_id)
 @pytest.mark.parametrize("scale_rows", [True, False])
 def test_ws_kernel_compiles_for_hopper_with_its_register_split(cfg, scale_rows):
+    """As the layer launches it: a bf16 output (stored by TMA where the config says so)."""
+    c_desc = f"tensordesc<bf16[{cfg.a_rows}, 128]>" if cfg.tma_store else f"tensordesc<fp8e4nv[{cfg.a_rows}, 128]>"
     rows = compile_for_hopper(
         "prime_megamoe.kernels.fp8_gemm_ws:fp8_grouped_gemm_ws_kernel",
         {"SEGS": 2, "SCALE_ROWS": scale_rows, "B_GROUP_N": 128, "STAGES": cfg.stages, "TILE_M": QTILE_M,
-         "HALVES": cfg.halves, "LOAD_REGS": WS_LOAD_REGS, "MMA_REGS": WS_MMA_REGS},
+         "HALVES": cfg.halves, "ORDERED": cfg.ordered, "TMA_STORE": cfg.tma_store, "LOAD_REGS": WS_LOAD_REGS,
+         "MMA_REGS": WS_MMA_REGS},
         ["--warps", str(cfg.num_warps), "--maxnreg", str(cfg.maxnreg), "--types",
-         f'{{"bs_ptr": "*fp32", "a_desc": "tensordesc<fp8e4nv[{cfg.a_rows}, 128]>", '
-         '"b_desc": "tensordesc<fp8e4nv[128, 128]>"}'],
+         f'{{"bs_ptr": "*fp32", "c_ptr": "*bf16", "a_desc": "tensordesc<fp8e4nv[{cfg.a_rows}, 128]>", '
+         f'"b_desc": "tensordesc<fp8e4nv[128, 128]>", "c_desc": "{c_desc}"}}'],
     )
     (_, registers, spill, smem, partitions, wgmma), = rows
     assert wgmma == "ok", "ptxas serialises the kernel's wgmma instructions (see register_check.wgmma_serialised)"
     assert int(registers) == cfg.maxnreg and int(spill) == 0
-    assert int(smem) >= cfg.stages * (cfg.block_m + 128) * 128  # the ring of A and B tiles
+    ring = cfg.stages * (cfg.block_m + 128) * 128  # the ring of A and B tiles
+    assert int(smem) >= ring + (cfg.block_m * 128 * 2 if cfg.tma_store else 0)
+    assert int(smem) <= 227 * 1024 // cfg.programs_per_sm
     targets = [int(v) for v in partitions.split(",")]
     assert max(targets) >= 200, f"the MMA warp groups should get >= 200 registers, got {targets}"
 
@@ -92,19 +104,26 @@ def test_ws_gemm_matches_the_triton_kernel(hidden, inter):
     else:
         with pytest.raises(ValueError, match="multiple of 128"):
             fl.fp8_grouped_gemm(dh, w1b, plan, fmt, out_dtype=torch.float32, segments=2, use_ws=True)
-    for name, a, b, segments, row_scale in cases:
-        kw = {"out_dtype": torch.float32, "segments": segments, "row_scale": row_scale}
+    for (name, a, b, segments, row_scale), out_dtype in itertools.product(cases, (torch.float32, torch.bfloat16)):
+        # fp32 outputs are stored from registers; bf16 ones (the layer's) by TMA where a config says so and a 64-row
+        # part of a tile holds only its expert's rows (the hot expert has several such parts, the others end inside
+        # one). Both kernels round the same fp32 value; one bf16 step of slack for a last-bit fp32 difference.
+        tol = 1e-6 if out_dtype == torch.float32 else 2**-8
+        kw = {"out_dtype": out_dtype, "segments": segments, "row_scale": row_scale}
         ws = fl.fp8_grouped_gemm(a, b, plan, fmt, use_ws=True, **kw)
         triton_kernel = fl.fp8_grouped_gemm(a, b, plan, fmt, use_ws=False, use_tma=False, **kw)
-        torch.testing.assert_close(ws, triton_kernel, rtol=1e-6, atol=1e-6, msg=name)
+        torch.testing.assert_close(ws, triton_kernel, rtol=tol, atol=tol, msg=name)
         # Every config, with as many programs as tiles allow and with 1 and 3 programs (many tiles each: the
         # persistent loop, the ring's later rounds, the next tile's indices loaded ahead).
         for cfg in WS_CONFIGS:
             for programs in (None, 1, 3):
-                c = torch.empty_like(ws)
+                c = torch.full_like(ws, float("nan"))  # a row left unwritten shows
                 fp8_grouped_gemm_ws(a, b, plan, c, segments=segments, row_scale=row_scale, config=cfg,
                                     programs=programs)
-                torch.testing.assert_close(c, triton_kernel, rtol=1e-6, atol=1e-6, msg=f"{name}, {cfg}, {programs}")
+                torch.testing.assert_close(c, triton_kernel, rtol=tol, atol=tol,
+                                           msg=f"{name}, {out_dtype}, {cfg}, {programs}")
+        if out_dtype != torch.float32:
+            continue
         a_deq = fl.dequantize_rows(a, fmt, segments=segments).double().cpu()
         b_deq = fl.dequantize_weight(b, fmt, k_halves=segments).double().cpu()
         # Hopper's fp8 MMA accumulates each 128-wide step with fewer mantissa bits than fp32 (both kernels alike).

@@ -42,10 +42,18 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
-# The TMA load was renamed between Triton releases (async_copy_global_to_shared -> async_load, same arguments).
+# The TMA copies were renamed between Triton releases (async_copy_global_to_shared -> async_load,
+# async_copy_shared_to_global -> async_store, same arguments).
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+_tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
 
 
 @gluon.jit
@@ -90,15 +98,26 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_pt
 
 
 @gluon.jit
-def _issue_step(a_bufs, b_bufs, ready, it, mma_layout: gl.constexpr, HALF: gl.constexpr, HALVES: gl.constexpr):
-    """Wait for step ``it``'s buffers and issue its wgmma (rows of half HALF) into a fresh fp32 tile."""
+def _issue_step(a_bufs, b_bufs, ready, issued, it, mma_layout: gl.constexpr, HALF: gl.constexpr,
+                HALVES: gl.constexpr, ORDERED: gl.constexpr):
+    """Wait for step ``it``'s buffers and issue its wgmma (rows of half HALF) into a fresh fp32 tile. ORDERED: the
+    second half's wgmma is issued after the first half's (``issued``), so the tensor cores finish the first half's
+    product first and its promotion runs while they compute the second's. (Issued together, the two halves' wgmmas
+    share each SM quarter's tensor core to the end of both, and both partitions then promote while it idles.)"""
     STAGES: gl.constexpr = b_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     s = it % STAGES
-    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    phase = (it // STAGES) & 1
+    mbarrier.wait(ready.index(s), phase)
+    if ORDERED and HALF == 1:
+        mbarrier.wait(issued.index(s), phase)
     tile = warpgroup_mma(a_bufs.index(HALVES * s + HALF), b_bufs.index(s).permute((1, 0)),
                          gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout), use_acc=False, is_async=True)
+    if ORDERED and HALF == 0:
+        # (The second half waits for this before its own step on this stage, and the stage is refilled only after
+        # both halves freed it, so this barrier cannot run a phase ahead of its waiter.)
+        mbarrier.arrive(issued.index(s), count=1)
     return tile, s
 
 
@@ -118,11 +137,11 @@ def _promote(acc, tile, sa, sb, empty, slot):
 
 
 @gluon.jit
-def _mma_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scale_ptr,
+def _mma_partition(a_bufs, b_bufs, ready, empty, issued, c_desc, c_smem, as_ptr, bs_ptr, c_ptr, row_scale_ptr,
                    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
                    M, N, K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm,
                    SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, B_GROUP_N: gl.constexpr, TILE_M: gl.constexpr,
-                   HALF: gl.constexpr, HALVES: gl.constexpr):
+                   HALF: gl.constexpr, HALVES: gl.constexpr, ORDERED: gl.constexpr, TMA_STORE: gl.constexpr):
     """Rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of every tile of this program (HALVES partitions split a tile)."""
     num_warps: gl.constexpr = gl.num_warps()
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
@@ -169,7 +188,7 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scal
         expert_n, row0_n, col0_n = _tile_of(gl.minimum(t + programs, total - 1), n_col_tiles, tile_expert_ptr,
                                             tile_row_ptr, TILE_ROWS, BLOCK_N, TILE_M)
         for j in range(n_steps):
-            tile, slot = _issue_step(a_bufs, b_bufs, ready, it, mma_layout, HALF, HALVES)
+            tile, slot = _issue_step(a_bufs, b_bufs, ready, issued, it, mma_layout, HALF, HALVES, ORDERED)
             it += 1
             sa_n, sb_n = _step_scales(sa_ptrs, sb_ptr, rows, M, gl.minimum(j + 1, n_steps - 1), k_steps, NKG)
             acc = _promote(acc, tile, sa, sb, empty, slot)
@@ -183,54 +202,79 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scal
         if SCALE_ROWS:
             rs_next = gl.load(row_scale_ptr + rows_n, mask=rows_n < M, other=0.0).to(gl.float32)
             acc = acc * row_scale[:, None]
-        # Stored from a row-contiguous layout (16 bytes a thread, whole rows a warp): from the MMA layout each
-        # thread would write 4 bytes per row and 8-column block, and every 32-byte sector would be written twice.
-        out = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), store_layout)
-        rows_s = row0 + HALF * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))
-        cols_s = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
-        c_ptrs = c_ptr + rows_s.to(gl.int64)[:, None] * stride_cm + cols_s[None, :]
-        gl.store(c_ptrs, out, mask=(rows_s < row_end)[:, None] & (cols_s < N)[None, :])
+        out = acc.to(c_ptr.dtype.element_ty)
+        row_s0 = row0 + HALF * BLOCK_M
+        if TMA_STORE and row_s0 + BLOCK_M <= row_end:
+            # All rows are the expert's: through shared memory and a TMA store, which runs while this partition
+            # goes on to the next tile (the previous tile's store has long left the buffer; waited for anyway).
+            tma.store_wait(0)
+            c_smem.store(out)
+            fence_async_shared()
+            _tma_store(c_desc, [row_s0, col0], c_smem)
+        else:
+            # The expert's rows end inside this part (a box would overwrite the next expert's rows): stored from a
+            # row-contiguous layout (16 bytes a thread, whole rows a warp): from the MMA layout each thread would
+            # write 4 bytes per row and 8-column block, and every 32-byte sector would be written twice.
+            out_rows = gl.convert_layout(out, store_layout)
+            rows_s = row_s0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))
+            cols_s = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
+            c_ptrs = c_ptr + rows_s.to(gl.int64)[:, None] * stride_cm + cols_s[None, :]
+            gl.store(c_ptrs, out_rows, mask=(rows_s < row_end)[:, None] & (cols_s < N)[None, :])
         expert, row0, col0, row_end = expert_n, row0_n, col0_n, row_end_n
+    if TMA_STORE:
+        tma.store_wait(0)
 
 
 @gluon.jit
 def fp8_grouped_gemm_ws_kernel(
-    a_desc, b_desc, as_ptr, bs_ptr, c_ptr, row_scale_ptr,
+    a_desc, b_desc, c_desc, as_ptr, bs_ptr, c_ptr, row_scale_ptr,
     tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
     M, N, K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm,
     SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, B_GROUP_N: gl.constexpr, STAGES: gl.constexpr,
-    TILE_M: gl.constexpr, HALVES: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
-    num_warps: gl.constexpr,
+    TILE_M: gl.constexpr, HALVES: gl.constexpr, ORDERED: gl.constexpr, TMA_STORE: gl.constexpr,
+    LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """HALVES = 1: one MMA partition (``num_warps`` warps, 64 rows a warp group) computes each tile. HALVES = 2: two
     4-warp MMA partitions (the default one and a worker with MMA_REGS registers) compute the two 64-row halves of
     each 128-row tile from the same B buffers; neither waits at the other's barriers, so one's promotion can run
-    while the other's wgmma does (one partition of two warp groups keeps both in step at its barriers)."""
+    while the other's wgmma does (one partition of two warp groups keeps both in step at its barriers); ORDERED
+    (HALVES = 2) makes that the rule: the second half issues each step after the first. TMA_STORE: parts of a tile
+    that hold only their expert's rows are stored by TMA through ``c_desc`` (a box of one partition's rows), the
+    others as before; without it ``c_desc`` is not read (any descriptor will do)."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [HALVES * STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    issued = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=HALVES)  # each MMA partition frees the stage
+        mbarrier.init(issued.index(i), count=1)
+    if TMA_STORE:
+        c_bufs = gl.allocate_shared_memory(c_desc.dtype, [HALVES] + c_desc.block_type.shape, c_desc.layout)
+    else:
+        c_bufs = a_bufs  # not used
     # (The partitions' argument tuples are written out in the call: a tuple bound to a name first loses its
     # constexprs.)
     if HALVES == 1:
         gl.warp_specialize([
-            (_mma_partition, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scale_ptr, tile_expert_ptr,
-                              tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N, K, NKG, stride_asm, stride_bse,
-                              stride_bsn, stride_cm, SEGS, SCALE_ROWS, B_GROUP_N, TILE_M, 0, HALVES)),
+            (_mma_partition, (a_bufs, b_bufs, ready, empty, issued, c_desc, c_bufs.index(0), as_ptr, bs_ptr, c_ptr,
+                              row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N,
+                              K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm, SEGS, SCALE_ROWS, B_GROUP_N,
+                              TILE_M, 0, HALVES, False, TMA_STORE)),
             (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
                                num_tiles_ptr, N, K, SEGS, TILE_M, HALVES)),
         ], [1], [LOAD_REGS])
     else:
         gl.warp_specialize([
-            (_mma_partition, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scale_ptr, tile_expert_ptr,
-                              tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N, K, NKG, stride_asm, stride_bse,
-                              stride_bsn, stride_cm, SEGS, SCALE_ROWS, B_GROUP_N, TILE_M, 0, HALVES)),
-            (_mma_partition, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, row_scale_ptr, tile_expert_ptr,
-                              tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N, K, NKG, stride_asm, stride_bse,
-                              stride_bsn, stride_cm, SEGS, SCALE_ROWS, B_GROUP_N, TILE_M, 1, HALVES)),
+            (_mma_partition, (a_bufs, b_bufs, ready, empty, issued, c_desc, c_bufs.index(0), as_ptr, bs_ptr, c_ptr,
+                              row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N,
+                              K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm, SEGS, SCALE_ROWS, B_GROUP_N,
+                              TILE_M, 0, HALVES, ORDERED, TMA_STORE)),
+            (_mma_partition, (a_bufs, b_bufs, ready, empty, issued, c_desc, c_bufs.index(1), as_ptr, bs_ptr, c_ptr,
+                              row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N,
+                              K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm, SEGS, SCALE_ROWS, B_GROUP_N,
+                              TILE_M, 1, HALVES, ORDERED, TMA_STORE)),
             (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
                                num_tiles_ptr, N, K, SEGS, TILE_M, HALVES)),
         ], [4, 1], [MMA_REGS, LOAD_REGS])

@@ -36,11 +36,20 @@ class WSConfig:
     """block_m = 128: one program per SM, either one MMA partition of two warp groups (halves = 1) or two 4-warp MMA
     partitions taking a 64-row half of each tile each (halves = 2), launch-time registers 168 (12 warps fit the
     SM's 64K); block_m = 64: two programs per SM, one MMA warp group each (registers 128, so 2 x 8 warps fit).
-    stages: buffers of A (block_m x 128) and B (128 x 128) fp8."""
+    stages: buffers of A (block_m x 128) and B (128 x 128) fp8. ordered (halves = 2): the second half issues each
+    step's wgmma after the first. tma_store: tile parts holding only their expert's rows are stored by TMA, for
+    outputs of 2-byte elements that TMA can write (a 4-byte output's buffers would not fit beside the ring; other
+    outputs are stored from registers, the same values)."""
 
     block_m: int = 128
     stages: int = 4
     halves: int = 1
+    ordered: bool = False
+    tma_store: bool = False
+
+    def __post_init__(self):
+        if self.ordered and self.halves != 2:
+            raise ValueError("WSConfig: ordered=True orders the two halves' wgmmas and needs halves=2")
 
     @property
     def a_rows(self) -> int:  # rows of one A box (one MMA partition's part of a tile)
@@ -60,8 +69,15 @@ class WSConfig:
 
 
 WS_MMA_REGS = 232  # the second MMA partition's registers (halves = 2)
-# The first is the default: the fastest on all three GEMMs the kernel can take (fp8_probe_s13.txt).
-WS_CONFIGS = (WSConfig(128, 4, halves=2), WSConfig(128, 4), WSConfig(128, 6), WSConfig(64, 4))
+# The first is the default (fp8_probe_s13.txt).
+WS_CONFIGS = (
+    WSConfig(128, 4, halves=2, ordered=True, tma_store=True),
+    WSConfig(128, 4, halves=2, tma_store=True),
+    WSConfig(128, 4, halves=2, ordered=True),
+    WSConfig(128, 4, halves=2),
+    WSConfig(128, 4),
+    WSConfig(64, 4),
+)
 WS_DEFAULT = WS_CONFIGS[0]
 
 
@@ -92,6 +108,19 @@ def _layouts(block_m: int):
     return a, b
 
 
+@functools.lru_cache(maxsize=None)
+def _out_layout(block_m: int, dtype: torch.dtype):
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for([block_m, WS_BLOCK_N], {torch.bfloat16: gl.bfloat16,
+                                                                       torch.float16: gl.float16}[dtype])
+
+
+def tma_store_applies(c: torch.Tensor) -> bool:
+    """Whether the kernel's TMA store can write ``c`` (see ``WSConfig.tma_store``)."""
+    return c.dtype in (torch.bfloat16, torch.float16) and tma_readable(c)
+
+
 def fp8_grouped_gemm_ws(aq: QTensor, bq: QTensor, plan: RoutingPlan, c: torch.Tensor, *, segments: int,
                         row_scale: torch.Tensor | None, config: WSConfig = WS_DEFAULT,
                         programs: int | None = None) -> None:
@@ -111,13 +140,17 @@ def fp8_grouped_gemm_ws(aq: QTensor, bq: QTensor, plan: RoutingPlan, c: torch.Te
     b_2d = bq_data.view(-1, bq_data.shape[2])
     a_desc = TensorDescriptor.from_tensor(aq_data, [config.a_rows, WS_BLOCK_K], a_layout)
     b_desc = TensorDescriptor.from_tensor(b_2d, [WS_BLOCK_N, WS_BLOCK_K], b_layout)
+    tma_store = config.tma_store and tma_store_applies(c)
+    c_desc = (TensorDescriptor.from_tensor(c, [config.a_rows, WS_BLOCK_N], _out_layout(config.a_rows, c.dtype))
+              if tma_store else a_desc)
     tiles = plan.max_tiles * (QTILE_M // config.block_m) * cdiv(n, WS_BLOCK_N)
     grid = (max(1, min(config.programs_per_sm * _num_sms(c.device), tiles, programs or tiles)),)
     fp8_grouped_gemm_ws_kernel[grid](
-        a_desc, b_desc, aq_scale, bq_scale, c, row_scale if row_scale is not None else plan.row_weight,
+        a_desc, b_desc, c_desc, aq_scale, bq_scale, c, row_scale if row_scale is not None else plan.row_weight,
         plan.tile_expert, plan.tile_row, plan.num_tiles, plan.expert_offsets,
         rows, n, k, aq_scale.shape[1] // segments, aq_scale.stride(0), bq_scale.stride(0), bq_scale.stride(1),
         c.stride(0), SEGS=segments, SCALE_ROWS=row_scale is not None, B_GROUP_N=WS_WEIGHT_BLOCK, STAGES=config.stages,
-        TILE_M=QTILE_M, HALVES=config.halves, LOAD_REGS=WS_LOAD_REGS, MMA_REGS=WS_MMA_REGS,
+        TILE_M=QTILE_M, HALVES=config.halves, ORDERED=config.ordered, TMA_STORE=tma_store, LOAD_REGS=WS_LOAD_REGS,
+        MMA_REGS=WS_MMA_REGS,
         num_warps=config.num_warps, maxnreg=config.maxnreg,
     )
