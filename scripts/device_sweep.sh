@@ -152,8 +152,8 @@ case "${1:-}" in
     step fp8_new_r5 180 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --backends mega_moe \
       --precisions fp8 fp8_bwd --repeat 5 --iters 5 --warmup 2 --out "$LOGS/fp8_new_r5.json"
     tail -3 "$LOGS/fp8_new_r5.log" ;;
-  s13c)  # the ws kernel with ordered halves and TMA stores: its GPU tests, the probe's ws rows, the variants without
-         # promotion / stores, the quantised precisions' GPU tests, the layer (one call, then back to back)
+  s13c)  # after a ws kernel change: its GPU tests, the probe's ws rows, the variants without promotion / stores, the
+         # quantised precisions' GPU tests, the layer (one call, then back to back)
     PRIME_MEGAMOE_AUTOTUNE=0 step pytest_ws 240 python -m pytest -q tests/test_fp8_gemm_ws.py -rA
     tail -3 "$LOGS/pytest_ws.log"
     step fp8_probe_ws 240 python scripts/fp8_probe.py --ws-only

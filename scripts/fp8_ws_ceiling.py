@@ -5,8 +5,8 @@ work, on the layer's FC2 and FC1 dgrad (one Hopper GPU, EP = 1):
 
 Variants (same producer, same tiles, same two 4-warp MMA partitions on the halves of each 128-row tile):
 - ``ws``: the layer's kernel (``kernels/fp8_gemm_ws.py``, default config);
-- ``promote, no store``: the main loop of its config without ``ordered`` (each step's MMA into a fresh tile, waited
-  for, scaled, added), no stores;
+- ``promote, no store``: its main loop (each step's MMA into a fresh tile, waited for, scaled by the scales the
+  producer staged, added), no stores;
 - ``plain``: no promotion: every step accumulates into one tile, the next step's MMA is issued before the previous
   one is waited for (the bf16 main loop: the tensor cores never wait for the scaling), stores from registers;
 - ``plain, no store``: that main loop alone.
@@ -26,7 +26,7 @@ from triton.testing import do_bench
 
 from prime_megamoe.bench import make_inputs
 from prime_megamoe.kernels.fp8_gemm import QTILE_M
-from prime_megamoe.kernels.fp8_gemm_ws import _issue_step, _load_partition, _promote, _step_scales, _tile_of
+from prime_megamoe.kernels.fp8_gemm_ws import _load_partition, _mma_step, _tile_of
 from prime_megamoe.ops import fp8_launch as fl
 from prime_megamoe.ops.fp8_ws_launch import WS_DEFAULT, WS_LOAD_REGS, WS_MMA_REGS, _layouts, fp8_grouped_gemm_ws
 from prime_megamoe.ops.launch import _num_sms
@@ -35,10 +35,9 @@ from prime_megamoe.ops.sizes import cdiv
 
 
 @gluon.jit
-def _variant_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, tile_expert_ptr, tile_row_ptr,
-                       num_tiles_ptr, expert_offsets_ptr, M, N, K, NKG, stride_asm, stride_bse, stride_bsn,
-                       stride_cm, store, SEGS: gl.constexpr, TILE_M: gl.constexpr, HALF: gl.constexpr,
-                       PROMOTE: gl.constexpr):
+def _variant_partition(a_bufs, b_bufs, scale_bufs, ready, empty, c_ptr, tile_expert_ptr, tile_row_ptr,
+                       num_tiles_ptr, expert_offsets_ptr, N, K, stride_cm, store, SEGS: gl.constexpr,
+                       TILE_M: gl.constexpr, HALF: gl.constexpr, PROMOTE: gl.constexpr):
     num_warps: gl.constexpr = gl.num_warps()
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
@@ -46,29 +45,20 @@ def _variant_partition(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, tile
     STAGES: gl.constexpr = b_bufs.type.shape[0]
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
-    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [num_warps, 1], [1, 0])
     n_col_tiles = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
     n_steps = SEGS * k_steps
     total = gl.load(num_tiles_ptr) * (TILE_M // (2 * BLOCK_M)) * n_col_tiles
-    lane_rows = HALF * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
     it = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
         expert, row0, col0 = _tile_of(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, 2 * BLOCK_M, BLOCK_N, TILE_M)
         row_end = gl.load(expert_offsets_ptr + expert + 1)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
         if PROMOTE:  # as the layer's kernel
-            rows = row0 + lane_rows
-            sa_ptrs = as_ptr + rows.to(gl.int64) * stride_asm
-            sb_ptr = bs_ptr + expert.to(gl.int64) * stride_bse + (col0 // 128) * stride_bsn
-            sa, sb = _step_scales(sa_ptrs, sb_ptr, rows, M, 0, k_steps, NKG)
             for j in range(n_steps):
-                tile, slot = _issue_step(a_bufs, b_bufs, ready, ready, it, mma_layout, HALF, 2, False)
+                acc = _mma_step(acc, a_bufs, b_bufs, scale_bufs, ready, empty, it, mma_layout, HALF, 2)
                 it += 1
-                sa_n, sb_n = _step_scales(sa_ptrs, sb_ptr, rows, M, gl.minimum(j + 1, n_steps - 1), k_steps, NKG)
-                acc = _promote(acc, tile, sa, sb, empty, slot)
-                sa, sb = sa_n, sb_n
         else:  # one accumulator, the previous step's MMA waited for after the next one is issued
             prev = 0
             for j in range(n_steps):
@@ -98,20 +88,21 @@ def ws_variant_kernel(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, tile_expert_ptr, ti
                       LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    scale_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 2 * a_desc.block_type.shape[0]],
+                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
     gl.warp_specialize([
-        (_variant_partition, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, tile_expert_ptr, tile_row_ptr,
-                              num_tiles_ptr, expert_offsets_ptr, M, N, K, NKG, stride_asm, stride_bse, stride_bsn,
-                              stride_cm, store, SEGS, TILE_M, 0, PROMOTE)),
-        (_variant_partition, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, tile_expert_ptr, tile_row_ptr,
-                              num_tiles_ptr, expert_offsets_ptr, M, N, K, NKG, stride_asm, stride_bse, stride_bsn,
-                              stride_cm, store, SEGS, TILE_M, 1, PROMOTE)),
-        (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
-                           num_tiles_ptr, N, K, SEGS, TILE_M, 2)),
+        (_variant_partition, (a_bufs, b_bufs, scale_bufs, ready, empty, c_ptr, tile_expert_ptr, tile_row_ptr,
+                              num_tiles_ptr, expert_offsets_ptr, N, K, stride_cm, store, SEGS, TILE_M, 0, PROMOTE)),
+        (_variant_partition, (a_bufs, b_bufs, scale_bufs, ready, empty, c_ptr, tile_expert_ptr, tile_row_ptr,
+                              num_tiles_ptr, expert_offsets_ptr, N, K, stride_cm, store, SEGS, TILE_M, 1, PROMOTE)),
+        (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, scale_bufs, ready, empty, as_ptr, bs_ptr,
+                           tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, N, K, NKG, stride_asm, stride_bse,
+                           stride_bsn, SEGS, 128, TILE_M, 2)),
     ], [4, 1], [MMA_REGS, LOAD_REGS])
 
 

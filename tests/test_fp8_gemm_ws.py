@@ -29,8 +29,7 @@ needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90 
 
 
 def _config_id(cfg):
-    return (f"m{cfg.block_m}s{cfg.stages}h{cfg.halves}{'o' if cfg.ordered else ''}"
-            f"{'t' if cfg.tma_store else ''}")
+    return f"m{cfg.block_m}s{cfg.stages}h{cfg.halves}{'t' if cfg.tma_store else ''}"
 
 
 @pytest.mark.parametrize("cfg", WS_CONFIGS, ids=_config_id)
@@ -41,8 +40,7 @@ def test_ws_kernel_compiles_for_hopper_with_its_register_split(cfg, scale_rows):
     rows = compile_for_hopper(
         "prime_megamoe.kernels.fp8_gemm_ws:fp8_grouped_gemm_ws_kernel",
         {"SEGS": 2, "SCALE_ROWS": scale_rows, "B_GROUP_N": 128, "STAGES": cfg.stages, "TILE_M": QTILE_M,
-         "HALVES": cfg.halves, "ORDERED": cfg.ordered, "TMA_STORE": cfg.tma_store, "LOAD_REGS": WS_LOAD_REGS,
-         "MMA_REGS": WS_MMA_REGS},
+         "HALVES": cfg.halves, "TMA_STORE": cfg.tma_store, "LOAD_REGS": WS_LOAD_REGS, "MMA_REGS": WS_MMA_REGS},
         ["--warps", str(cfg.num_warps), "--maxnreg", str(cfg.maxnreg), "--types",
          f'{{"bs_ptr": "*fp32", "c_ptr": "*bf16", "a_desc": "tensordesc<fp8e4nv[{cfg.a_rows}, 128]>", '
          f'"b_desc": "tensordesc<fp8e4nv[128, 128]>", "c_desc": "{c_desc}"}}'],

@@ -54,6 +54,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 # async_copy_shared_to_global -> async_store, same arguments).
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 _tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
+# A partition-wide barrier (renamed thread_barrier -> barrier).
+_partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 
 @gluon.jit
@@ -71,23 +73,37 @@ def _tile_of(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, TILE_ROWS: gl.conste
 
 
 @gluon.jit
-def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
-                    N, K, SEGS: gl.constexpr, TILE_M: gl.constexpr, HALVES: gl.constexpr):
+def _load_partition(a_desc, b_desc, a_bufs, b_bufs, scale_bufs, ready, empty, as_ptr, bs_ptr, tile_expert_ptr,
+                    tile_row_ptr, num_tiles_ptr, M, N, K, NKG, stride_asm, stride_bse, stride_bsn,
+                    SEGS: gl.constexpr, B_GROUP_N: gl.constexpr, TILE_M: gl.constexpr, HALVES: gl.constexpr):
+    """Fills each stage: the TMA copies of A (HALVES boxes) and B, and the step's scales, one per row of the tile
+    (A's row scale times B's block scale), stored to shared memory before the stage's ready barrier is armed."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]  # rows of one MMA partition's A box
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     STAGES: gl.constexpr = b_bufs.type.shape[0]
+    TILE_ROWS: gl.constexpr = HALVES * BLOCK_M
+    row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     n_col_tiles = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
-    total = gl.load(num_tiles_ptr) * (TILE_M // (HALVES * BLOCK_M)) * n_col_tiles
+    total = gl.load(num_tiles_ptr) * (TILE_M // TILE_ROWS) * n_col_tiles
     it = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
-        expert, row0, col0 = _tile_of(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, HALVES * BLOCK_M, BLOCK_N,
-                                      TILE_M)
+        expert, row0, col0 = _tile_of(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, TILE_ROWS, BLOCK_N, TILE_M)
+        # Rows past the expert's end read other rows' scales (only outputs that are not stored meet them); rows
+        # past A's end read nothing.
+        rows = row0 + gl.arange(0, TILE_ROWS, layout=row_layout)
+        sa_ptrs = as_ptr + rows.to(gl.int64) * stride_asm
+        sb_ptr = bs_ptr + expert.to(gl.int64) * stride_bse + (col0 // B_GROUP_N) * stride_bsn
         for j in range(SEGS * k_steps):
             s = it % STAGES
+            kg = (j // k_steps) * NKG + j % k_steps  # the step's scale group (segment j // k_steps)
+            # Loaded before the stage is free (the loads' latency hides behind the MMAs still reading it).
+            scale = gl.load(sa_ptrs + kg, mask=rows < M, other=0.0) * gl.load(sb_ptr + kg)
             # A buffer is free once the MMA that read it is done; a fresh mbarrier counts as phase 1 done.
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            scale_bufs.index(s).store(scale)
+            _partition_barrier()  # every lane's scales are stored before the barrier below is armed
             k = (j // k_steps) * K + (j % k_steps) * BLOCK_K
             bar = ready.index(s)
             mbarrier.expect(bar, HALVES * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
@@ -98,50 +114,28 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_pt
 
 
 @gluon.jit
-def _issue_step(a_bufs, b_bufs, ready, issued, it, mma_layout: gl.constexpr, HALF: gl.constexpr,
-                HALVES: gl.constexpr, ORDERED: gl.constexpr):
-    """Wait for step ``it``'s buffers and issue its wgmma (rows of half HALF) into a fresh fp32 tile. ORDERED: the
-    second half's wgmma is issued after the first half's (``issued``), so the tensor cores finish the first half's
-    product first and its promotion runs while they compute the second's. (Issued together, the two halves' wgmmas
-    share each SM quarter's tensor core to the end of both, and both partitions then promote while it idles.)"""
+def _mma_step(acc, a_bufs, b_bufs, scale_bufs, ready, empty, it, mma_layout: gl.constexpr, HALF: gl.constexpr,
+              HALVES: gl.constexpr):
+    """Step ``it`` for the rows of half HALF: wait for the stage, issue its wgmma into a fresh fp32 tile, read the
+    step's scales while it runs, wait for it, free the stage, add the product scaled."""
     STAGES: gl.constexpr = b_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     s = it % STAGES
-    phase = (it // STAGES) & 1
-    mbarrier.wait(ready.index(s), phase)
-    if ORDERED and HALF == 1:
-        mbarrier.wait(issued.index(s), phase)
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
     tile = warpgroup_mma(a_bufs.index(HALVES * s + HALF), b_bufs.index(s).permute((1, 0)),
                          gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout), use_acc=False, is_async=True)
-    if ORDERED and HALF == 0:
-        # (The second half waits for this before its own step on this stage, and the stage is refilled only after
-        # both halves freed it, so this barrier cannot run a phase ahead of its waiter.)
-        mbarrier.arrive(issued.index(s), count=1)
-    return tile, s
-
-
-@gluon.jit
-def _step_scales(sa_ptrs, sb_ptr, rows, M, j, k_steps, NKG):
-    """Row scales and the weight block's scale of step j (segment j // k_steps); multiplied when used."""
-    kg = (j // k_steps) * NKG + j % k_steps
-    return gl.load(sa_ptrs + kg, mask=rows < M, other=0.0), gl.load(sb_ptr + kg)
-
-
-@gluon.jit
-def _promote(acc, tile, sa, sb, empty, slot):
-    """Wait for the step's wgmma, free its buffers, add its product scaled."""
+    scale = scale_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(gl.SliceLayout(1, mma_layout))
     done = warpgroup_mma_wait(num_outstanding=0, deps=(tile, ))
-    mbarrier.arrive(empty.index(slot), count=1)
-    return acc + done * (sa * sb)[:, None]
+    mbarrier.arrive(empty.index(s), count=1)
+    return acc + done * scale[:, None]
 
 
 @gluon.jit
-def _mma_partition(a_bufs, b_bufs, ready, empty, issued, c_desc, c_smem, as_ptr, bs_ptr, c_ptr, row_scale_ptr,
-                   tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
-                   M, N, K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm,
-                   SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, B_GROUP_N: gl.constexpr, TILE_M: gl.constexpr,
-                   HALF: gl.constexpr, HALVES: gl.constexpr, ORDERED: gl.constexpr, TMA_STORE: gl.constexpr):
+def _mma_partition(a_bufs, b_bufs, scale_bufs, ready, empty, c_desc, c_smem, c_ptr, row_scale_ptr,
+                   tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N, K, stride_cm,
+                   SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, TILE_M: gl.constexpr, HALF: gl.constexpr,
+                   HALVES: gl.constexpr, TMA_STORE: gl.constexpr):
     """Rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of every tile of this program (HALVES partitions split a tile)."""
     num_warps: gl.constexpr = gl.num_warps()
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
@@ -154,54 +148,37 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, issued, c_desc, c_smem, as_ptr,
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [num_warps, 1], [1, 0])
     n_col_tiles = gl.cdiv(N, BLOCK_N)
-    k_steps = gl.cdiv(K, BLOCK_K)
-    n_steps = SEGS * k_steps
+    n_steps = SEGS * gl.cdiv(K, BLOCK_K)
     total = gl.load(num_tiles_ptr) * (TILE_M // TILE_ROWS) * n_col_tiles
     programs = gl.num_programs(0)
     lane_rows = HALF * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)  # this partition's rows of a tile
 
-    # The first tile's indices and first scales. Scale loads are masked to A's rows only: rows past the expert's end
-    # read other rows' scales, which only meet outputs that are not stored.
+    # The first tile's indices and row scales; each later tile's are loaded while the tile before it runs.
     # (With no tiles at all the tile list holds no valid entry: nothing is loaded, the loop below does not run.)
-    any_tile = total > 0
     t0 = gl.minimum(gl.program_id(0), total - 1)
     expert, row0, col0 = _tile_of(t0, n_col_tiles, tile_expert_ptr, tile_row_ptr, TILE_ROWS, BLOCK_N, TILE_M,
-                                  valid=any_tile)
+                                  valid=total > 0)
     row_end = gl.load(expert_offsets_ptr + expert + 1)
     rows = row0 + lane_rows
-    sa_next = gl.load(as_ptr + rows.to(gl.int64) * stride_asm, mask=rows < M, other=0.0)
-    sb_next = gl.load(bs_ptr + expert.to(gl.int64) * stride_bse + (col0 // B_GROUP_N) * stride_bsn)
-    rs_next = gl.load(row_scale_ptr + rows, mask=rows < M, other=0.0).to(gl.float32) if SCALE_ROWS else sa_next
+    if SCALE_ROWS:
+        rs_next = gl.load(row_scale_ptr + rows, mask=rows < M, other=0.0).to(gl.float32)
     it = 0
     for t in range(gl.program_id(0), total, programs):
-        rows = row0 + lane_rows
-        sa_ptrs = as_ptr + rows.to(gl.int64) * stride_asm
-        sb_ptr = bs_ptr + expert.to(gl.int64) * stride_bse + (col0 // B_GROUP_N) * stride_bsn
-        row_scale = rs_next
-        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
-
+        expert_n, row0_n, col0_n = _tile_of(gl.minimum(t + programs, total - 1), n_col_tiles, tile_expert_ptr,
+                                            tile_row_ptr, TILE_ROWS, BLOCK_N, TILE_M)
+        row_end_n = gl.load(expert_offsets_ptr + expert_n + 1)
         # Each step's MMA into a fresh fp32 tile, waited for, then scaled and added. (Waiting for the previous step's
         # only, with the next in flight, makes ptxas serialise every wgmma of the kernel: a wgmma's accumulator
         # registers must not be written while another wgmma runs, and each fresh tile is.)
-        sa, sb = sa_next, sb_next
-        # The next tile's indices: loaded now, used after this tile's steps.
-        expert_n, row0_n, col0_n = _tile_of(gl.minimum(t + programs, total - 1), n_col_tiles, tile_expert_ptr,
-                                            tile_row_ptr, TILE_ROWS, BLOCK_N, TILE_M)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
         for j in range(n_steps):
-            tile, slot = _issue_step(a_bufs, b_bufs, ready, issued, it, mma_layout, HALF, HALVES, ORDERED)
+            acc = _mma_step(acc, a_bufs, b_bufs, scale_bufs, ready, empty, it, mma_layout, HALF, HALVES)
             it += 1
-            sa_n, sb_n = _step_scales(sa_ptrs, sb_ptr, rows, M, gl.minimum(j + 1, n_steps - 1), k_steps, NKG)
-            acc = _promote(acc, tile, sa, sb, empty, slot)
-            sa, sb = sa_n, sb_n
 
-        # The next tile's row end and first scales, loaded before this tile's stores.
-        rows_n = row0_n + lane_rows
-        row_end_n = gl.load(expert_offsets_ptr + expert_n + 1)
-        sa_next = gl.load(as_ptr + rows_n.to(gl.int64) * stride_asm, mask=rows_n < M, other=0.0)
-        sb_next = gl.load(bs_ptr + expert_n.to(gl.int64) * stride_bse + (col0_n // B_GROUP_N) * stride_bsn)
         if SCALE_ROWS:
+            acc = acc * rs_next[:, None]
+            rows_n = row0_n + lane_rows
             rs_next = gl.load(row_scale_ptr + rows_n, mask=rows_n < M, other=0.0).to(gl.float32)
-            acc = acc * row_scale[:, None]
         out = acc.to(c_ptr.dtype.element_ty)
         row_s0 = row0 + HALF * BLOCK_M
         if TMA_STORE and row_s0 + BLOCK_M <= row_end:
@@ -231,25 +208,24 @@ def fp8_grouped_gemm_ws_kernel(
     tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
     M, N, K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm,
     SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, B_GROUP_N: gl.constexpr, STAGES: gl.constexpr,
-    TILE_M: gl.constexpr, HALVES: gl.constexpr, ORDERED: gl.constexpr, TMA_STORE: gl.constexpr,
+    TILE_M: gl.constexpr, HALVES: gl.constexpr, TMA_STORE: gl.constexpr,
     LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """HALVES = 1: one MMA partition (``num_warps`` warps, 64 rows a warp group) computes each tile. HALVES = 2: two
     4-warp MMA partitions (the default one and a worker with MMA_REGS registers) compute the two 64-row halves of
     each 128-row tile from the same B buffers; neither waits at the other's barriers, so one's promotion can run
-    while the other's wgmma does (one partition of two warp groups keeps both in step at its barriers); ORDERED
-    (HALVES = 2) makes that the rule: the second half issues each step after the first. TMA_STORE: parts of a tile
-    that hold only their expert's rows are stored by TMA through ``c_desc`` (a box of one partition's rows), the
-    others as before; without it ``c_desc`` is not read (any descriptor will do)."""
+    while the other's wgmma does (one partition of two warp groups keeps both in step at its barriers). TMA_STORE:
+    parts of a tile that hold only their expert's rows are stored by TMA through ``c_desc`` (a box of one
+    partition's rows), the others from registers; without it ``c_desc`` is not read (any descriptor will do)."""
+    TILE_ROWS: gl.constexpr = HALVES * a_desc.block_type.shape[0]
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [HALVES * STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    scale_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, TILE_ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    issued = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=HALVES)  # each MMA partition frees the stage
-        mbarrier.init(issued.index(i), count=1)
     if TMA_STORE:
         c_bufs = gl.allocate_shared_memory(c_desc.dtype, [HALVES] + c_desc.block_type.shape, c_desc.layout)
     else:
@@ -258,23 +234,22 @@ def fp8_grouped_gemm_ws_kernel(
     # constexprs.)
     if HALVES == 1:
         gl.warp_specialize([
-            (_mma_partition, (a_bufs, b_bufs, ready, empty, issued, c_desc, c_bufs.index(0), as_ptr, bs_ptr, c_ptr,
+            (_mma_partition, (a_bufs, b_bufs, scale_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
                               row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N,
-                              K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm, SEGS, SCALE_ROWS, B_GROUP_N,
-                              TILE_M, 0, HALVES, False, TMA_STORE)),
-            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
-                               num_tiles_ptr, N, K, SEGS, TILE_M, HALVES)),
+                              K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 0, HALVES, TMA_STORE)),
+            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, scale_bufs, ready, empty, as_ptr, bs_ptr,
+                               tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, N, K, NKG, stride_asm, stride_bse,
+                               stride_bsn, SEGS, B_GROUP_N, TILE_M, HALVES)),
         ], [1], [LOAD_REGS])
     else:
         gl.warp_specialize([
-            (_mma_partition, (a_bufs, b_bufs, ready, empty, issued, c_desc, c_bufs.index(0), as_ptr, bs_ptr, c_ptr,
+            (_mma_partition, (a_bufs, b_bufs, scale_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
                               row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N,
-                              K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm, SEGS, SCALE_ROWS, B_GROUP_N,
-                              TILE_M, 0, HALVES, ORDERED, TMA_STORE)),
-            (_mma_partition, (a_bufs, b_bufs, ready, empty, issued, c_desc, c_bufs.index(1), as_ptr, bs_ptr, c_ptr,
+                              K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 0, HALVES, TMA_STORE)),
+            (_mma_partition, (a_bufs, b_bufs, scale_bufs, ready, empty, c_desc, c_bufs.index(1), c_ptr,
                               row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N,
-                              K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm, SEGS, SCALE_ROWS, B_GROUP_N,
-                              TILE_M, 1, HALVES, ORDERED, TMA_STORE)),
-            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
-                               num_tiles_ptr, N, K, SEGS, TILE_M, HALVES)),
+                              K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 1, HALVES, TMA_STORE)),
+            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, scale_bufs, ready, empty, as_ptr, bs_ptr,
+                               tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, N, K, NKG, stride_asm, stride_bse,
+                               stride_bsn, SEGS, B_GROUP_N, TILE_M, HALVES)),
         ], [4, 1], [MMA_REGS, LOAD_REGS])

@@ -36,20 +36,14 @@ class WSConfig:
     """block_m = 128: one program per SM, either one MMA partition of two warp groups (halves = 1) or two 4-warp MMA
     partitions taking a 64-row half of each tile each (halves = 2), launch-time registers 168 (12 warps fit the
     SM's 64K); block_m = 64: two programs per SM, one MMA warp group each (registers 128, so 2 x 8 warps fit).
-    stages: buffers of A (block_m x 128) and B (128 x 128) fp8. ordered (halves = 2): the second half issues each
-    step's wgmma after the first. tma_store: tile parts holding only their expert's rows are stored by TMA, for
-    outputs of 2-byte elements that TMA can write (a 4-byte output's buffers would not fit beside the ring; other
-    outputs are stored from registers, the same values)."""
+    stages: buffers of A (block_m x 128) and B (128 x 128) fp8. tma_store: tile parts holding only their expert's
+    rows are stored by TMA, for outputs of 2-byte elements that TMA can write (a 4-byte output's buffers would not
+    fit beside the ring; other outputs are stored from registers, the same values)."""
 
     block_m: int = 128
     stages: int = 4
     halves: int = 1
-    ordered: bool = False
     tma_store: bool = False
-
-    def __post_init__(self):
-        if self.ordered and self.halves != 2:
-            raise ValueError("WSConfig: ordered=True orders the two halves' wgmmas and needs halves=2")
 
     @property
     def a_rows(self) -> int:  # rows of one A box (one MMA partition's part of a tile)
@@ -71,11 +65,9 @@ class WSConfig:
 WS_MMA_REGS = 232  # the second MMA partition's registers (halves = 2)
 # The first is the default (fp8_probe_s13.txt).
 WS_CONFIGS = (
-    WSConfig(128, 4, halves=2, ordered=True, tma_store=True),
     WSConfig(128, 4, halves=2, tma_store=True),
-    WSConfig(128, 4, halves=2, ordered=True),
     WSConfig(128, 4, halves=2),
-    WSConfig(128, 4),
+    WSConfig(128, 4, tma_store=True),
     WSConfig(64, 4),
 )
 WS_DEFAULT = WS_CONFIGS[0]
@@ -150,7 +142,7 @@ def fp8_grouped_gemm_ws(aq: QTensor, bq: QTensor, plan: RoutingPlan, c: torch.Te
         plan.tile_expert, plan.tile_row, plan.num_tiles, plan.expert_offsets,
         rows, n, k, aq_scale.shape[1] // segments, aq_scale.stride(0), bq_scale.stride(0), bq_scale.stride(1),
         c.stride(0), SEGS=segments, SCALE_ROWS=row_scale is not None, B_GROUP_N=WS_WEIGHT_BLOCK, STAGES=config.stages,
-        TILE_M=QTILE_M, HALVES=config.halves, ORDERED=config.ordered, TMA_STORE=tma_store, LOAD_REGS=WS_LOAD_REGS,
+        TILE_M=QTILE_M, HALVES=config.halves, TMA_STORE=tma_store, LOAD_REGS=WS_LOAD_REGS,
         MMA_REGS=WS_MMA_REGS,
         num_warps=config.num_warps, maxnreg=config.maxnreg,
     )
