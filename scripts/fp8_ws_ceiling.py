@@ -35,7 +35,7 @@ from prime_megamoe.ops.sizes import cdiv
 
 
 @gluon.jit
-def _variant_partition(a_bufs, b_bufs, scale_bufs, ready, empty, c_ptr, tile_expert_ptr, tile_row_ptr,
+def _variant_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, tile_expert_ptr, tile_row_ptr,
                        num_tiles_ptr, expert_offsets_ptr, N, K, stride_cm, store, SEGS: gl.constexpr,
                        TILE_M: gl.constexpr, HALF: gl.constexpr, PROMOTE: gl.constexpr):
     num_warps: gl.constexpr = gl.num_warps()
@@ -57,7 +57,7 @@ def _variant_partition(a_bufs, b_bufs, scale_bufs, ready, empty, c_ptr, tile_exp
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
         if PROMOTE:  # as the layer's kernel
             for j in range(n_steps):
-                acc = _mma_step(acc, a_bufs, b_bufs, scale_bufs, ready, empty, it, mma_layout, HALF, 2)
+                acc = _mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout, HALF, 2)
                 it += 1
         else:  # one accumulator, the previous step's MMA waited for after the next one is issued
             prev = 0
@@ -88,19 +88,21 @@ def ws_variant_kernel(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, tile_expert_ptr, ti
                       LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    scale_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 2 * a_desc.block_type.shape[0]],
-                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 2 * a_desc.block_type.shape[0]],
+                                        gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    sb_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 2 * a_desc.block_type.shape[0]],
+                                        gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
     gl.warp_specialize([
-        (_variant_partition, (a_bufs, b_bufs, scale_bufs, ready, empty, c_ptr, tile_expert_ptr, tile_row_ptr,
+        (_variant_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, tile_expert_ptr, tile_row_ptr,
                               num_tiles_ptr, expert_offsets_ptr, N, K, stride_cm, store, SEGS, TILE_M, 0, PROMOTE)),
-        (_variant_partition, (a_bufs, b_bufs, scale_bufs, ready, empty, c_ptr, tile_expert_ptr, tile_row_ptr,
+        (_variant_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, tile_expert_ptr, tile_row_ptr,
                               num_tiles_ptr, expert_offsets_ptr, N, K, stride_cm, store, SEGS, TILE_M, 1, PROMOTE)),
-        (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, scale_bufs, ready, empty, as_ptr, bs_ptr,
+        (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, as_ptr, bs_ptr,
                            tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, N, K, NKG, stride_asm, stride_bse,
                            stride_bsn, SEGS, 128, TILE_M, 2)),
     ], [4, 1], [MMA_REGS, LOAD_REGS])

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -54,8 +55,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 # async_copy_shared_to_global -> async_store, same arguments).
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 _tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
-# A partition-wide barrier (renamed thread_barrier -> barrier).
-_partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+# The per-thread async copy (cp.async) was renamed too (async_copy_global_to_shared -> async_load).
+_cp_async = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
 
 
 @gluon.jit
@@ -73,11 +74,12 @@ def _tile_of(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, TILE_ROWS: gl.conste
 
 
 @gluon.jit
-def _load_partition(a_desc, b_desc, a_bufs, b_bufs, scale_bufs, ready, empty, as_ptr, bs_ptr, tile_expert_ptr,
+def _load_partition(a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, as_ptr, bs_ptr, tile_expert_ptr,
                     tile_row_ptr, num_tiles_ptr, M, N, K, NKG, stride_asm, stride_bse, stride_bsn,
                     SEGS: gl.constexpr, B_GROUP_N: gl.constexpr, TILE_M: gl.constexpr, HALVES: gl.constexpr):
-    """Fills each stage: the TMA copies of A (HALVES boxes) and B, and the step's scales, one per row of the tile
-    (A's row scale times B's block scale), stored to shared memory before the stage's ready barrier is armed."""
+    """Fills each stage: the TMA copies of A (HALVES boxes) and B, and the step's scales (A's, one per row of the
+    tile, and B's block scale, copied for every row) by asynchronous copies that the stage's ready barrier also
+    waits for. The producer never waits for a load itself."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]  # rows of one MMA partition's A box
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -91,21 +93,21 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, scale_bufs, ready, empty, as
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
         expert, row0, col0 = _tile_of(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, TILE_ROWS, BLOCK_N, TILE_M)
         # Rows past the expert's end read other rows' scales (only outputs that are not stored meet them); rows
-        # past A's end read nothing.
+        # past A's end read nothing (zeros).
         rows = row0 + gl.arange(0, TILE_ROWS, layout=row_layout)
         sa_ptrs = as_ptr + rows.to(gl.int64) * stride_asm
-        sb_ptr = bs_ptr + expert.to(gl.int64) * stride_bse + (col0 // B_GROUP_N) * stride_bsn
+        sb_ptrs = bs_ptr + expert.to(gl.int64) * stride_bse + (col0 // B_GROUP_N) * stride_bsn + rows * 0
+        in_rows = rows < M
         for j in range(SEGS * k_steps):
             s = it % STAGES
-            kg = (j // k_steps) * NKG + j % k_steps  # the step's scale group (segment j // k_steps)
-            # Loaded before the stage is free (the loads' latency hides behind the MMAs still reading it).
-            scale = gl.load(sa_ptrs + kg, mask=rows < M, other=0.0) * gl.load(sb_ptr + kg)
             # A buffer is free once the MMA that read it is done; a fresh mbarrier counts as phase 1 done.
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-            scale_bufs.index(s).store(scale)
-            _partition_barrier()  # every lane's scales are stored before the barrier below is armed
-            k = (j // k_steps) * K + (j % k_steps) * BLOCK_K
             bar = ready.index(s)
+            kg = (j // k_steps) * NKG + j % k_steps  # the step's scale group (segment j // k_steps)
+            _cp_async(sa_bufs.index(s), sa_ptrs + kg, mask=in_rows)
+            _cp_async(sb_bufs.index(s), sb_ptrs + kg)
+            async_copy.mbarrier_arrive(bar)  # the barrier's phase also waits for this lane's copies
+            k = (j // k_steps) * K + (j % k_steps) * BLOCK_K
             mbarrier.expect(bar, HALVES * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
             for h in gl.static_range(HALVES):
                 _tma_load(a_desc, [row0 + h * BLOCK_M, k], bar, a_bufs.index(HALVES * s + h))
@@ -114,8 +116,8 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, scale_bufs, ready, empty, as
 
 
 @gluon.jit
-def _mma_step(acc, a_bufs, b_bufs, scale_bufs, ready, empty, it, mma_layout: gl.constexpr, HALF: gl.constexpr,
-              HALVES: gl.constexpr):
+def _mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout: gl.constexpr,
+              HALF: gl.constexpr, HALVES: gl.constexpr):
     """Step ``it`` for the rows of half HALF: wait for the stage, issue its wgmma into a fresh fp32 tile, read the
     step's scales while it runs, wait for it, free the stage, add the product scaled."""
     STAGES: gl.constexpr = b_bufs.type.shape[0]
@@ -125,14 +127,16 @@ def _mma_step(acc, a_bufs, b_bufs, scale_bufs, ready, empty, it, mma_layout: gl.
     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
     tile = warpgroup_mma(a_bufs.index(HALVES * s + HALF), b_bufs.index(s).permute((1, 0)),
                          gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout), use_acc=False, is_async=True)
-    scale = scale_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(gl.SliceLayout(1, mma_layout))
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    scale = (sa_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(row_layout)
+             * sb_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(row_layout))
     done = warpgroup_mma_wait(num_outstanding=0, deps=(tile, ))
     mbarrier.arrive(empty.index(s), count=1)
     return acc + done * scale[:, None]
 
 
 @gluon.jit
-def _mma_partition(a_bufs, b_bufs, scale_bufs, ready, empty, c_desc, c_smem, c_ptr, row_scale_ptr,
+def _mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_smem, c_ptr, row_scale_ptr,
                    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N, K, stride_cm,
                    SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, TILE_M: gl.constexpr, HALF: gl.constexpr,
                    HALVES: gl.constexpr, TMA_STORE: gl.constexpr):
@@ -172,7 +176,7 @@ def _mma_partition(a_bufs, b_bufs, scale_bufs, ready, empty, c_desc, c_smem, c_p
         # registers must not be written while another wgmma runs, and each fresh tile is.)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
         for j in range(n_steps):
-            acc = _mma_step(acc, a_bufs, b_bufs, scale_bufs, ready, empty, it, mma_layout, HALF, HALVES)
+            acc = _mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout, HALF, HALVES)
             it += 1
 
         if SCALE_ROWS:
@@ -220,7 +224,9 @@ def fp8_grouped_gemm_ws_kernel(
     TILE_ROWS: gl.constexpr = HALVES * a_desc.block_type.shape[0]
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [HALVES * STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    scale_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, TILE_ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    # Each step's scales: A's per row, B's block scale copied for every row (so that both are read alike).
+    sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, TILE_ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    sb_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, TILE_ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -234,22 +240,22 @@ def fp8_grouped_gemm_ws_kernel(
     # constexprs.)
     if HALVES == 1:
         gl.warp_specialize([
-            (_mma_partition, (a_bufs, b_bufs, scale_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
+            (_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
                               row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N,
                               K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 0, HALVES, TMA_STORE)),
-            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, scale_bufs, ready, empty, as_ptr, bs_ptr,
+            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, as_ptr, bs_ptr,
                                tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, N, K, NKG, stride_asm, stride_bse,
                                stride_bsn, SEGS, B_GROUP_N, TILE_M, HALVES)),
         ], [1], [LOAD_REGS])
     else:
         gl.warp_specialize([
-            (_mma_partition, (a_bufs, b_bufs, scale_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
+            (_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
                               row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N,
                               K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 0, HALVES, TMA_STORE)),
-            (_mma_partition, (a_bufs, b_bufs, scale_bufs, ready, empty, c_desc, c_bufs.index(1), c_ptr,
+            (_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(1), c_ptr,
                               row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N,
                               K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 1, HALVES, TMA_STORE)),
-            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, scale_bufs, ready, empty, as_ptr, bs_ptr,
+            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, as_ptr, bs_ptr,
                                tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, N, K, NKG, stride_asm, stride_bse,
                                stride_bsn, SEGS, B_GROUP_N, TILE_M, HALVES)),
         ], [4, 1], [MMA_REGS, LOAD_REGS])
