@@ -168,6 +168,19 @@ case "${1:-}" in
     step fp8_new_r5 180 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --backends mega_moe \
       --precisions fp8 fp8_bwd --repeat 5 --iters 5 --warmup 2 --out "$LOGS/fp8_new_r5.json"
     tail -3 "$LOGS/fp8_new_r5.log" ;;
+  s13d)  # the ws probe rows (with a 5-stage config), then Nsight Compute on the layer's ws FC2: summary, and stall
+         # samples per SASS line
+    step fp8_probe_ws 150 python scripts/fp8_probe.py --ws-only
+    tail -22 "$LOGS/fp8_probe_ws.log"
+    ncu_args="--clock-control none --kernel-name regex:fp8_grouped_gemm_ws --launch-skip 2 --launch-count 1"
+    step ncu_ws 120 ncu $ncu_args --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+      --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis python scripts/fp8_gemm_once.py --gemm fc2 \
+      --kernel ws
+    grep -E "Duration|Throughput|Warp Cycles|Issued|Eligible|L2 Hit|Pipe|One or More|No Eligible" \
+      "$LOGS/ncu_ws.log" | head -30
+    step ncu_ws_sass 120 ncu $ncu_args --section WarpStateStats --section SourceCounters --page source \
+      --print-source sass --csv python scripts/fp8_gemm_once.py --gemm fc2 --kernel ws
+    wc -l "$LOGS/ncu_ws_sass.log" ;;
   s13a)  # the ws GEMM's configs (GPU tests beside the probe, as ws2), then fp8 / fp8_bwd at EP=2 over collectives,
          # where the FC1 dgrad now runs the ws kernel
     CUDA_VISIBLE_DEVICES=0 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_ws 240 python -m pytest -q tests/test_fp8_gemm_ws.py \

@@ -4,8 +4,9 @@
         python scripts/fp8_gemm_once.py --gemm fc2 --kernel ws
 
 ``--kernel triton``: the Triton kernel with its first candidate config and TMA reads (what the layer runs untuned);
-``ws``: the warp-specialised Gluon kernel with ``--block-m`` / ``--stages`` / ``--halves``. The operands are built as in
-``scripts/fp8_probe.py``; nothing is checked here (the probe and tests/test_fp8_gemm_ws.py do that).
+``ws``: the warp-specialised Gluon kernel with ``--block-m`` / ``--stages`` / ``--halves`` (TMA stores unless
+``--no-tma-store``). The operands are built as in ``scripts/fp8_probe.py``; nothing is checked here (the probe and
+tests/test_fp8_gemm_ws.py do that).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def main():
     p.add_argument("--block-m", type=int, default=128)
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--halves", type=int, default=2)
+    p.add_argument("--no-tma-store", action="store_true", help="store every tile from registers")
     p.add_argument("--calls", type=int, default=3)
     args = p.parse_args()
     os.environ["PRIME_MEGAMOE_DIRECT_LAUNCH"] = "0"  # the candidate list is cut to one below
@@ -54,7 +56,7 @@ def main():
         else:
             c = torch.empty(plan.num_pairs, b.data.shape[1], dtype=x.dtype, device="cuda")
             fp8_grouped_gemm_ws(a, b, plan, c, segments=segments, row_scale=row_scale,
-                                config=WSConfig(args.block_m, args.stages, args.halves))
+                                config=WSConfig(args.block_m, args.stages, args.halves, tma_store=not args.no_tma_store))
     torch.cuda.synchronize()
     print(f"{args.gemm} {args.kernel}: {args.calls} calls done")
 
