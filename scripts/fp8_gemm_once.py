@@ -55,8 +55,8 @@ def main():
             fl.fp8_grouped_gemm(a, b, plan, fmt, out_dtype=x.dtype, segments=segments, row_scale=row_scale)
         else:
             c = torch.empty(plan.num_pairs, b.data.shape[1], dtype=x.dtype, device="cuda")
-            fp8_grouped_gemm_ws(a, b, plan, c, segments=segments, row_scale=row_scale,
-                                config=WSConfig(args.block_m, args.stages, args.halves, tma_store=not args.no_tma_store))
+            cfg = WSConfig(args.block_m, args.stages, args.halves, tma_store=not args.no_tma_store)
+            fp8_grouped_gemm_ws(a, b, plan, c, segments=segments, row_scale=row_scale, config=cfg)
     torch.cuda.synchronize()
     print(f"{args.gemm} {args.kernel}: {args.calls} calls done")
 
