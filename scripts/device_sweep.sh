@@ -181,6 +181,11 @@ case "${1:-}" in
     step ncu_ws_sass 120 ncu $ncu_args --section WarpStateStats --section SourceCounters --page source \
       --print-source sass --csv python scripts/fp8_gemm_once.py --gemm fc2 --kernel ws
     wc -l "$LOGS/ncu_ws_sass.log" ;;
+  s13e)  # the ws probe rows, then the ws kernel's GPU tests (a short device budget: the probe first)
+    step fp8_probe_ws 100 python scripts/fp8_probe.py --ws-only
+    tail -18 "$LOGS/fp8_probe_ws.log"
+    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_ws 120 python -m pytest -q tests/test_fp8_gemm_ws.py -rA
+    tail -2 "$LOGS/pytest_ws.log" ;;
   s13a)  # the ws GEMM's configs (GPU tests beside the probe, as ws2), then fp8 / fp8_bwd at EP=2 over collectives,
          # where the FC1 dgrad now runs the ws kernel
     CUDA_VISIBLE_DEVICES=0 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_ws 240 python -m pytest -q tests/test_fp8_gemm_ws.py \

@@ -66,7 +66,6 @@ WS_MMA_REGS = 232  # the second MMA partition's registers (halves = 2)
 # The first is the default (fp8_probe_s13.txt).
 WS_CONFIGS = (
     WSConfig(128, 4, halves=2, tma_store=True),
-    WSConfig(128, 5, halves=2, tma_store=True),
     WSConfig(128, 4, halves=2),
     WSConfig(128, 4, tma_store=True),
     WSConfig(64, 4),
