@@ -118,21 +118,18 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, emp
 @gluon.jit
 def _mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout: gl.constexpr,
               HALF: gl.constexpr, HALVES: gl.constexpr):
-    """Step ``it`` for the rows of half HALF: wait for the stage, read the step's scales, issue its wgmma into a fresh
-    fp32 tile, wait for it, free the stage, add the product scaled."""
+    """Step ``it`` for the rows of half HALF: wait for the stage, issue its wgmma into a fresh fp32 tile, read the
+    step's scales while it runs, wait for it, free the stage, add the product scaled."""
     STAGES: gl.constexpr = b_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     s = it % STAGES
     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-    # The scales are read before the wgmma is issued: read after it, ptxas placed their product between the step's
-    # wgmma instructions, whose issue then waited for the shared-memory reads (Nsight Compute, ncu_fp8_fc2_s13.txt).
-    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-    sa = sa_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(row_layout)
-    sb = sb_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(row_layout)
     tile = warpgroup_mma(a_bufs.index(HALVES * s + HALF), b_bufs.index(s).permute((1, 0)),
                          gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout), use_acc=False, is_async=True)
-    scale = sa * sb
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    scale = (sa_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(row_layout)
+             * sb_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(row_layout))
     done = warpgroup_mma_wait(num_outstanding=0, deps=(tile, ))
     mbarrier.arrive(empty.index(s), count=1)
     return acc + done * scale[:, None]
