@@ -8,34 +8,37 @@ Why a second kernel: the Triton kernel's programs load their own operands and st
 scale its product; only other programs on the SM fill that time. Here the loads come from a producer warp of their
 own, and the MMA warp groups only compute:
 
-- the producer partition (1 warp) walks the program's persistent tile sequence and issues the TMA copies of A and B
-  into a ring of ``STAGES`` shared-memory buffers, each guarded by a ``ready`` / ``empty`` mbarrier pair;
-- the MMA partition (``num_warps`` / 4 warp groups, 64 rows each of a BLOCK_M-row tile) issues each step's wgmma
-  into a fresh fp32 tile, waits for it, frees the step's buffers, then scales and adds it; after the last step it
-  applies the row scale and stores the tile from a row-contiguous layout with a row mask (an expert's rows end
-  inside a tile, so a TMA store would overwrite the next expert's rows).
+- the producer partition (1 warp) walks the program's persistent tile sequence and fills a ring of ``STAGES``
+  shared-memory stages, each guarded by a ``ready`` / ``empty`` mbarrier pair: the TMA copies of A and B, and the
+  step's scales (A's per row, B's block scale copied for every row) by asynchronous copies (cp.async) that the
+  stage's ready barrier also waits for, so neither the producer nor the MMA warps ever wait on a global load;
+- the MMA partition(s) (``num_warps`` / 4 warp groups, 64 rows each) issue each step's wgmma into a fresh fp32 tile,
+  read the step's scales from the stage, wait for the wgmma, free the stage, then scale and add the product; after
+  the last step they apply the row scale and store the tile: by TMA (through shared memory, not waited for) where
+  the part of the tile holds only its expert's rows, else from a row-contiguous layout with a row mask (an expert's
+  rows end inside a tile, and a box would overwrite the next expert's rows).
 
 Waiting for step j - 1 only, with step j in flight, would overlap the promotion with the tensor cores inside a warp
 group, but ptxas then serialises every wgmma of the kernel (its C7514 / C7515 notes: a wgmma's accumulator
 registers are read or written while another wgmma runs), which cost more than it saves; so the overlap comes from
-the other warp group (128-row tiles) or the other program on the SM (64-row tiles). Nothing a step or a tile needs
-waits on a global load in its own step: the scales of step j + 1 are loaded during step j and multiplied when used,
-and the next tile's expert, rows, row end, first scales and row scales are loaded while this tile's MMAs run.
+the other MMA partition (HALVES = 2, the layer's config), the other warp group, or the other program on the SM
+(64-row tiles). The next tile's indices and row scales are loaded while this tile's MMAs run.
 
 Tiles are numbered row tile major, column tile minor (as the Triton kernel's grid), and program p takes tiles p,
-p + programs, ...; both partitions walk that sequence. Requirements (the launcher checks them): BLOCK_K = 128 = the
+p + programs, ...; all partitions walk that sequence. Requirements (the launcher checks them): BLOCK_K = 128 = the
 scale group, BLOCK_N <= 128 dividing 128 (one weight scale per step), and with SEGS = 2 each segment's K a multiple
 of 128 (a box must not run into the next segment). Gluon kernels have no interpreter: this one is tested on the GPU
 against the Triton kernel and compiled for sm_90 on the CPU.
 
-Measured (Qwen3-30B-A3B, T = 16384, one H200, ``scripts/fp8_probe.py --ws-only``): the same bits as the Triton
-kernel. HALVES = 2 (two 4-warp MMA partitions on the two halves of each tile, so that neither waits at the other's
-barriers) is the fastest config: FC2 0.543 ms against 0.582 for the Triton kernel, the FC1 dgrad 0.977 against
-1.063, the FC2 dgrad on rows gathered beforehand 0.480 against 0.544 with the gather in the Triton kernel (the
-layer's dy is not gathered; TMA cannot gather on Hopper); one partition of two warp groups took 0.593 / 0.999 / 0.492
-(``benchmarks/results/fp8_probe_s13.txt``). Tried and dropped: two 4-warp MMA partitions on alternate tiles
-(ping-pong, FC2 0.72 ms: their main loops must take turns, so only the epilogues overlap); 64-row tiles with two
-programs per SM are a config (slower here).
+Measured (Qwen3-30B-A3B, T = 16384, one H200, ``scripts/fp8_probe.py --ws-only``, the same bits as the Triton
+kernel; ``benchmarks/results/fp8_probe_s13.txt``), the layer's config (two 4-warp MMA partitions on the halves of
+each 128-row tile, TMA stores): FC2 0.468-0.483 ms against 0.576-0.580 for the Triton kernel, the FC1 dgrad
+0.847-0.858 against 1.063-1.070, the FC2 dgrad on rows gathered beforehand 0.423-0.439 against 0.543-0.550 with the
+gather in the Triton kernel (the layer's dy is not gathered; TMA cannot gather on Hopper). How it got there, FC2:
+one two-warp-group partition 0.593; two partitions on the halves 0.543-0.559; TMA stores 0.522; scales staged by
+the producer 0.481 (the MMA warps had waited at each step's end for global loads of the next step's scales);
+staged by cp.async 0.468. Tried and dropped: two 4-warp MMA partitions on alternate tiles (ping-pong, 0.72: their
+main loops must take turns); the second half issuing each step after the first (no gain); 5 stages (no gain).
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ descriptors, its persistent grid.
 (the kernel is sm_90 wgmma code), the fp8 format (not mx), A not gathered, each segment's K a multiple of 128 when
 there are two segments, and both operands TMA-readable. ``fp8_launch.fp8_grouped_gemm(use_ws=True)`` runs it;
 asking for it where it does not apply is an error that says why. The layer asks for it for FC2 and the FC1 dgrad,
-where it applies: with the default config (two 4-warp MMA partitions on the halves of each 128-row tile) FC2 took
-0.543 ms against 0.582 for the Triton kernel and the FC1 dgrad 0.977 against 1.063 (Qwen3-30B-A3B, T = 16384, one
-H200; benchmarks/results/fp8_probe_s13.txt).
+where it applies: with the default config (two 4-warp MMA partitions on the halves of each 128-row tile, TMA
+stores) FC2 took 0.468-0.483 ms against 0.576-0.580 for the Triton kernel and the FC1 dgrad 0.847-0.858 against
+1.063-1.070 (Qwen3-30B-A3B, T = 16384, one H200; benchmarks/results/fp8_probe_s13.txt, runs 4 and 5).
 """
 
 from __future__ import annotations
