@@ -33,6 +33,28 @@ record30() {  # record30 LIMIT: the Qwen3-30B-A3B EP=2 record (torch, both trans
     --transports symmetric_memory --backends mega_moe --repeat 5 --iters 10 --warmup 3 --out "$LOGS/bench_30b_r5.json"
   tail -3 "$LOGS/bench_30b_r5.log"
 }
+ncu_ws_fc2() {  # ncu_ws_fc2 LIMIT: Nsight Compute on one ws FC2 launch: summary, then stall samples per SASS line
+  local ncu_args="--clock-control none --kernel-name regex:fp8_grouped_gemm_ws --launch-skip 2 --launch-count 1"
+  step ncu_ws "$1" ncu $ncu_args --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+    --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis python scripts/fp8_gemm_once.py --gemm fc2 \
+    --kernel ws
+  grep -E "Duration|Throughput|Warp Cycles|Issued|Eligible|L2 Hit|Pipe|One or More|No Eligible" \
+    "$LOGS/ncu_ws.log" | head -30
+  step ncu_ws_sass "$1" ncu $ncu_args --section WarpStateStats --section SourceCounters --page source \
+    --print-source sass --csv python scripts/fp8_gemm_once.py --gemm fc2 --kernel ws
+  wc -l "$LOGS/ncu_ws_sass.log"
+}
+fp8_tests_and_layer() {  # the quantised precisions' GPU tests, then the fp8 layer (with torch), one call and back to back
+  PRIME_MEGAMOE_AUTOTUNE=0 step pytest_fp8 240 python -m pytest -q tests/test_fp8_experts.py \
+    -k "gpu or half_tile or tma" -rA
+  tail -2 "$LOGS/pytest_fp8.log"
+  step fp8_new 180 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+    --precisions fp8 fp8_bwd --iters 5 --warmup 2 --out "$LOGS/fp8_new.json"
+  tail -4 "$LOGS/fp8_new.log"
+  step fp8_new_r5 180 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --backends mega_moe \
+    --precisions fp8 fp8_bwd --repeat 5 --iters 5 --warmup 2 --out "$LOGS/fp8_new_r5.json"
+  tail -3 "$LOGS/fp8_new_r5.log"
+}
 gpu_tests() {  # one-GPU tests side by side (bf16 and validation on GPU 1, the quantised precisions on GPU 0), then
                # the EP check (both transports, bitwise)
   CUDA_VISIBLE_DEVICES=1 PRIME_MEGAMOE_AUTOTUNE=0 step pytest_gpu 240 python -m pytest -q tests/test_mega_moe_gpu.py \
@@ -129,29 +151,15 @@ case "${1:-}" in
     step fp8_probe_ws 240 python scripts/fp8_probe.py --ws-only
     tail -24 "$LOGS/fp8_probe_ws.log" ;;
   s13b)  # where the ws kernel's time goes (variants without promotion / stores), Nsight Compute on its FC2 (summary,
-         # stall samples per SASS line), the quantised precisions' GPU tests, then the layer: this tree, ab_base/
+         # stall samples per SASS line), the quantised precisions' GPU tests, the layer (this tree; ab_base/ between its
+         # one-call and back-to-back runs when it ran)
     step ceiling 240 python scripts/fp8_ws_ceiling.py
     tail -12 "$LOGS/ceiling.log"
-    ncu_args="--clock-control none --kernel-name regex:fp8_grouped_gemm_ws --launch-skip 2 --launch-count 1"
-    step ncu_ws 200 ncu $ncu_args --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
-      --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis python scripts/fp8_gemm_once.py --gemm fc2 \
-      --kernel ws
-    grep -E "Duration|Throughput|Stall|Warp Cycles|Issued|Eligible|L2 Hit|Pipe|One or More|No Eligible" \
-      "$LOGS/ncu_ws.log" | head -40
-    step ncu_ws_sass 200 ncu $ncu_args --section WarpStateStats --section SourceCounters --page source \
-      --print-source sass --csv python scripts/fp8_gemm_once.py --gemm fc2 --kernel ws
-    wc -l "$LOGS/ncu_ws_sass.log"
-    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_fp8 240 python -m pytest -q tests/test_fp8_experts.py -k "gpu or half_tile or tma" -rA
-    tail -3 "$LOGS/pytest_fp8.log"
-    step fp8_new 180 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
-      --precisions fp8 fp8_bwd --iters 5 --warmup 2 --out "$LOGS/fp8_new.json"
-    tail -4 "$LOGS/fp8_new.log"
+    ncu_ws_fc2 200
+    fp8_tests_and_layer
     (cd ab_base && PYTHONPATH=/tmp/site:$PWD step fp8_base 180 python -m prime_megamoe.bench --shape qwen3-30b-a3b \
       --tokens 16384 --precisions fp8 fp8_bwd --backends mega_moe --iters 5 --warmup 2 --out "$LOGS/fp8_base.json")
-    tail -3 "$LOGS/fp8_base.log"
-    step fp8_new_r5 180 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --backends mega_moe \
-      --precisions fp8 fp8_bwd --repeat 5 --iters 5 --warmup 2 --out "$LOGS/fp8_new_r5.json"
-    tail -3 "$LOGS/fp8_new_r5.log" ;;
+    tail -3 "$LOGS/fp8_base.log" ;;
   s13c)  # after a ws kernel change: its GPU tests, the probe's ws rows, the variants without promotion / stores, the
          # quantised precisions' GPU tests, the layer (one call, then back to back)
     PRIME_MEGAMOE_AUTOTUNE=0 step pytest_ws 240 python -m pytest -q tests/test_fp8_gemm_ws.py -rA
@@ -160,27 +168,11 @@ case "${1:-}" in
     tail -24 "$LOGS/fp8_probe_ws.log"
     step ceiling 240 python scripts/fp8_ws_ceiling.py
     tail -10 "$LOGS/ceiling.log"
-    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_fp8 240 python -m pytest -q tests/test_fp8_experts.py -k "gpu or half_tile or tma" -rA
-    tail -2 "$LOGS/pytest_fp8.log"
-    step fp8_new 180 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
-      --precisions fp8 fp8_bwd --iters 5 --warmup 2 --out "$LOGS/fp8_new.json"
-    tail -4 "$LOGS/fp8_new.log"
-    step fp8_new_r5 180 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --backends mega_moe \
-      --precisions fp8 fp8_bwd --repeat 5 --iters 5 --warmup 2 --out "$LOGS/fp8_new_r5.json"
-    tail -3 "$LOGS/fp8_new_r5.log" ;;
-  s13d)  # the ws probe rows (with a 5-stage config), then Nsight Compute on the layer's ws FC2: summary, and stall
-         # samples per SASS line
+    fp8_tests_and_layer ;;
+  s13d)  # the ws probe rows (with a 5-stage config when it ran), then Nsight Compute on the layer's ws FC2
     step fp8_probe_ws 150 python scripts/fp8_probe.py --ws-only
     tail -22 "$LOGS/fp8_probe_ws.log"
-    ncu_args="--clock-control none --kernel-name regex:fp8_grouped_gemm_ws --launch-skip 2 --launch-count 1"
-    step ncu_ws 120 ncu $ncu_args --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
-      --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis python scripts/fp8_gemm_once.py --gemm fc2 \
-      --kernel ws
-    grep -E "Duration|Throughput|Warp Cycles|Issued|Eligible|L2 Hit|Pipe|One or More|No Eligible" \
-      "$LOGS/ncu_ws.log" | head -30
-    step ncu_ws_sass 120 ncu $ncu_args --section WarpStateStats --section SourceCounters --page source \
-      --print-source sass --csv python scripts/fp8_gemm_once.py --gemm fc2 --kernel ws
-    wc -l "$LOGS/ncu_ws_sass.log" ;;
+    ncu_ws_fc2 120 ;;
   s13e)  # the ws probe rows, then the ws kernel's GPU tests (a short device budget: the probe first)
     step fp8_probe_ws 100 python scripts/fp8_probe.py --ws-only
     tail -18 "$LOGS/fp8_probe_ws.log"
