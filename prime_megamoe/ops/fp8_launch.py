@@ -326,9 +326,8 @@ def fp8_grouped_gemm(aq: QTensor, bq: QTensor, plan: RoutingPlan, fmt: QFormat, 
     ``use_ws=True``: run the warp-specialised Hopper kernel (``kernels/fp8_gemm_ws.py``, same bits); where it does
     not apply (``fp8_ws_launch.ws_gemm_unavailable``) that is an error. ``use_ws=None``: that kernel where it
     applies, else the Triton one (the layer's FC2 and FC1 dgrad ask for that: fp8_probe_s13.txt). Otherwise the
-    Triton kernel, with ``use_tma``: read B
-    by TMA, and A too where it is not gathered and each segment's K is a multiple of 128 (a box must not run into
-    the next segment); default: where the GPU can."""
+    Triton kernel, with ``use_tma``: read B by TMA, and A too where it is not gathered and each segment's K is a
+    multiple of 128 (a box must not run into the next segment); default: where the GPU can."""
     _check_plan(plan)
     n, k_total = bq.data.shape[1], bq.data.shape[2]
     k = k_total // segments
