@@ -21,7 +21,7 @@ from triton.testing import do_bench
 from prime_megamoe.bench import make_inputs
 from prime_megamoe.kernels import fp8_gemm
 from prime_megamoe.ops import fp8_launch as fl
-from prime_megamoe.ops.fp8_ws_launch import WS_CONFIGS, fp8_grouped_gemm_ws, ws_gemm_unavailable
+from prime_megamoe.ops.fp8_ws_launch import WS_CONFIGS, fp8_grouped_gemm_ws, fp8_grouped_wgrad_ws, ws_gemm_unavailable
 from prime_megamoe.ops.routing_plan import build_routing_plan
 
 
@@ -53,8 +53,8 @@ def main():
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--pow2", action="store_true", help="power-of-two scales")
     p.add_argument("--ws-only", action="store_true",
-                   help="only the GEMMs the warp-specialised kernel runs: its configs against the Triton kernel's "
-                        "first candidate (TMA reads)")
+                   help="only the GEMMs the warp-specialised kernels run (FC2, the dgrads, the weight gradients): "
+                        "their configs against the Triton kernels' first candidate (TMA reads)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (interpreter, tiny shape)")
     args = p.parse_args()
     # Candidates are swapped in the autotuner between launches: launch through Triton itself, not through the
@@ -100,7 +100,7 @@ def main():
     cases = [(f"{name}{' tma' if tma else ''}", name, kernel, (lambda run=run, tma=tma: run(tma)))
              for name, kernel, run in row_tiled for tma in (False, True)]
     if args.ws_only:
-        cases = [c for c in cases if c[1] in ("FC2", "FC2 dgrad", "FC1 dgrad") and c[0] != c[1]]
+        cases = [c for c in cases if c[1] in ("FC2", "FC2 dgrad", "FC1 dgrad", "dW1", "dW2") and c[0] != c[1]]
     print(f"{args.shape}, T = {args.tokens}, {pairs} rows, {num_experts} experts, H = {hidden}, I = {inter}, "
           f"fmt {fmt.name}{' pow2' if fmt.pow2 else ''}")
     print(f"{'GEMM':14s} {'config':22s} {'ms':>7s} {'TFLOP/s':>8s} same")
@@ -125,9 +125,9 @@ def main():
         kernel.configs = candidates
         kernel.cache.clear()
 
-    # The warp-specialised Hopper kernel where it applies, against the Triton kernel's first candidate. The FC2
-    # dgrad gathers dy, which it cannot: it runs on a copy of dy's rows in sorted order (what a gathering producer
-    # would have to match).
+    # The warp-specialised Hopper kernels where they apply, against the Triton kernels' first candidate: the row-tiled
+    # GEMM and the weight gradient. The FC2 dgrad gathers dy, which the GEMM cannot: it runs on a copy of dy's rows
+    # in sorted order (what a gathering producer would have to match).
     src = plan.row_src[:pairs].long()
     dyq_sorted = fl.QTensor(dyq.data[src], dyq.scale[src])
     def ws_run(a, b, segments=1, row_scale=None):
@@ -137,8 +137,15 @@ def main():
             return c
         return run
 
+    def ws_wgrad_run(a_t, b_t, out):
+        def run(cfg):
+            fp8_grouped_wgrad_ws(a_t, b_t, out, expert_tiles=tiles, config=cfg)
+            return out
+        return run
+
     ws_cases = [("FC2", ws_run(aq, w2f, row_scale=plan.row_weight)), ("FC2 dgrad", ws_run(dyq_sorted, w2b)),
-                ("FC1 dgrad", ws_run(d.dh_rows, w1b, segments=2))]
+                ("FC1 dgrad", ws_run(d.dh_rows, w1b, segments=2)), ("dW1", ws_wgrad_run(d.dh_t, x_t, gw1)),
+                ("dW2", ws_wgrad_run(dy_t, d.aw_t, gw2))]
     why_not = ws_gemm_unavailable(dyq.data, w2b.data, mx=False, gather=False, segments=1, k=hidden)
     for (name, run), cfg in ((case, cfg) for case in ws_cases for cfg in WS_CONFIGS):
         label = f"{name} ws"

@@ -18,7 +18,9 @@ from prime_megamoe.ops.fp8_ws_launch import (
     WS_LOAD_REGS,
     WS_MMA_REGS,
     fp8_grouped_gemm_ws,
+    fp8_grouped_wgrad_ws,
     ws_gemm_unavailable,
+    ws_wgrad_unavailable,
 )
 from prime_megamoe.ops.routing_plan import build_routing_plan
 from tests.oracle import ragged_routing, rel_err
@@ -148,3 +150,80 @@ def test_ws_gemm_on_a_rank_that_receives_nothing():
     fp8_grouped_gemm_ws(aq, w2f, plan, c, segments=1, row_scale=None)
     torch.cuda.synchronize()
     assert torch.equal(c, torch.full_like(c, 7.0))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The weight gradient (kernels/fp8_wgrad_ws.py): not used by the layer until it has run on a GPU
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cfg", WS_CONFIGS, ids=_config_id)
+def test_ws_wgrad_kernel_compiles_for_hopper_with_its_register_split(cfg):
+    c_desc = f"tensordesc<bf16[{cfg.a_rows}, 128]>" if cfg.tma_store else f"tensordesc<fp8e4nv[{cfg.a_rows}, 128]>"
+    rows = compile_for_hopper(
+        "prime_megamoe.kernels.fp8_wgrad_ws:fp8_grouped_wgrad_ws_kernel",
+        {"STAGES": cfg.stages, "HALVES": cfg.halves, "TMA_STORE": cfg.tma_store, "LOAD_REGS": WS_LOAD_REGS,
+         "MMA_REGS": WS_MMA_REGS},
+        ["--warps", str(cfg.num_warps), "--maxnreg", str(cfg.maxnreg), "--types",
+         f'{{"as_ptr": "*fp32", "bs_ptr": "*fp32", "c_ptr": "*bf16", "expert_tiles_ptr": "*i32", '
+         f'"a_desc": "tensordesc<fp8e4nv[{cfg.a_rows}, 128]>", "b_desc": "tensordesc<fp8e4nv[128, 128]>", '
+         f'"c_desc": "{c_desc}"}}'],
+    )
+    (_, registers, spill, smem, partitions, wgmma), = rows
+    assert wgmma == "ok", "ptxas serialises the kernel's wgmma instructions (see register_check.wgmma_serialised)"
+    assert int(registers) == cfg.maxnreg and int(spill) == 0
+    assert cfg.stages * (cfg.block_m + 128) * 128 <= int(smem) <= 227 * 1024 // cfg.programs_per_sm
+    assert max(int(v) for v in partitions.split(",")) >= 200
+
+
+def test_ws_wgrad_applicability_says_why_not():
+    a = torch.empty(256, 256, dtype=fl.FP8_DTYPE)
+    assert "CUDA GPU" in ws_wgrad_unavailable(a, a, mx=False)
+
+
+def _cols_t_problem(index, weights, m, n, local_experts, device, seed):
+    plan = build_routing_plan(index.to(device), weights.to(device), expert_base=0, num_local_experts=local_experts,
+                              tile_m=QTILE_M)
+    gen = torch.Generator().manual_seed(seed)
+    fmt = fl.fp8_format()
+    tokens = index.shape[0]
+    a_t = fl.quantize_sorted_cols_t(torch.randn(tokens, m, generator=gen).to(device), plan, fmt)
+    b_t = fl.quantize_sorted_cols_t(torch.randn(tokens, n, generator=gen).to(device), plan, fmt)
+    return plan, fmt, a_t, b_t, fl.expert_tile_offsets(plan)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("m,n", [(256, 384), (96, 200)], ids=["whole_blocks", "partial_blocks"])
+def test_ws_wgrad_matches_the_triton_kernel(m, n):
+    """Ragged routing (an empty expert: zeros; a hot one with several row tiles); M = 96, N = 200 leave partial
+    output blocks (stores from registers); M = 256 in bf16 takes the TMA stores. Every config, 1 and 3 programs."""
+    device = "cuda"
+    index, weights = ragged_routing(300, 4, 2, seed=7, hot_fraction=0.8)
+    plan, fmt, a_t, b_t, tiles = _cols_t_problem(index, weights, m, n, 4, device, seed=7)
+    assert int(plan.expert_offsets.diff().min()) == 0 and int((tiles[1:] - tiles[:-1]).max()) >= 2
+    for out_dtype in (torch.float32, torch.bfloat16):
+        ref = torch.full((4, m, n), float("nan"), dtype=out_dtype, device=device)
+        fl.fp8_grouped_wgrad(a_t, b_t, plan, fmt, ref, expert_tiles=tiles, use_tma=False)
+        tol = 1e-6 if out_dtype == torch.float32 else 2**-8
+        for cfg in WS_CONFIGS:
+            for programs in (None, 1, 3):
+                out = torch.full_like(ref, float("nan"))  # an element left unwritten shows
+                fp8_grouped_wgrad_ws(a_t, b_t, out, expert_tiles=tiles, config=cfg, programs=programs)
+                torch.testing.assert_close(out, ref, rtol=tol, atol=tol, msg=f"{out_dtype}, {cfg}, {programs}")
+        out = torch.full_like(ref, float("nan"))
+        fl.fp8_grouped_wgrad(a_t, b_t, plan, fmt, out, expert_tiles=tiles, use_ws=True)
+        torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    assert "not mx" in ws_wgrad_unavailable(a_t.data, b_t.data, mx=True)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_ws_wgrad_on_a_rank_that_receives_nothing():
+    """No row for any local expert: every expert's gradient is zeros, every element written."""
+    device = "cuda"
+    index, weights = ragged_routing(64, 8, 2, seed=8, empty_expert=None, hot_expert=None, forbid=range(0, 4))
+    plan, fmt, a_t, b_t, tiles = _cols_t_problem(index, weights, 128, 128, 4, device, seed=8)
+    assert int(tiles[-1]) == 0
+    out = torch.full((4, 128, 128), float("nan"), device=device)
+    fp8_grouped_wgrad_ws(a_t, b_t, out, expert_tiles=tiles)
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.zeros_like(out))

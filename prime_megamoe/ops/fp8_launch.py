@@ -29,7 +29,7 @@ from ..kernels.fp8_gemm import QTILE_M, fp8_fc1_swiglu_kernel, fp8_grouped_gemm_
 from ..kernels.quantize import dequantize_blocks_kernel, gather_quantize_cols_t_kernel, quantize_blocks_kernel
 from ..kernels.swiglu_grad import swiglu_backward_quantize_kernel
 from .compiled_launch import launch
-from .fp8_ws_launch import fp8_grouped_gemm_ws, ws_gemm_unavailable
+from .fp8_ws_launch import fp8_grouped_gemm_ws, fp8_grouped_wgrad_ws, ws_gemm_unavailable, ws_wgrad_unavailable
 from .launch import tma_descriptor, tma_readable
 from .routing_plan import RoutingPlan
 from .sizes import cdiv
@@ -403,11 +403,14 @@ def expert_tile_offsets(plan: RoutingPlan) -> torch.Tensor:
 
 
 def fp8_grouped_wgrad(a_t: QTensor, b_t: QTensor, plan: RoutingPlan, fmt: QFormat, out: torch.Tensor, *,
-                      expert_tiles: torch.Tensor, use_tma: bool | None = None) -> torch.Tensor:
+                      expert_tiles: torch.Tensor, use_tma: bool | None = None,
+                      use_ws: bool | None = False) -> torch.Tensor:
     """out[e] = A[rows of e]^T @ B[rows of e] in fp8 with fp32 accumulation, out [E, M, N] (any dtype and strides).
     Both operands come in the cols_t layout (``quantize_sorted_cols_t`` or ``fp8_fc2_dgrad_dswiglu``): a_t [M, T128],
-    b_t [N, T128], T128 = max_tiles * 128; ``expert_tiles`` = ``expert_tile_offsets(plan)``. ``use_tma``: read both
-    by TMA (default: where the GPU can)."""
+    b_t [N, T128], T128 = max_tiles * 128; ``expert_tiles`` = ``expert_tile_offsets(plan)``. ``use_ws=True``: the
+    warp-specialised Hopper kernel (``kernels/fp8_wgrad_ws.py``, same bits; an error where it does not apply),
+    ``None``: that kernel where it applies. The layer does not ask for it yet (not run on a GPU so far). Otherwise the
+    Triton kernel, with ``use_tma``: read both by TMA (default: where the GPU can)."""
     _check_tile_space_plan(plan)
     m, n = a_t.data.shape[0], b_t.data.shape[0]
     width = plan.max_tiles * QTILE_M
@@ -422,6 +425,13 @@ def fp8_grouped_wgrad(a_t: QTensor, b_t: QTensor, plan: RoutingPlan, fmt: QForma
             )
     if out.shape != (plan.num_local_experts, m, n):
         raise ValueError(f"out must be [{plan.num_local_experts}, {m}, {n}], got {list(out.shape)}")
+    if use_ws is not False:
+        why_not = ws_wgrad_unavailable(a_t.data, b_t.data, mx=fmt.mx)
+        if why_not is None:
+            fp8_grouped_wgrad_ws(a_t, b_t, out, expert_tiles=expert_tiles)
+            return out
+        if use_ws:
+            raise ValueError(f"use_ws=True: the warp-specialised fp8 weight gradient cannot run here: {why_not}")
     if use_tma is None:
         use_tma = tma_readable(a_t.data) and tma_readable(b_t.data)
     a_desc, b_desc = (tma_descriptor(a_t.data), tma_descriptor(b_t.data)) if use_tma else (None, None)

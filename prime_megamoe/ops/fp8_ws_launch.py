@@ -1,5 +1,5 @@
-"""Host side of the warp-specialised Hopper fp8 grouped GEMM (``kernels/fp8_gemm_ws.py``): when it applies, its TMA
-descriptors, its persistent grid.
+"""Host side of the warp-specialised Hopper fp8 kernels: the row-tiled grouped GEMM (``kernels/fp8_gemm_ws.py``) and
+the weight gradient (``kernels/fp8_wgrad_ws.py``): when they apply, their TMA descriptors, their persistent grids.
 
 ``ws_gemm_unavailable`` says why a row-tiled fp8 GEMM cannot run there, or None where it can: it needs a Hopper GPU
 (the kernel is sm_90 wgmma code), the fp8 format (not mx), A not gathered, each segment's K a multiple of 128 when
@@ -8,6 +8,8 @@ asking for it where it does not apply is an error that says why. The layer asks 
 where it applies: with the default config (two 4-warp MMA partitions on the halves of each 128-row tile, TMA
 stores) FC2 took 0.468-0.483 ms against 0.576-0.580 for the Triton kernel and the FC1 dgrad 0.847-0.858 against
 1.063-1.070 (Qwen3-30B-A3B, T = 16384, one H200; benchmarks/results/fp8_probe_s13.txt, runs 4 and 5).
+``fp8_launch.fp8_grouped_wgrad(use_ws=...)`` likewise runs the weight-gradient kernel, which the layer does not ask
+for yet: it has not run on a GPU (``ws_wgrad_unavailable`` says where it cannot).
 """
 
 from __future__ import annotations
@@ -73,15 +75,22 @@ WS_CONFIGS = (
 WS_DEFAULT = WS_CONFIGS[0]
 
 
-def ws_gemm_unavailable(aq_data: torch.Tensor, bq_data: torch.Tensor, *, mx: bool, gather: bool, segments: int,
-                        k: int) -> str | None:
-    """Why the warp-specialised kernel cannot run this GEMM, or None when it can."""
-    if aq_data.device.type != "cuda":
+def _hopper_fp8_unavailable(data: torch.Tensor, mx: bool) -> str | None:
+    if data.device.type != "cuda":
         return "it runs on a CUDA GPU only (Gluon kernels have no interpreter)"
-    if _cuda_properties(aq_data.device).major != 9:
+    if _cuda_properties(data.device).major != 9:
         return "it is Hopper (sm_90) wgmma code"
     if mx:
         return "it takes the fp8 format (fp32 1x128 / 128x128 scales), not mx"
+    return None
+
+
+def ws_gemm_unavailable(aq_data: torch.Tensor, bq_data: torch.Tensor, *, mx: bool, gather: bool, segments: int,
+                        k: int) -> str | None:
+    """Why the warp-specialised kernel cannot run this GEMM, or None when it can."""
+    why_not = _hopper_fp8_unavailable(aq_data, mx)
+    if why_not is not None:
+        return why_not
     if gather:
         return "it reads A by TMA and cannot gather rows"
     if segments == 2 and k % WS_BLOCK_K:
@@ -145,4 +154,40 @@ def fp8_grouped_gemm_ws(aq: QTensor, bq: QTensor, plan: RoutingPlan, c: torch.Te
         TILE_M=QTILE_M, HALVES=config.halves, TMA_STORE=tma_store, LOAD_REGS=WS_LOAD_REGS,
         MMA_REGS=WS_MMA_REGS,
         num_warps=config.num_warps, maxnreg=config.maxnreg,
+    )
+
+
+def ws_wgrad_unavailable(a_t_data: torch.Tensor, b_t_data: torch.Tensor, *, mx: bool) -> str | None:
+    """Why the warp-specialised weight-gradient kernel cannot run, or None when it can."""
+    why_not = _hopper_fp8_unavailable(a_t_data, mx)
+    if why_not is None and not (tma_readable(a_t_data) and tma_readable(b_t_data)):
+        why_not = "its operands must be TMA-readable (contiguous rows, 16-byte aligned)"
+    return why_not
+
+
+def fp8_grouped_wgrad_ws(a_t: QTensor, b_t: QTensor, out: torch.Tensor, *, expert_tiles: torch.Tensor,
+                         config: WSConfig = WS_DEFAULT, programs: int | None = None) -> None:
+    """out[e] = A_t[:, tiles of e] @ B_t[:, tiles of e]^T with ``kernels/fp8_wgrad_ws.py`` (callers check the
+    operands and ``ws_wgrad_unavailable`` first; ``fp8_launch.fp8_grouped_wgrad(use_ws=True)`` does both): cols_t
+    operands a_t [M, T128], b_t [N, T128] with scales [T128 / 128, M] / [.., N], out [E, M, N]. Stores by TMA where
+    the config asks for it and out is a contiguous 2-byte tensor whose M is a multiple of the box's rows."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from ..kernels.fp8_wgrad_ws import fp8_grouped_wgrad_ws_kernel
+
+    m, n, experts = a_t.data.shape[0], b_t.data.shape[0], out.shape[0]
+    a_layout, b_layout = _layouts(config.a_rows)
+    a_desc = TensorDescriptor.from_tensor(a_t.data, [config.a_rows, WS_BLOCK_K], a_layout)
+    b_desc = TensorDescriptor.from_tensor(b_t.data, [WS_BLOCK_N, WS_BLOCK_K], b_layout)
+    out_2d = out.view(-1, n) if out.is_contiguous() else None
+    tma_store = config.tma_store and out_2d is not None and m % config.a_rows == 0 and tma_store_applies(out_2d)
+    c_desc = (TensorDescriptor.from_tensor(out_2d, [config.a_rows, WS_BLOCK_N], _out_layout(config.a_rows, out.dtype))
+              if tma_store else a_desc)
+    tiles = experts * cdiv(m, config.block_m) * cdiv(n, WS_BLOCK_N)
+    grid = (max(1, min(config.programs_per_sm * _num_sms(out.device), tiles, programs or tiles)),)
+    fp8_grouped_wgrad_ws_kernel[grid](
+        a_desc, b_desc, c_desc, a_t.scale, b_t.scale, out, expert_tiles, m, n, experts,
+        a_t.scale.stride(0), b_t.scale.stride(0), out.stride(0), out.stride(1), out.stride(2),
+        STAGES=config.stages, HALVES=config.halves, TMA_STORE=tma_store, LOAD_REGS=WS_LOAD_REGS,
+        MMA_REGS=WS_MMA_REGS, num_warps=config.num_warps, maxnreg=config.maxnreg,
     )

@@ -1,0 +1,197 @@
+"""The fp8 weight gradient of ``fp8_gemm.py`` (``fp8_grouped_wgrad_kernel`` with MX = False) as a warp-specialised,
+persistent Hopper kernel (Gluon), built like ``fp8_gemm_ws.py``.
+
+``C[e] = A_t[:, tiles of e] @ B_t[:, tiles of e]^T``: both operands in the cols_t layout (K-major, [M, T128] and
+[N, T128], fp8), the reduction over expert e's 128-column row tiles ``[expert_tiles[e], expert_tiles[e + 1])``, each
+tile's product promoted with one scale per output row and one per output column (``scale[t, m]``,
+``scale[t, n]``): ``acc + P * (sa[:, None] * sb[None, :])``, the Triton kernel's expression, so both give the same
+bits. An expert without tiles gets zeros.
+
+- The producer (1 warp) walks the program's output tiles (expert major, then row block, then column block, so that
+  programs running together share the expert's A and B panels in L2) and fills a ring of stages: TMA boxes of A
+  (HALVES of them) and B at the row tile's columns, and both scale vectors by cp.async, which the stage's ready
+  barrier waits for.
+- HALVES MMA partitions (4 warps each when HALVES = 2) take the rows of each output tile: each step's wgmma into a
+  fresh fp32 tile, the scales read from the stage, waited for, the stage freed, the product scaled and added. The
+  next tile's row-tile range is loaded while this tile's MMAs run.
+- Stores: by TMA (a box of one partition's rows of the output viewed as [E * M, N]) where the launcher allows it
+  (``TMA_STORE``: a contiguous 2-byte output whose M is a multiple of the box), else from a row-contiguous layout
+  with masks.
+
+Not used by the layer yet: it has been compiled for sm_90 on the CPU only (Gluon has no interpreter).
+``tests/test_fp8_gemm_ws.py`` checks it against the Triton kernel on a Hopper GPU, and ``scripts/fp8_probe.py
+--ws-only`` times it; the layer's weight gradients switch to it once both have run.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .fp8_gemm_ws import _cp_async, _tma_load, _tma_store
+
+
+@gluon.jit
+def _wgrad_tile_of(t, m_tiles, n_tiles, TILE_ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Expert, first output row and first output column of persistent tile t."""
+    per_expert = m_tiles * n_tiles
+    part = t % per_expert
+    return t // per_expert, (part // n_tiles) * TILE_ROWS, (part % n_tiles) * BLOCK_N
+
+
+@gluon.jit
+def _wgrad_load_partition(a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, as_ptr, bs_ptr,
+                          expert_tiles_ptr, M, N, E, stride_asr, stride_bsr, HALVES: gl.constexpr):
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]  # rows of one MMA partition's A box
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    STAGES: gl.constexpr = b_bufs.type.shape[0]
+    TILE_ROWS: gl.constexpr = HALVES * BLOCK_M
+    vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    m_tiles = gl.cdiv(M, TILE_ROWS)
+    n_tiles = gl.cdiv(N, BLOCK_N)
+    total = E * m_tiles * n_tiles
+    it = 0
+    for t in range(gl.program_id(0), total, gl.num_programs(0)):
+        expert, m0, n0 = _wgrad_tile_of(t, m_tiles, n_tiles, TILE_ROWS, BLOCK_N)
+        t_begin = gl.load(expert_tiles_ptr + expert)
+        t_end = gl.load(expert_tiles_ptr + expert + 1)
+        rows = m0 + gl.arange(0, TILE_ROWS, layout=vec_layout)
+        cols = n0 + gl.arange(0, BLOCK_N, layout=vec_layout)
+        for kt in range(t_begin, t_end):
+            s = it % STAGES
+            # A buffer is free once the MMAs that read it are done; a fresh mbarrier counts as phase 1 done.
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            _cp_async(sa_bufs.index(s), as_ptr + kt * stride_asr + rows, mask=rows < M)
+            _cp_async(sb_bufs.index(s), bs_ptr + kt * stride_bsr + cols, mask=cols < N)
+            async_copy.mbarrier_arrive(bar)  # the barrier's phase also waits for this lane's copies
+            mbarrier.expect(bar, HALVES * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            for h in gl.static_range(HALVES):  # boxes past M or N read zeros
+                _tma_load(a_desc, [m0 + h * BLOCK_M, kt * BLOCK_K], bar, a_bufs.index(HALVES * s + h))
+            _tma_load(b_desc, [n0, kt * BLOCK_K], bar, b_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def _wgrad_mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout: gl.constexpr,
+                    HALF: gl.constexpr, HALVES: gl.constexpr):
+    """One row tile of the reduction for the rows of half HALF: fresh wgmma tile, scaled by row and column."""
+    STAGES: gl.constexpr = b_bufs.type.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    s = it % STAGES
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    tile = warpgroup_mma(a_bufs.index(HALVES * s + HALF), b_bufs.index(s).permute((1, 0)),
+                         gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout), use_acc=False, is_async=True)
+    sa = sa_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(gl.SliceLayout(1, mma_layout))
+    sb = sb_bufs.index(s).load(gl.SliceLayout(0, mma_layout))
+    done = warpgroup_mma_wait(num_outstanding=0, deps=(tile, ))
+    mbarrier.arrive(empty.index(s), count=1)
+    return acc + done * (sa[:, None] * sb[None, :])
+
+
+@gluon.jit
+def _wgrad_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_smem, c_ptr, expert_tiles_ptr,
+                         M, N, E, stride_ce, stride_cm, stride_cn, HALF: gl.constexpr, HALVES: gl.constexpr,
+                         TMA_STORE: gl.constexpr):
+    """Rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of every output tile of this program."""
+    num_warps: gl.constexpr = gl.num_warps()
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    TILE_ROWS: gl.constexpr = HALVES * BLOCK_M
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_N, 32])
+    store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [num_warps, 1], [1, 0])
+    m_tiles = gl.cdiv(M, TILE_ROWS)
+    n_tiles = gl.cdiv(N, BLOCK_N)
+    total = E * m_tiles * n_tiles
+    programs = gl.num_programs(0)
+    # The first tile's row-tile range; each later tile's is loaded while the tile before it runs. (With no tiles
+    # at all nothing is loaded and the loop does not run.)
+    expert, m0, n0 = _wgrad_tile_of(gl.minimum(gl.program_id(0), total - 1), m_tiles, n_tiles, TILE_ROWS, BLOCK_N)
+    t_begin = gl.load(expert_tiles_ptr + expert, mask=total > 0, other=0)
+    t_end = gl.load(expert_tiles_ptr + expert + 1, mask=total > 0, other=0)
+    it = 0
+    for t in range(gl.program_id(0), total, programs):
+        expert_n, m0_n, n0_n = _wgrad_tile_of(gl.minimum(t + programs, total - 1), m_tiles, n_tiles, TILE_ROWS,
+                                              BLOCK_N)
+        t_begin_n = gl.load(expert_tiles_ptr + expert_n)
+        t_end_n = gl.load(expert_tiles_ptr + expert_n + 1)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
+        for kt in range(t_begin, t_end):
+            acc = _wgrad_mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout, HALF, HALVES)
+            it += 1
+        out = acc.to(c_ptr.dtype.element_ty)
+        row_s0 = m0 + HALF * BLOCK_M
+        if TMA_STORE:
+            if row_s0 < M:  # (M is a multiple of BLOCK_M here: a box never reaches the next expert's rows)
+                tma.store_wait(0)  # the previous tile's store has left the buffer
+                c_smem.store(out)
+                fence_async_shared()
+                _tma_store(c_desc, [expert * M + row_s0, n0], c_smem)
+        else:
+            out_rows = gl.convert_layout(out, store_layout)
+            rows_s = row_s0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))
+            cols_s = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
+            c_ptrs = (c_ptr + expert.to(gl.int64) * stride_ce + rows_s.to(gl.int64)[:, None] * stride_cm
+                      + cols_s[None, :] * stride_cn)
+            gl.store(c_ptrs, out_rows, mask=(rows_s < M)[:, None] & (cols_s < N)[None, :])
+        expert, m0, n0, t_begin, t_end = expert_n, m0_n, n0_n, t_begin_n, t_end_n
+    if TMA_STORE:
+        tma.store_wait(0)
+
+
+@gluon.jit
+def fp8_grouped_wgrad_ws_kernel(
+    a_desc, b_desc, c_desc, as_ptr, bs_ptr, c_ptr, expert_tiles_ptr,
+    M, N, E, stride_asr, stride_bsr, stride_ce, stride_cm, stride_cn,
+    STAGES: gl.constexpr, HALVES: gl.constexpr, TMA_STORE: gl.constexpr, LOAD_REGS: gl.constexpr,
+    MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    """HALVES = 1: one MMA partition of ``num_warps`` warps; HALVES = 2: two 4-warp partitions (the default one and
+    a worker with MMA_REGS registers) on the two 64-row halves of each output tile, from the same B buffers. Without
+    TMA_STORE ``c_desc`` is not read (any descriptor will do)."""
+    TILE_ROWS: gl.constexpr = HALVES * a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [HALVES * STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, TILE_ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    sb_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=HALVES)  # each MMA partition frees the stage
+    if TMA_STORE:
+        c_bufs = gl.allocate_shared_memory(c_desc.dtype, [HALVES] + c_desc.block_type.shape, c_desc.layout)
+    else:
+        c_bufs = a_bufs  # not used
+    # (Argument tuples written out in the call: a tuple bound to a name first loses its constexprs.)
+    if HALVES == 1:
+        gl.warp_specialize([
+            (_wgrad_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
+                                    expert_tiles_ptr, M, N, E, stride_ce, stride_cm, stride_cn, 0, HALVES,
+                                    TMA_STORE)),
+            (_wgrad_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, as_ptr, bs_ptr,
+                                     expert_tiles_ptr, M, N, E, stride_asr, stride_bsr, HALVES)),
+        ], [1], [LOAD_REGS])
+    else:
+        gl.warp_specialize([
+            (_wgrad_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
+                                    expert_tiles_ptr, M, N, E, stride_ce, stride_cm, stride_cn, 0, HALVES,
+                                    TMA_STORE)),
+            (_wgrad_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(1), c_ptr,
+                                    expert_tiles_ptr, M, N, E, stride_ce, stride_cm, stride_cn, 1, HALVES,
+                                    TMA_STORE)),
+            (_wgrad_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, as_ptr, bs_ptr,
+                                     expert_tiles_ptr, M, N, E, stride_asr, stride_bsr, HALVES)),
+        ], [4, 1], [MMA_REGS, LOAD_REGS])
