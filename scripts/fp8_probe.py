@@ -126,14 +126,11 @@ def main():
         kernel.cache.clear()
 
     # The warp-specialised Hopper kernels where they apply, against the Triton kernels' first candidate: the row-tiled
-    # GEMM and the weight gradient. The FC2 dgrad gathers dy, which the GEMM cannot: it runs on a copy of dy's rows
-    # in sorted order (what a gathering producer would have to match).
-    src = plan.row_src[:pairs].long()
-    dyq_sorted = fl.QTensor(dyq.data[src], dyq.scale[src])
-    def ws_run(a, b, segments=1, row_scale=None):
+    # GEMM (the FC2 dgrad gathering dy's rows) and the weight gradient.
+    def ws_run(a, b, segments=1, row_scale=None, gather=False):
         def run(cfg):
             c = torch.empty(pairs, b.data.shape[1], dtype=x.dtype, device=x.device)
-            fp8_grouped_gemm_ws(a, b, plan, c, segments=segments, row_scale=row_scale, config=cfg)
+            fp8_grouped_gemm_ws(a, b, plan, c, segments=segments, row_scale=row_scale, gather=gather, config=cfg)
             return c
         return run
 
@@ -143,7 +140,7 @@ def main():
             return out
         return run
 
-    ws_cases = [("FC2", ws_run(aq, w2f, row_scale=plan.row_weight)), ("FC2 dgrad", ws_run(dyq_sorted, w2b)),
+    ws_cases = [("FC2", ws_run(aq, w2f, row_scale=plan.row_weight)), ("FC2 dgrad", ws_run(dyq, w2b, gather=True)),
                 ("FC1 dgrad", ws_run(d.dh_rows, w1b, segments=2)), ("dW1", ws_wgrad_run(d.dh_t, x_t, gw1)),
                 ("dW2", ws_wgrad_run(dy_t, d.aw_t, gw2))]
     why_not = ws_gemm_unavailable(dyq.data, w2b.data, mx=False, gather=False, segments=1, k=hidden)

@@ -15,6 +15,9 @@ from prime_megamoe.kernels.fp8_gemm import QTILE_M
 from prime_megamoe.ops import fp8_launch as fl
 from prime_megamoe.ops.fp8_ws_launch import (
     WS_CONFIGS,
+    WS_GATHER_LOAD_REGS,
+    WS_GATHER_LOAD_WARPS,
+    WS_GATHER_MMA_REGS,
     WS_LOAD_REGS,
     WS_MMA_REGS,
     fp8_grouped_gemm_ws,
@@ -35,17 +38,23 @@ def _config_id(cfg):
 
 
 @pytest.mark.parametrize("cfg", WS_CONFIGS, ids=_config_id)
-@pytest.mark.parametrize("scale_rows", [True, False])
-def test_ws_kernel_compiles_for_hopper_with_its_register_split(cfg, scale_rows):
-    """As the layer launches it: a bf16 output (stored by TMA where the config says so)."""
+@pytest.mark.parametrize("scale_rows,gather", [(True, False), (False, False), (False, True)],
+                         ids=["row_scaled", "plain", "gathered"])
+def test_ws_kernel_compiles_for_hopper_with_its_register_split(cfg, scale_rows, gather):
+    """As the launcher launches it: a bf16 output (stored by TMA where the config says so); gathered A with four
+    producer warps and their registers."""
     c_desc = f"tensordesc<bf16[{cfg.a_rows}, 128]>" if cfg.tma_store else f"tensordesc<fp8e4nv[{cfg.a_rows}, 128]>"
+    load_warps, load_regs, mma_regs = ((WS_GATHER_LOAD_WARPS, WS_GATHER_LOAD_REGS, WS_GATHER_MMA_REGS) if gather
+                                       else (1, WS_LOAD_REGS, WS_MMA_REGS))
     rows = compile_for_hopper(
         "prime_megamoe.kernels.fp8_gemm_ws:fp8_grouped_gemm_ws_kernel",
-        {"SEGS": 2, "SCALE_ROWS": scale_rows, "B_GROUP_N": 128, "STAGES": cfg.stages, "TILE_M": QTILE_M,
-         "HALVES": cfg.halves, "TMA_STORE": cfg.tma_store, "LOAD_REGS": WS_LOAD_REGS, "MMA_REGS": WS_MMA_REGS},
+        {"SEGS": 1 if gather else 2, "SCALE_ROWS": scale_rows, "B_GROUP_N": 128, "STAGES": cfg.stages,
+         "TILE_M": QTILE_M, "HALVES": cfg.halves, "TMA_STORE": cfg.tma_store, "GATHER": gather,
+         "LOAD_WARPS": load_warps, "LOAD_REGS": load_regs, "MMA_REGS": mma_regs},
         ["--warps", str(cfg.num_warps), "--maxnreg", str(cfg.maxnreg), "--types",
-         f'{{"bs_ptr": "*fp32", "c_ptr": "*bf16", "a_desc": "tensordesc<fp8e4nv[{cfg.a_rows}, 128]>", '
-         f'"b_desc": "tensordesc<fp8e4nv[128, 128]>", "c_desc": "{c_desc}"}}'],
+         f'{{"bs_ptr": "*fp32", "c_ptr": "*bf16", "a_ptr": "*fp8e4nv", "row_src_ptr": "*i32", '
+         f'"a_desc": "tensordesc<fp8e4nv[{cfg.a_rows}, 128]>", "b_desc": "tensordesc<fp8e4nv[128, 128]>", '
+         f'"c_desc": "{c_desc}"}}'],
     )
     (_, registers, spill, smem, partitions, wgmma), = rows
     assert wgmma == "ok", "ptxas serialises the kernel's wgmma instructions (see register_check.wgmma_serialised)"
@@ -73,7 +82,9 @@ def _quantised_problem(tokens, hidden, inter, experts, top_k, seed, device):
     dh = fl.quantize_rows(torch.randn(plan.num_pairs, 2 * inter, generator=gen).to(device), fmt, segments=2)
     w1 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(device)
     w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter**0.5).to(device)
-    return plan, fmt, aq, dh, fl.quantize_w2_fwd(w2, fmt), fl.quantize_w1_bwd(w1, fmt)
+    dyq = fl.quantize_rows(torch.randn(tokens, hidden, generator=gen).to(device), fmt)
+    return (plan, fmt, aq, dh, fl.quantize_w2_fwd(w2, fmt), fl.quantize_w1_bwd(w1, fmt), dyq,
+            fl.quantize_w2_bwd(w2, fmt))
 
 
 def _reference(a_rows, b_weights, plan, row_scale=None):
@@ -93,25 +104,28 @@ def _reference(a_rows, b_weights, plan, row_scale=None):
 @pytest.mark.parametrize("hidden,inter", [(256, 128), (384, 256), (1024, 512), (192, 96)],
                          ids=["small", "two_k_blocks", "eight_k_blocks", "ragged"])
 def test_ws_gemm_matches_the_triton_kernel(hidden, inter):
-    """FC2 (row-scaled output, K = I) and the two-segment FC1 dgrad (K = 2I), ragged routing with an empty expert
-    and one taking most rows; I = 96 (K past a block, N not a multiple of 128) runs FC2 only: two segments need each
-    K a multiple of 128, and asking for it there is an error."""
+    """FC2 (row-scaled output, K = I), the FC2 dgrad (dy's rows gathered, K = H) and the two-segment FC1 dgrad
+    (K = 2I), ragged routing with an empty expert and one taking most rows; I = 96 (K past a block, N not a multiple
+    of 128) leaves out the FC1 dgrad: two segments need each K a multiple of 128, and asking for it there is an
+    error."""
     device = "cuda"
-    plan, fmt, aq, dh, w2f, w1b = _quantised_problem(300, hidden, inter, 4, 2, seed=5, device=device)
+    plan, fmt, aq, dh, w2f, w1b, dyq, w2b = _quantised_problem(300, hidden, inter, 4, 2, seed=5, device=device)
     # The hot expert fills whole tiles, whose parts the TMA-store configs store by TMA.
     assert int(plan.expert_offsets.diff().max()) >= QTILE_M
-    cases = [("FC2", aq, w2f, 1, plan.row_weight)]
+    # (name, A, B, segments, row scale, gather): the FC2 dgrad gathers dy's rows (cp.async producer warps).
+    cases = [("FC2", aq, w2f, 1, plan.row_weight, False), ("FC2 dgrad", dyq, w2b, 1, None, True)]
     if inter % 128 == 0:
-        cases.append(("FC1 dgrad", dh, w1b, 2, None))
+        cases.append(("FC1 dgrad", dh, w1b, 2, None, False))
     else:
         with pytest.raises(ValueError, match="multiple of 128"):
             fl.fp8_grouped_gemm(dh, w1b, plan, fmt, out_dtype=torch.float32, segments=2, use_ws=True)
-    for (name, a, b, segments, row_scale), out_dtype in itertools.product(cases, (torch.float32, torch.bfloat16)):
+    for (name, a, b, segments, row_scale, gather), out_dtype in itertools.product(cases,
+                                                                                   (torch.float32, torch.bfloat16)):
         # fp32 outputs are stored from registers; bf16 ones (the layer's) by TMA where a config says so and a 64-row
         # part of a tile holds only its expert's rows (the hot expert has several such parts, the others end inside
         # one). Both kernels round the same fp32 value; one bf16 step of slack for a last-bit fp32 difference.
         tol = 1e-6 if out_dtype == torch.float32 else 2**-8
-        kw = {"out_dtype": out_dtype, "segments": segments, "row_scale": row_scale}
+        kw = {"out_dtype": out_dtype, "segments": segments, "row_scale": row_scale, "gather": gather}
         ws = fl.fp8_grouped_gemm(a, b, plan, fmt, use_ws=True, **kw)
         triton_kernel = fl.fp8_grouped_gemm(a, b, plan, fmt, use_ws=False, use_tma=False, **kw)
         torch.testing.assert_close(ws, triton_kernel, rtol=tol, atol=tol, msg=name)
@@ -120,13 +134,15 @@ def test_ws_gemm_matches_the_triton_kernel(hidden, inter):
         for cfg in WS_CONFIGS:
             for programs in (None, 1, 3):
                 c = torch.full_like(ws, float("nan"))  # a row left unwritten shows
-                fp8_grouped_gemm_ws(a, b, plan, c, segments=segments, row_scale=row_scale, config=cfg,
+                fp8_grouped_gemm_ws(a, b, plan, c, segments=segments, row_scale=row_scale, gather=gather, config=cfg,
                                     programs=programs)
                 torch.testing.assert_close(c, triton_kernel, rtol=tol, atol=tol,
                                            msg=f"{name}, {out_dtype}, {cfg}, {programs}")
         if out_dtype != torch.float32:
             continue
         a_deq = fl.dequantize_rows(a, fmt, segments=segments).double().cpu()
+        if gather:
+            a_deq = a_deq[plan.row_src[:plan.num_pairs].long().cpu()]
         b_deq = fl.dequantize_weight(b, fmt, k_halves=segments).double().cpu()
         # Hopper's fp8 MMA accumulates each 128-wide step with fewer mantissa bits than fp32 (both kernels alike).
         assert rel_err(ws.cpu(), _reference(a_deq, b_deq, plan, row_scale)) < 1e-3, name

@@ -24,6 +24,11 @@ registers are read or written while another wgmma runs), which cost more than it
 the other MMA partition (HALVES = 2, the layer's config), the other warp group, or the other program on the SM
 (64-row tiles). The next tile's indices and row scales are loaded while this tile's MMAs run.
 
+GATHER (the FC2 dgrad's dy, FC1's x: A's rows are the plan's source rows): TMA cannot gather on Hopper, so four
+producer warps copy A's rows by cp.async into the swizzled stage (16 bytes a thread), and the MMA warps fence the
+async proxy before their wgmma reads them. Compiled for sm_90 on the CPU only; not yet run on a GPU, and the layer
+does not ask for it.
+
 Tiles are numbered row tile major, column tile minor (as the Triton kernel's grid), and program p takes tiles p,
 p + programs, ...; all partitions walk that sequence. Requirements (the launcher checks them): BLOCK_K = 128 = the
 scale group, BLOCK_N <= 128 dividing 128 (one weight scale per step), and with SEGS = 2 each segment's K a multiple
@@ -77,18 +82,24 @@ def _tile_of(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, TILE_ROWS: gl.conste
 
 
 @gluon.jit
-def _load_partition(a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, as_ptr, bs_ptr, tile_expert_ptr,
-                    tile_row_ptr, num_tiles_ptr, M, N, K, NKG, stride_asm, stride_bse, stride_bsn,
-                    SEGS: gl.constexpr, B_GROUP_N: gl.constexpr, TILE_M: gl.constexpr, HALVES: gl.constexpr):
-    """Fills each stage: the TMA copies of A (HALVES boxes) and B, and the step's scales (A's, one per row of the
-    tile, and B's block scale, copied for every row) by asynchronous copies that the stage's ready barrier also
-    waits for. The producer never waits for a load itself."""
+def _load_partition(a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_ptr, row_src_ptr, as_ptr,
+                    bs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, N, K, NKG, stride_am, stride_asm,
+                    stride_bse, stride_bsn, SEGS: gl.constexpr, B_GROUP_N: gl.constexpr, TILE_M: gl.constexpr,
+                    HALVES: gl.constexpr, GATHER: gl.constexpr):
+    """Fills each stage: A (HALVES boxes of rows: TMA copies, or with GATHER the rows row_src[r] of A copied by
+    cp.async in 16-byte pieces, as TMA cannot gather on Hopper), B by TMA, and the step's scales (A's, one per row
+    of the tile, and B's block scale, copied for every row) by cp.async. The stage's ready barrier waits for all of
+    it; the producer never waits for a load itself, except each tile's source row indices (GATHER)."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]  # rows of one MMA partition's A box
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     STAGES: gl.constexpr = b_bufs.type.shape[0]
     TILE_ROWS: gl.constexpr = HALVES * BLOCK_M
     row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    # A gathered: 16 bytes a thread, a row's 128 bytes over 8 threads.
+    chunk_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // BLOCK_K, BLOCK_K // 16], [gl.num_warps(), 1],
+                                                  [1, 0])
+    chunk_rows: gl.constexpr = gl.SliceLayout(1, chunk_layout)
     n_col_tiles = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
     total = gl.load(num_tiles_ptr) * (TILE_M // TILE_ROWS) * n_col_tiles
@@ -98,9 +109,17 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, emp
         # Rows past the expert's end read other rows' scales (only outputs that are not stored meet them); rows
         # past A's end read nothing (zeros).
         rows = row0 + gl.arange(0, TILE_ROWS, layout=row_layout)
-        sa_ptrs = as_ptr + rows.to(gl.int64) * stride_asm
-        sb_ptrs = bs_ptr + expert.to(gl.int64) * stride_bse + (col0 // B_GROUP_N) * stride_bsn + rows * 0
         in_rows = rows < M
+        if GATHER:
+            sa_ptrs = as_ptr + gl.load(row_src_ptr + rows, mask=in_rows, other=0).to(gl.int64) * stride_asm
+            # Each half's source rows, in the layout of its copies (a second half only when HALVES = 2).
+            rows_0 = row0 + gl.arange(0, BLOCK_M, layout=chunk_rows)
+            rows_1 = rows_0 + (HALVES - 1) * BLOCK_M
+            base_0 = a_ptr + gl.load(row_src_ptr + rows_0, mask=rows_0 < M, other=0).to(gl.int64) * stride_am
+            base_1 = a_ptr + gl.load(row_src_ptr + rows_1, mask=rows_1 < M, other=0).to(gl.int64) * stride_am
+        else:
+            sa_ptrs = as_ptr + rows.to(gl.int64) * stride_asm
+        sb_ptrs = bs_ptr + expert.to(gl.int64) * stride_bse + (col0 // B_GROUP_N) * stride_bsn + rows * 0
         for j in range(SEGS * k_steps):
             s = it % STAGES
             # A buffer is free once the MMA that read it is done; a fresh mbarrier counts as phase 1 done.
@@ -109,18 +128,29 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, emp
             kg = (j // k_steps) * NKG + j % k_steps  # the step's scale group (segment j // k_steps)
             _cp_async(sa_bufs.index(s), sa_ptrs + kg, mask=in_rows)
             _cp_async(sb_bufs.index(s), sb_ptrs + kg)
-            async_copy.mbarrier_arrive(bar)  # the barrier's phase also waits for this lane's copies
             k = (j // k_steps) * K + (j % k_steps) * BLOCK_K
-            mbarrier.expect(bar, HALVES * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            for h in gl.static_range(HALVES):
-                _tma_load(a_desc, [row0 + h * BLOCK_M, k], bar, a_bufs.index(HALVES * s + h))
+            if GATHER:
+                cols = k + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, chunk_layout))
+                in_cols = (cols < (j // k_steps + 1) * K)[None, :]  # the segment's K ends inside the last step
+                _cp_async(a_bufs.index(HALVES * s), base_0[:, None] + cols[None, :],
+                          mask=(rows_0 < M)[:, None] & in_cols)
+                if HALVES == 2:
+                    _cp_async(a_bufs.index(HALVES * s + 1), base_1[:, None] + cols[None, :],
+                              mask=(rows_1 < M)[:, None] & in_cols)
+            async_copy.mbarrier_arrive(bar)  # the barrier's phase also waits for this lane's copies
+            if GATHER:
+                mbarrier.expect(bar, b_desc.block_type.nbytes)
+            else:
+                mbarrier.expect(bar, HALVES * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                for h in gl.static_range(HALVES):
+                    _tma_load(a_desc, [row0 + h * BLOCK_M, k], bar, a_bufs.index(HALVES * s + h))
             _tma_load(b_desc, [expert * N + col0, k], bar, b_bufs.index(s))
             it += 1
 
 
 @gluon.jit
 def _mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout: gl.constexpr,
-              HALF: gl.constexpr, HALVES: gl.constexpr):
+              HALF: gl.constexpr, HALVES: gl.constexpr, GATHER: gl.constexpr):
     """Step ``it`` for the rows of half HALF: wait for the stage, issue its wgmma into a fresh fp32 tile, read the
     step's scales while it runs, wait for it, free the stage, add the product scaled."""
     STAGES: gl.constexpr = b_bufs.type.shape[0]
@@ -128,6 +158,8 @@ def _mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layou
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     s = it % STAGES
     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    if GATHER:  # A was written by cp.async (the generic proxy); the wgmma reads it through the async proxy
+        fence_async_shared()
     tile = warpgroup_mma(a_bufs.index(HALVES * s + HALF), b_bufs.index(s).permute((1, 0)),
                          gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout), use_acc=False, is_async=True)
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
@@ -142,7 +174,7 @@ def _mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layou
 def _mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_smem, c_ptr, row_scale_ptr,
                    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N, K, stride_cm,
                    SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, TILE_M: gl.constexpr, HALF: gl.constexpr,
-                   HALVES: gl.constexpr, TMA_STORE: gl.constexpr):
+                   HALVES: gl.constexpr, TMA_STORE: gl.constexpr, GATHER: gl.constexpr):
     """Rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of every tile of this program (HALVES partitions split a tile)."""
     num_warps: gl.constexpr = gl.num_warps()
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
@@ -179,7 +211,8 @@ def _mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_sme
         # registers must not be written while another wgmma runs, and each fresh tile is.)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
         for j in range(n_steps):
-            acc = _mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout, HALF, HALVES)
+            acc = _mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout, HALF, HALVES,
+                            GATHER)
             it += 1
 
         if SCALE_ROWS:
@@ -211,12 +244,12 @@ def _mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_sme
 
 @gluon.jit
 def fp8_grouped_gemm_ws_kernel(
-    a_desc, b_desc, c_desc, as_ptr, bs_ptr, c_ptr, row_scale_ptr,
+    a_desc, b_desc, c_desc, a_ptr, row_src_ptr, as_ptr, bs_ptr, c_ptr, row_scale_ptr,
     tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
-    M, N, K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm,
+    M, N, K, NKG, stride_am, stride_asm, stride_bse, stride_bsn, stride_cm,
     SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, B_GROUP_N: gl.constexpr, STAGES: gl.constexpr,
-    TILE_M: gl.constexpr, HALVES: gl.constexpr, TMA_STORE: gl.constexpr,
-    LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
+    TILE_M: gl.constexpr, HALVES: gl.constexpr, TMA_STORE: gl.constexpr, GATHER: gl.constexpr,
+    LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """HALVES = 1: one MMA partition (``num_warps`` warps, 64 rows a warp group) computes each tile. HALVES = 2: two
     4-warp MMA partitions (the default one and a worker with MMA_REGS registers) compute the two 64-row halves of
@@ -245,20 +278,20 @@ def fp8_grouped_gemm_ws_kernel(
         gl.warp_specialize([
             (_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
                               row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N,
-                              K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 0, HALVES, TMA_STORE)),
-            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, as_ptr, bs_ptr,
-                               tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, N, K, NKG, stride_asm, stride_bse,
-                               stride_bsn, SEGS, B_GROUP_N, TILE_M, HALVES)),
-        ], [1], [LOAD_REGS])
+                              K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 0, HALVES, TMA_STORE, GATHER)),
+            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_ptr, row_src_ptr,
+                               as_ptr, bs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, N, K, NKG, stride_am,
+                               stride_asm, stride_bse, stride_bsn, SEGS, B_GROUP_N, TILE_M, HALVES, GATHER)),
+        ], [LOAD_WARPS], [LOAD_REGS])
     else:
         gl.warp_specialize([
             (_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
                               row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N,
-                              K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 0, HALVES, TMA_STORE)),
+                              K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 0, HALVES, TMA_STORE, GATHER)),
             (_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(1), c_ptr,
                               row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N,
-                              K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 1, HALVES, TMA_STORE)),
-            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, as_ptr, bs_ptr,
-                               tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, N, K, NKG, stride_asm, stride_bse,
-                               stride_bsn, SEGS, B_GROUP_N, TILE_M, HALVES)),
-        ], [4, 1], [MMA_REGS, LOAD_REGS])
+                              K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 1, HALVES, TMA_STORE, GATHER)),
+            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_ptr, row_src_ptr,
+                               as_ptr, bs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, N, K, NKG, stride_am,
+                               stride_asm, stride_bse, stride_bsn, SEGS, B_GROUP_N, TILE_M, HALVES, GATHER)),
+        ], [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])

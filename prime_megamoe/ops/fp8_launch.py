@@ -335,7 +335,7 @@ def fp8_grouped_gemm(aq: QTensor, bq: QTensor, plan: RoutingPlan, fmt: QFormat, 
     if use_ws is not False:
         why_not = ws_gemm_unavailable(aq.data, bq.data, mx=fmt.mx, gather=gather, segments=segments, k=k)
         if why_not is None:
-            fp8_grouped_gemm_ws(aq, bq, plan, c, segments=segments, row_scale=row_scale)
+            fp8_grouped_gemm_ws(aq, bq, plan, c, segments=segments, row_scale=row_scale, gather=gather)
             return c
         if use_ws:
             raise ValueError(f"use_ws=True: the warp-specialised fp8 GEMM cannot run here: {why_not}")

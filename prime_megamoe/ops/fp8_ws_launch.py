@@ -2,8 +2,8 @@
 the weight gradient (``kernels/fp8_wgrad_ws.py``): when they apply, their TMA descriptors, their persistent grids.
 
 ``ws_gemm_unavailable`` says why a row-tiled fp8 GEMM cannot run there, or None where it can: it needs a Hopper GPU
-(the kernel is sm_90 wgmma code), the fp8 format (not mx), A not gathered, each segment's K a multiple of 128 when
-there are two segments, and both operands TMA-readable. ``fp8_launch.fp8_grouped_gemm(use_ws=True)`` runs it;
+(the kernel is sm_90 wgmma code), the fp8 format (not mx), each segment's K a multiple of 128 when there are two
+segments (16 when A is gathered), and both operands TMA-readable. ``fp8_launch.fp8_grouped_gemm(use_ws=True)`` runs it;
 asking for it where it does not apply is an error that says why. The layer asks for it for FC2 and the FC1 dgrad,
 where it applies: with the default config (two 4-warp MMA partitions on the halves of each 128-row tile, TMA
 stores) FC2 took 0.468-0.483 ms against 0.576-0.580 for the Triton kernel and the FC1 dgrad 0.847-0.858 against
@@ -65,6 +65,8 @@ class WSConfig:
 
 
 WS_MMA_REGS = 232  # the second MMA partition's registers (halves = 2)
+# Gathering A (cp.async from 4 producer warps, row addresses held per tile) needs more producer registers.
+WS_GATHER_LOAD_WARPS, WS_GATHER_LOAD_REGS, WS_GATHER_MMA_REGS = 4, 64, 216
 # The first is the default (fp8_probe_s13.txt).
 WS_CONFIGS = (
     WSConfig(128, 4, halves=2, tma_store=True),
@@ -91,8 +93,8 @@ def ws_gemm_unavailable(aq_data: torch.Tensor, bq_data: torch.Tensor, *, mx: boo
     why_not = _hopper_fp8_unavailable(aq_data, mx)
     if why_not is not None:
         return why_not
-    if gather:
-        return "it reads A by TMA and cannot gather rows"
+    if gather and k % 16:
+        return f"gathering A's rows in 16-byte pieces needs K a multiple of 16 (got {k})"
     if segments == 2 and k % WS_BLOCK_K:
         return f"with two segments each segment's K must be a multiple of {WS_BLOCK_K} (got {k})"
     if not (tma_readable(aq_data) and tma_readable(bq_data.view(-1, bq_data.shape[-1]))):
@@ -123,19 +125,20 @@ def tma_store_applies(c: torch.Tensor) -> bool:
 
 
 def fp8_grouped_gemm_ws(aq: QTensor, bq: QTensor, plan: RoutingPlan, c: torch.Tensor, *, segments: int,
-                        row_scale: torch.Tensor | None, config: WSConfig = WS_DEFAULT,
+                        row_scale: torch.Tensor | None, gather: bool = False, config: WSConfig = WS_DEFAULT,
                         programs: int | None = None) -> None:
-    """c[r] = row_scale[r] * A[r] @ B[e]^T with the warp-specialised kernel (callers check ``ws_gemm_unavailable``
-    first): A [P, segments * K] fp8 with row scales [P, segments * cdiv(K, 128)], B the K-major weights
-    [E, N, segments * K] in fp8 blocks. ``programs``: at most that many persistent programs (tests give small problems
-    several tiles a program this way)."""
+    """c[r] = row_scale[r] * A[src[r] if gather else r] @ B[e]^T with the warp-specialised kernel (callers check
+    ``ws_gemm_unavailable`` first): A [P or R, segments * K] fp8 with row scales [.., segments * cdiv(K, 128)], B the
+    K-major weights [E, N, segments * K] in fp8 blocks; ``gather``: A's rows are the plan's source rows (copied by
+    cp.async; not yet run on a GPU, and the layer does not ask for it). ``programs``: at most that many persistent
+    programs (tests give small problems several tiles a program this way)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ..kernels.fp8_gemm_ws import fp8_grouped_gemm_ws_kernel
 
     aq_data, aq_scale, bq_data, bq_scale = aq.data, aq.scale, bq.data, bq.scale
-    rows, n, k = aq_data.shape[0], bq_data.shape[1], bq_data.shape[2] // segments
-    if rows == 0:  # no rows (a rank that receives nothing): no tiles, and no descriptor over nothing
+    rows, n, k = plan.num_pairs, bq_data.shape[1], bq_data.shape[2] // segments
+    if rows == 0 or aq_data.shape[0] == 0:  # no rows (a rank that receives nothing): no tiles, no descriptor
         return
     a_layout, b_layout = _layouts(config.a_rows)
     b_2d = bq_data.view(-1, bq_data.shape[2])
@@ -146,14 +149,17 @@ def fp8_grouped_gemm_ws(aq: QTensor, bq: QTensor, plan: RoutingPlan, c: torch.Te
               if tma_store else a_desc)
     tiles = plan.max_tiles * (QTILE_M // config.block_m) * cdiv(n, WS_BLOCK_N)
     grid = (max(1, min(config.programs_per_sm * _num_sms(c.device), tiles, programs or tiles)),)
+    load_warps, load_regs, mma_regs = ((WS_GATHER_LOAD_WARPS, WS_GATHER_LOAD_REGS, WS_GATHER_MMA_REGS) if gather
+                                       else (1, WS_LOAD_REGS, WS_MMA_REGS))
     fp8_grouped_gemm_ws_kernel[grid](
-        a_desc, b_desc, c_desc, aq_scale, bq_scale, c, row_scale if row_scale is not None else plan.row_weight,
+        a_desc, b_desc, c_desc, aq_data, plan.row_src, aq_scale, bq_scale, c,
+        row_scale if row_scale is not None else plan.row_weight,
         plan.tile_expert, plan.tile_row, plan.num_tiles, plan.expert_offsets,
-        rows, n, k, aq_scale.shape[1] // segments, aq_scale.stride(0), bq_scale.stride(0), bq_scale.stride(1),
-        c.stride(0), SEGS=segments, SCALE_ROWS=row_scale is not None, B_GROUP_N=WS_WEIGHT_BLOCK, STAGES=config.stages,
-        TILE_M=QTILE_M, HALVES=config.halves, TMA_STORE=tma_store, LOAD_REGS=WS_LOAD_REGS,
-        MMA_REGS=WS_MMA_REGS,
-        num_warps=config.num_warps, maxnreg=config.maxnreg,
+        rows, n, k, aq_scale.shape[1] // segments, aq_data.stride(0), aq_scale.stride(0), bq_scale.stride(0),
+        bq_scale.stride(1), c.stride(0), SEGS=segments, SCALE_ROWS=row_scale is not None, B_GROUP_N=WS_WEIGHT_BLOCK,
+        STAGES=config.stages, TILE_M=QTILE_M, HALVES=config.halves, TMA_STORE=tma_store, GATHER=gather,
+        LOAD_WARPS=load_warps, LOAD_REGS=load_regs, MMA_REGS=mma_regs, num_warps=config.num_warps,
+        maxnreg=config.maxnreg,
     )
 
 
