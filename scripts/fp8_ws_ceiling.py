@@ -57,7 +57,8 @@ def _variant_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, ti
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
         if PROMOTE:  # as the layer's kernel
             for j in range(n_steps):
-                acc = _mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout, HALF, 2)
+                acc = _mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout, HALF, 2, False,
+                                False)
                 it += 1
         else:  # one accumulator, the previous step's MMA waited for after the next one is issued
             prev = 0
@@ -102,9 +103,10 @@ def ws_variant_kernel(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, tile_expert_ptr, ti
                               num_tiles_ptr, expert_offsets_ptr, N, K, stride_cm, store, SEGS, TILE_M, 0, PROMOTE)),
         (_variant_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, tile_expert_ptr, tile_row_ptr,
                               num_tiles_ptr, expert_offsets_ptr, N, K, stride_cm, store, SEGS, TILE_M, 1, PROMOTE)),
-        (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, as_ptr, bs_ptr,
-                           tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, N, K, NKG, stride_asm, stride_bse,
-                           stride_bsn, SEGS, 128, TILE_M, 2)),
+        # (A is read by TMA: the gather arguments, here as_ptr twice and stride 0, are not read.)
+        (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, as_ptr, as_ptr, as_ptr,
+                           bs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, N, K, NKG, 0, stride_asm,
+                           stride_bse, stride_bsn, SEGS, 128, TILE_M, 2, False)),
     ], [4, 1], [MMA_REGS, LOAD_REGS])
 
 

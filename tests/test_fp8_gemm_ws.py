@@ -34,7 +34,7 @@ needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90 
 
 
 def _config_id(cfg):
-    return f"m{cfg.block_m}s{cfg.stages}h{cfg.halves}{'t' if cfg.tma_store else ''}"
+    return f"m{cfg.block_m}s{cfg.stages}h{cfg.halves}{'t' if cfg.tma_store else ''}{'f' if cfg.scales_first else ''}"
 
 
 @pytest.mark.parametrize("cfg", WS_CONFIGS, ids=_config_id)
@@ -50,6 +50,7 @@ def test_ws_kernel_compiles_for_hopper_with_its_register_split(cfg, scale_rows, 
         "prime_megamoe.kernels.fp8_gemm_ws:fp8_grouped_gemm_ws_kernel",
         {"SEGS": 1 if gather else 2, "SCALE_ROWS": scale_rows, "B_GROUP_N": 128, "STAGES": cfg.stages,
          "TILE_M": QTILE_M, "HALVES": cfg.halves, "TMA_STORE": cfg.tma_store, "GATHER": gather,
+         "SCALES_FIRST": cfg.scales_first,
          "LOAD_WARPS": load_warps, "LOAD_REGS": load_regs, "MMA_REGS": mma_regs},
         ["--warps", str(cfg.num_warps), "--maxnreg", str(cfg.maxnreg), "--types",
          f'{{"bs_ptr": "*fp32", "c_ptr": "*bf16", "a_ptr": "*fp8e4nv", "row_src_ptr": "*i32", '
@@ -243,3 +244,17 @@ def test_ws_wgrad_on_a_rank_that_receives_nothing():
     fp8_grouped_wgrad_ws(a_t, b_t, out, expert_tiles=tiles)
     torch.cuda.synchronize()
     assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("promote", [True, False])
+def test_ceiling_script_kernel_compiles(promote):
+    """scripts/fp8_ws_ceiling.py builds its variants from the kernel's own partitions: it must keep up with them."""
+    (_, _, spill, _, _, wgmma), = compile_for_hopper(
+        "scripts.fp8_ws_ceiling:ws_variant_kernel",
+        {"SEGS": 2, "STAGES": 4, "TILE_M": QTILE_M, "PROMOTE": promote, "LOAD_REGS": WS_LOAD_REGS,
+         "MMA_REGS": WS_MMA_REGS},
+        ["--warps", "4", "--maxnreg", "168", "--types",
+         '{"as_ptr": "*fp32", "bs_ptr": "*fp32", "c_ptr": "*bf16", "a_desc": "tensordesc<fp8e4nv[64, 128]>", '
+         '"b_desc": "tensordesc<fp8e4nv[128, 128]>"}'],
+    )
+    assert int(spill) == 0 and wgmma == "ok"

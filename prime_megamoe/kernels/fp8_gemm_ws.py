@@ -150,9 +150,11 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, emp
 
 @gluon.jit
 def _mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout: gl.constexpr,
-              HALF: gl.constexpr, HALVES: gl.constexpr, GATHER: gl.constexpr):
+              HALF: gl.constexpr, HALVES: gl.constexpr, GATHER: gl.constexpr, SCALES_FIRST: gl.constexpr):
     """Step ``it`` for the rows of half HALF: wait for the stage, issue its wgmma into a fresh fp32 tile, read the
-    step's scales while it runs, wait for it, free the stage, add the product scaled."""
+    step's scales while it runs, wait for it, free the stage, add the product scaled. SCALES_FIRST: read the scales
+    before the wgmma is issued (read after it, ptxas puts their product between the step's wgmma instructions, whose
+    issue then waits for the reads: ncu_fp8_fc2_s13.txt)."""
     STAGES: gl.constexpr = b_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
@@ -160,11 +162,16 @@ def _mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layou
     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
     if GATHER:  # A was written by cp.async (the generic proxy); the wgmma reads it through the async proxy
         fence_async_shared()
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    if SCALES_FIRST:
+        sa = sa_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(row_layout)
+        sb = sb_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(row_layout)
     tile = warpgroup_mma(a_bufs.index(HALVES * s + HALF), b_bufs.index(s).permute((1, 0)),
                          gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout), use_acc=False, is_async=True)
-    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-    scale = (sa_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(row_layout)
-             * sb_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(row_layout))
+    if not SCALES_FIRST:
+        sa = sa_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(row_layout)
+        sb = sb_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(row_layout)
+    scale = sa * sb
     done = warpgroup_mma_wait(num_outstanding=0, deps=(tile, ))
     mbarrier.arrive(empty.index(s), count=1)
     return acc + done * scale[:, None]
@@ -174,7 +181,8 @@ def _mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layou
 def _mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_smem, c_ptr, row_scale_ptr,
                    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N, K, stride_cm,
                    SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, TILE_M: gl.constexpr, HALF: gl.constexpr,
-                   HALVES: gl.constexpr, TMA_STORE: gl.constexpr, GATHER: gl.constexpr):
+                   HALVES: gl.constexpr, TMA_STORE: gl.constexpr, GATHER: gl.constexpr,
+                   SCALES_FIRST: gl.constexpr):
     """Rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of every tile of this program (HALVES partitions split a tile)."""
     num_warps: gl.constexpr = gl.num_warps()
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
@@ -212,7 +220,7 @@ def _mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_sme
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
         for j in range(n_steps):
             acc = _mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout, HALF, HALVES,
-                            GATHER)
+                            GATHER, SCALES_FIRST)
             it += 1
 
         if SCALE_ROWS:
@@ -249,7 +257,8 @@ def fp8_grouped_gemm_ws_kernel(
     M, N, K, NKG, stride_am, stride_asm, stride_bse, stride_bsn, stride_cm,
     SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, B_GROUP_N: gl.constexpr, STAGES: gl.constexpr,
     TILE_M: gl.constexpr, HALVES: gl.constexpr, TMA_STORE: gl.constexpr, GATHER: gl.constexpr,
-    LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
+    SCALES_FIRST: gl.constexpr, LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """HALVES = 1: one MMA partition (``num_warps`` warps, 64 rows a warp group) computes each tile. HALVES = 2: two
     4-warp MMA partitions (the default one and a worker with MMA_REGS registers) compute the two 64-row halves of
@@ -278,7 +287,8 @@ def fp8_grouped_gemm_ws_kernel(
         gl.warp_specialize([
             (_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
                               row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N,
-                              K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 0, HALVES, TMA_STORE, GATHER)),
+                              K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 0, HALVES, TMA_STORE, GATHER,
+                              SCALES_FIRST)),
             (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_ptr, row_src_ptr,
                                as_ptr, bs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, N, K, NKG, stride_am,
                                stride_asm, stride_bse, stride_bsn, SEGS, B_GROUP_N, TILE_M, HALVES, GATHER)),
@@ -287,10 +297,12 @@ def fp8_grouped_gemm_ws_kernel(
         gl.warp_specialize([
             (_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
                               row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N,
-                              K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 0, HALVES, TMA_STORE, GATHER)),
+                              K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 0, HALVES, TMA_STORE, GATHER,
+                              SCALES_FIRST)),
             (_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(1), c_ptr,
                               row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N,
-                              K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 1, HALVES, TMA_STORE, GATHER)),
+                              K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 1, HALVES, TMA_STORE, GATHER,
+                              SCALES_FIRST)),
             (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_ptr, row_src_ptr,
                                as_ptr, bs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, N, K, NKG, stride_am,
                                stride_asm, stride_bse, stride_bsn, SEGS, B_GROUP_N, TILE_M, HALVES, GATHER)),

@@ -40,12 +40,14 @@ class WSConfig:
     SM's 64K); block_m = 64: two programs per SM, one MMA warp group each (registers 128, so 2 x 8 warps fit).
     stages: buffers of A (block_m x 128) and B (128 x 128) fp8. tma_store: tile parts holding only their expert's
     rows are stored by TMA, for outputs of 2-byte elements that TMA can write (a 4-byte output's buffers would not
-    fit beside the ring; other outputs are stored from registers, the same values)."""
+    fit beside the ring; other outputs are stored from registers, the same values). scales_first: each step reads
+    its scales before issuing its wgmma (see ``_mma_step``; not yet run on a GPU)."""
 
     block_m: int = 128
     stages: int = 4
     halves: int = 1
     tma_store: bool = False
+    scales_first: bool = False
 
     @property
     def a_rows(self) -> int:  # rows of one A box (one MMA partition's part of a tile)
@@ -70,6 +72,7 @@ WS_GATHER_LOAD_WARPS, WS_GATHER_LOAD_REGS, WS_GATHER_MMA_REGS = 4, 64, 216
 # The first is the default (fp8_probe_s13.txt).
 WS_CONFIGS = (
     WSConfig(128, 4, halves=2, tma_store=True),
+    WSConfig(128, 4, halves=2, tma_store=True, scales_first=True),
     WSConfig(128, 4, halves=2),
     WSConfig(128, 4, tma_store=True),
     WSConfig(64, 4),
@@ -158,6 +161,7 @@ def fp8_grouped_gemm_ws(aq: QTensor, bq: QTensor, plan: RoutingPlan, c: torch.Te
         rows, n, k, aq_scale.shape[1] // segments, aq_data.stride(0), aq_scale.stride(0), bq_scale.stride(0),
         bq_scale.stride(1), c.stride(0), SEGS=segments, SCALE_ROWS=row_scale is not None, B_GROUP_N=WS_WEIGHT_BLOCK,
         STAGES=config.stages, TILE_M=QTILE_M, HALVES=config.halves, TMA_STORE=tma_store, GATHER=gather,
+        SCALES_FIRST=config.scales_first,
         LOAD_WARPS=load_warps, LOAD_REGS=load_regs, MMA_REGS=mma_regs, num_warps=config.num_warps,
         maxnreg=config.maxnreg,
     )
