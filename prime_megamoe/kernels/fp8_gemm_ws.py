@@ -65,6 +65,8 @@ _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_glo
 _tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
 # The per-thread async copy (cp.async) was renamed too (async_copy_global_to_shared -> async_load).
 _cp_async = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
+# A barrier over the partition's warps (renamed thread_barrier -> barrier).
+_partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 
 @gluon.jit
@@ -139,6 +141,9 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, emp
                               mask=(rows_1 < M)[:, None] & in_cols)
             async_copy.mbarrier_arrive(bar)  # the barrier's phase also waits for this lane's copies
             if GATHER:
+                # Every producer warp has counted its copies on the barrier before one thread arms it: else the
+                # phase could complete with another warp's copies not yet counted.
+                _partition_barrier()
                 mbarrier.expect(bar, b_desc.block_type.nbytes)
             else:
                 mbarrier.expect(bar, HALVES * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
