@@ -256,6 +256,29 @@ def _mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_sme
 
 
 @gluon.jit
+def _allocate_stages(a_desc, b_desc, c_desc, STAGES: gl.constexpr, HALVES: gl.constexpr, SB_WIDTH: gl.constexpr,
+                     TMA_STORE: gl.constexpr):
+    """The ring (STAGES stages of HALVES A boxes, one B box, A's row scales and SB_WIDTH B scales), its ready /
+    empty mbarriers (each MMA partition frees a stage), and with TMA_STORE one output box per MMA partition (else
+    A's buffers stand in, unused)."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [HALVES * STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, HALVES * a_desc.block_type.shape[0]],
+                                        gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    sb_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, SB_WIDTH], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=HALVES)
+    if TMA_STORE:
+        c_bufs = gl.allocate_shared_memory(c_desc.dtype, [HALVES] + c_desc.block_type.shape, c_desc.layout)
+    else:
+        c_bufs = a_bufs
+    return a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_bufs
+
+
+@gluon.jit
 def fp8_grouped_gemm_ws_kernel(
     a_desc, b_desc, c_desc, a_ptr, row_src_ptr, as_ptr, bs_ptr, c_ptr, row_scale_ptr,
     tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
@@ -271,21 +294,9 @@ def fp8_grouped_gemm_ws_kernel(
     while the other's wgmma does (one partition of two warp groups keeps both in step at its barriers). TMA_STORE:
     parts of a tile that hold only their expert's rows are stored by TMA through ``c_desc`` (a box of one
     partition's rows), the others from registers; without it ``c_desc`` is not read (any descriptor will do)."""
-    TILE_ROWS: gl.constexpr = HALVES * a_desc.block_type.shape[0]
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [HALVES * STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     # Each step's scales: A's per row, B's block scale copied for every row (so that both are read alike).
-    sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, TILE_ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    sb_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, TILE_ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=HALVES)  # each MMA partition frees the stage
-    if TMA_STORE:
-        c_bufs = gl.allocate_shared_memory(c_desc.dtype, [HALVES] + c_desc.block_type.shape, c_desc.layout)
-    else:
-        c_bufs = a_bufs  # not used
+    a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_bufs = _allocate_stages(
+        a_desc, b_desc, c_desc, STAGES, HALVES, HALVES * a_desc.block_type.shape[0], TMA_STORE)
     # (The partitions' argument tuples are written out in the call: a tuple bound to a name first loses its
     # constexprs.)
     if HALVES == 1:

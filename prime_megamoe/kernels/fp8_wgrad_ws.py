@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .fp8_gemm_ws import _cp_async, _tma_load, _tma_store
+from .fp8_gemm_ws import _allocate_stages, _cp_async, _tma_load, _tma_store
 
 
 @gluon.jit
@@ -160,21 +160,9 @@ def fp8_grouped_wgrad_ws_kernel(
     """HALVES = 1: one MMA partition of ``num_warps`` warps; HALVES = 2: two 4-warp partitions (the default one and
     a worker with MMA_REGS registers) on the two 64-row halves of each output tile, from the same B buffers. Without
     TMA_STORE ``c_desc`` is not read (any descriptor will do)."""
-    TILE_ROWS: gl.constexpr = HALVES * a_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [HALVES * STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, TILE_ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    sb_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=HALVES)  # each MMA partition frees the stage
-    if TMA_STORE:
-        c_bufs = gl.allocate_shared_memory(c_desc.dtype, [HALVES] + c_desc.block_type.shape, c_desc.layout)
-    else:
-        c_bufs = a_bufs  # not used
+    # The B scales: one per output column of the tile.
+    a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_bufs = _allocate_stages(
+        a_desc, b_desc, c_desc, STAGES, HALVES, b_desc.block_type.shape[0], TMA_STORE)
     # (Argument tuples written out in the call: a tuple bound to a name first loses its constexprs.)
     if HALVES == 1:
         gl.warp_specialize([
