@@ -7,6 +7,7 @@ the Triton fp8 kernel (same K order, same promotion) and against float64 torch o
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from prime_megamoe.ops.fp8_ws_launch import (
     WS_GATHER_MMA_REGS,
     WS_LOAD_REGS,
     WS_MMA_REGS,
+    WSConfig,
     fp8_grouped_gemm_ws,
     fp8_grouped_wgrad_ws,
     ws_gemm_unavailable,
@@ -37,27 +39,15 @@ def _config_id(cfg):
     return f"m{cfg.block_m}s{cfg.stages}h{cfg.halves}{'t' if cfg.tma_store else ''}{'f' if cfg.scales_first else ''}"
 
 
-@pytest.mark.parametrize("cfg", WS_CONFIGS, ids=_config_id)
-@pytest.mark.parametrize("scale_rows,gather", [(True, False), (False, False), (False, True)],
-                         ids=["row_scaled", "plain", "gathered"])
-def test_ws_kernel_compiles_for_hopper_with_its_register_split(cfg, scale_rows, gather):
-    """As the launcher launches it: a bf16 output (stored by TMA where the config says so); gathered A with four
-    producer warps and their registers."""
-    c_desc = f"tensordesc<bf16[{cfg.a_rows}, 128]>" if cfg.tma_store else f"tensordesc<fp8e4nv[{cfg.a_rows}, 128]>"
-    load_warps, load_regs, mma_regs = ((WS_GATHER_LOAD_WARPS, WS_GATHER_LOAD_REGS, WS_GATHER_MMA_REGS) if gather
-                                       else (1, WS_LOAD_REGS, WS_MMA_REGS))
-    rows = compile_for_hopper(
-        "prime_megamoe.kernels.fp8_gemm_ws:fp8_grouped_gemm_ws_kernel",
-        {"SEGS": 1 if gather else 2, "SCALE_ROWS": scale_rows, "B_GROUP_N": 128, "STAGES": cfg.stages,
-         "TILE_M": QTILE_M, "HALVES": cfg.halves, "TMA_STORE": cfg.tma_store, "GATHER": gather,
-         "SCALES_FIRST": cfg.scales_first,
-         "LOAD_WARPS": load_warps, "LOAD_REGS": load_regs, "MMA_REGS": mma_regs},
-        ["--warps", str(cfg.num_warps), "--maxnreg", str(cfg.maxnreg), "--types",
-         f'{{"bs_ptr": "*fp32", "c_ptr": "*bf16", "a_ptr": "*fp8e4nv", "row_src_ptr": "*i32", '
-         f'"a_desc": "tensordesc<fp8e4nv[{cfg.a_rows}, 128]>", "b_desc": "tensordesc<fp8e4nv[128, 128]>", '
-         f'"c_desc": "{c_desc}"}}'],
-    )
-    (_, registers, spill, smem, partitions, wgmma), = rows
+def _assert_compiles_with_register_split(kernel: str, cfg, constexprs: dict, types: dict):
+    """``kernel`` compiled for sm_90 as the launcher runs it with ``cfg`` (its A, B and, with TMA stores, bf16 output
+    boxes): no spill, no wgmma serialisation, the launch register cap, the ring (and output boxes) in shared memory
+    within the SM's, the MMA warp groups with >= 200 registers."""
+    out_box = f"bf16[{cfg.a_rows}, 128]" if cfg.tma_store else f"fp8e4nv[{cfg.a_rows}, 128]"
+    types = {**types, "a_desc": f"tensordesc<fp8e4nv[{cfg.a_rows}, 128]>",
+             "b_desc": "tensordesc<fp8e4nv[128, 128]>", "c_desc": f"tensordesc<{out_box}>"}
+    options = ["--warps", str(cfg.num_warps), "--maxnreg", str(cfg.maxnreg), "--types", json.dumps(types)]
+    (_, registers, spill, smem, partitions, wgmma), = compile_for_hopper(kernel, constexprs, options)
     assert wgmma == "ok", "ptxas serialises the kernel's wgmma instructions (see register_check.wgmma_serialised)"
     assert int(registers) == cfg.maxnreg and int(spill) == 0
     ring = cfg.stages * (cfg.block_m + 128) * 128  # the ring of A and B tiles
@@ -65,6 +55,22 @@ def test_ws_kernel_compiles_for_hopper_with_its_register_split(cfg, scale_rows, 
     assert int(smem) <= 227 * 1024 // cfg.programs_per_sm
     targets = [int(v) for v in partitions.split(",")]
     assert max(targets) >= 200, f"the MMA warp groups should get >= 200 registers, got {targets}"
+
+
+@pytest.mark.parametrize("cfg", WS_CONFIGS, ids=_config_id)
+@pytest.mark.parametrize("scale_rows,gather", [(True, False), (False, False), (False, True)],
+                         ids=["row_scaled", "plain", "gathered"])
+def test_ws_kernel_compiles_for_hopper_with_its_register_split(cfg, scale_rows, gather):
+    """As the launcher launches it: a bf16 output (stored by TMA where the config says so); gathered A with four
+    producer warps and their registers."""
+    load_warps, load_regs, mma_regs = ((WS_GATHER_LOAD_WARPS, WS_GATHER_LOAD_REGS, WS_GATHER_MMA_REGS) if gather
+                                       else (1, WS_LOAD_REGS, WS_MMA_REGS))
+    _assert_compiles_with_register_split(
+        "prime_megamoe.kernels.fp8_gemm_ws:fp8_grouped_gemm_ws_kernel", cfg,
+        {"SEGS": 1 if gather else 2, "SCALE_ROWS": scale_rows, "B_GROUP_N": 128, "STAGES": cfg.stages,
+         "TILE_M": QTILE_M, "HALVES": cfg.halves, "TMA_STORE": cfg.tma_store, "GATHER": gather,
+         "SCALES_FIRST": cfg.scales_first, "LOAD_WARPS": load_warps, "LOAD_REGS": load_regs, "MMA_REGS": mma_regs},
+        {"bs_ptr": "*fp32", "c_ptr": "*bf16", "a_ptr": "*fp8e4nv", "row_src_ptr": "*i32"})
 
 
 def test_ws_applicability_says_why_not():
@@ -174,21 +180,11 @@ def test_ws_gemm_on_a_rank_that_receives_nothing():
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("cfg", WS_CONFIGS, ids=_config_id)
 def test_ws_wgrad_kernel_compiles_for_hopper_with_its_register_split(cfg):
-    c_desc = f"tensordesc<bf16[{cfg.a_rows}, 128]>" if cfg.tma_store else f"tensordesc<fp8e4nv[{cfg.a_rows}, 128]>"
-    rows = compile_for_hopper(
-        "prime_megamoe.kernels.fp8_wgrad_ws:fp8_grouped_wgrad_ws_kernel",
+    _assert_compiles_with_register_split(
+        "prime_megamoe.kernels.fp8_wgrad_ws:fp8_grouped_wgrad_ws_kernel", cfg,
         {"STAGES": cfg.stages, "HALVES": cfg.halves, "TMA_STORE": cfg.tma_store, "LOAD_REGS": WS_LOAD_REGS,
          "MMA_REGS": WS_MMA_REGS},
-        ["--warps", str(cfg.num_warps), "--maxnreg", str(cfg.maxnreg), "--types",
-         f'{{"as_ptr": "*fp32", "bs_ptr": "*fp32", "c_ptr": "*bf16", "expert_tiles_ptr": "*i32", '
-         f'"a_desc": "tensordesc<fp8e4nv[{cfg.a_rows}, 128]>", "b_desc": "tensordesc<fp8e4nv[128, 128]>", '
-         f'"c_desc": "{c_desc}"}}'],
-    )
-    (_, registers, spill, smem, partitions, wgmma), = rows
-    assert wgmma == "ok", "ptxas serialises the kernel's wgmma instructions (see register_check.wgmma_serialised)"
-    assert int(registers) == cfg.maxnreg and int(spill) == 0
-    assert cfg.stages * (cfg.block_m + 128) * 128 <= int(smem) <= 227 * 1024 // cfg.programs_per_sm
-    assert max(int(v) for v in partitions.split(",")) >= 200
+        {"as_ptr": "*fp32", "bs_ptr": "*fp32", "c_ptr": "*bf16", "expert_tiles_ptr": "*i32"})
 
 
 def test_ws_wgrad_applicability_says_why_not():
@@ -248,13 +244,10 @@ def test_ws_wgrad_on_a_rank_that_receives_nothing():
 
 @pytest.mark.parametrize("promote", [True, False])
 def test_ceiling_script_kernel_compiles(promote):
-    """scripts/fp8_ws_ceiling.py builds its variants from the kernel's own partitions: it must keep up with them."""
-    (_, _, spill, _, _, wgmma), = compile_for_hopper(
-        "scripts.fp8_ws_ceiling:ws_variant_kernel",
+    """scripts/fp8_ws_ceiling.py builds its variants from the kernel's own partitions: it must keep up with them.
+    (Its kernel is the two-halves, 4-stage one, storing from registers.)"""
+    _assert_compiles_with_register_split(
+        "scripts.fp8_ws_ceiling:ws_variant_kernel", WSConfig(128, 4, halves=2),
         {"SEGS": 2, "STAGES": 4, "TILE_M": QTILE_M, "PROMOTE": promote, "LOAD_REGS": WS_LOAD_REGS,
          "MMA_REGS": WS_MMA_REGS},
-        ["--warps", "4", "--maxnreg", "168", "--types",
-         '{"as_ptr": "*fp32", "bs_ptr": "*fp32", "c_ptr": "*bf16", "a_desc": "tensordesc<fp8e4nv[64, 128]>", '
-         '"b_desc": "tensordesc<fp8e4nv[128, 128]>"}'],
-    )
-    assert int(spill) == 0 and wgmma == "ok"
+        {"as_ptr": "*fp32", "bs_ptr": "*fp32", "c_ptr": "*bf16"})

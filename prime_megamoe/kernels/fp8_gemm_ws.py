@@ -116,9 +116,12 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, emp
             sa_ptrs = as_ptr + gl.load(row_src_ptr + rows, mask=in_rows, other=0).to(gl.int64) * stride_asm
             # Each half's source rows, in the layout of its copies (a second half only when HALVES = 2).
             rows_0 = row0 + gl.arange(0, BLOCK_M, layout=chunk_rows)
-            rows_1 = rows_0 + (HALVES - 1) * BLOCK_M
-            base_0 = a_ptr + gl.load(row_src_ptr + rows_0, mask=rows_0 < M, other=0).to(gl.int64) * stride_am
-            base_1 = a_ptr + gl.load(row_src_ptr + rows_1, mask=rows_1 < M, other=0).to(gl.int64) * stride_am
+            ok_0 = rows_0 < M
+            base_0 = a_ptr + gl.load(row_src_ptr + rows_0, mask=ok_0, other=0).to(gl.int64) * stride_am
+            if HALVES == 2:
+                rows_1 = rows_0 + BLOCK_M
+                ok_1 = rows_1 < M
+                base_1 = a_ptr + gl.load(row_src_ptr + rows_1, mask=ok_1, other=0).to(gl.int64) * stride_am
         else:
             sa_ptrs = as_ptr + rows.to(gl.int64) * stride_asm
         sb_ptrs = bs_ptr + expert.to(gl.int64) * stride_bse + (col0 // B_GROUP_N) * stride_bsn + rows * 0
@@ -134,11 +137,10 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, emp
             if GATHER:
                 cols = k + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, chunk_layout))
                 in_cols = (cols < (j // k_steps + 1) * K)[None, :]  # the segment's K ends inside the last step
-                _cp_async(a_bufs.index(HALVES * s), base_0[:, None] + cols[None, :],
-                          mask=(rows_0 < M)[:, None] & in_cols)
+                _cp_async(a_bufs.index(HALVES * s), base_0[:, None] + cols[None, :], mask=ok_0[:, None] & in_cols)
                 if HALVES == 2:
                     _cp_async(a_bufs.index(HALVES * s + 1), base_1[:, None] + cols[None, :],
-                              mask=(rows_1 < M)[:, None] & in_cols)
+                              mask=ok_1[:, None] & in_cols)
             async_copy.mbarrier_arrive(bar)  # the barrier's phase also waits for this lane's copies
             if GATHER:
                 # Every producer warp has counted its copies on the barrier before one thread arms it: else the
@@ -180,6 +182,16 @@ def _mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layou
     done = warpgroup_mma_wait(num_outstanding=0, deps=(tile, ))
     mbarrier.arrive(empty.index(s), count=1)
     return acc + done * scale[:, None]
+
+
+@gluon.jit
+def _store_by_tma(out, c_desc, c_smem, row, col):
+    """``out`` to ``c_desc`` at [row, col] through shared memory and a TMA store, which runs while the partition
+    goes on to its next tile (the previous tile's store has long left the buffer; waited for anyway)."""
+    tma.store_wait(0)
+    c_smem.store(out)
+    fence_async_shared()
+    _tma_store(c_desc, [row, col], c_smem)
 
 
 @gluon.jit
@@ -234,13 +246,8 @@ def _mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_sme
             rs_next = gl.load(row_scale_ptr + rows_n, mask=rows_n < M, other=0.0).to(gl.float32)
         out = acc.to(c_ptr.dtype.element_ty)
         row_s0 = row0 + HALF * BLOCK_M
-        if TMA_STORE and row_s0 + BLOCK_M <= row_end:
-            # All rows are the expert's: through shared memory and a TMA store, which runs while this partition
-            # goes on to the next tile (the previous tile's store has long left the buffer; waited for anyway).
-            tma.store_wait(0)
-            c_smem.store(out)
-            fence_async_shared()
-            _tma_store(c_desc, [row_s0, col0], c_smem)
+        if TMA_STORE and row_s0 + BLOCK_M <= row_end:  # all rows are the expert's
+            _store_by_tma(out, c_desc, c_smem, row_s0, col0)
         else:
             # The expert's rows end inside this part (a box would overwrite the next expert's rows): stored from a
             # row-contiguous layout (16 bytes a thread, whole rows a warp): from the MMA layout each thread would

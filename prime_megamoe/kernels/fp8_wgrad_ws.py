@@ -28,15 +28,9 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .fp8_gemm_ws import _allocate_stages, _cp_async, _tma_load, _tma_store
+from .fp8_gemm_ws import _allocate_stages, _cp_async, _store_by_tma, _tma_load
 
 
 @gluon.jit
@@ -134,10 +128,7 @@ def _wgrad_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc,
         row_s0 = m0 + HALF * BLOCK_M
         if TMA_STORE:
             if row_s0 < M:  # (M is a multiple of BLOCK_M here: a box never reaches the next expert's rows)
-                tma.store_wait(0)  # the previous tile's store has left the buffer
-                c_smem.store(out)
-                fence_async_shared()
-                _tma_store(c_desc, [expert * M + row_s0, n0], c_smem)
+                _store_by_tma(out, c_desc, c_smem, expert * M + row_s0, n0)
         else:
             out_rows = gl.convert_layout(out, store_layout)
             rows_s = row_s0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))

@@ -127,6 +127,27 @@ def tma_store_applies(c: torch.Tensor) -> bool:
     return c.dtype in (torch.bfloat16, torch.float16) and tma_readable(c)
 
 
+def _descriptors(a_2d: torch.Tensor, b_2d: torch.Tensor, c_2d: torch.Tensor | None, config: WSConfig):
+    """TMA descriptors of A (boxes of one MMA partition's rows), the K-major B and, where the config stores by TMA
+    and ``c_2d`` (None: it cannot be viewed so) can take it, the output; A's stands in for an output not stored by
+    TMA (the kernel does not read it). Returns them and whether the output is stored by TMA."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    a_layout, b_layout = _layouts(config.a_rows)
+    a_desc = TensorDescriptor.from_tensor(a_2d, [config.a_rows, WS_BLOCK_K], a_layout)
+    b_desc = TensorDescriptor.from_tensor(b_2d, [WS_BLOCK_N, WS_BLOCK_K], b_layout)
+    tma_store = config.tma_store and c_2d is not None and tma_store_applies(c_2d)
+    c_desc = (TensorDescriptor.from_tensor(c_2d, [config.a_rows, WS_BLOCK_N], _out_layout(config.a_rows, c_2d.dtype))
+              if tma_store else a_desc)
+    return a_desc, b_desc, c_desc, tma_store
+
+
+def _grid(config: WSConfig, device: torch.device, tiles: int, programs: int | None) -> tuple[int]:
+    """Persistent programs: as many as the SMs hold (``config.programs_per_sm`` each), at most one a tile and at
+    most ``programs``."""
+    return (max(1, min(config.programs_per_sm * _num_sms(device), tiles, programs or tiles)),)
+
+
 def fp8_grouped_gemm_ws(aq: QTensor, bq: QTensor, plan: RoutingPlan, c: torch.Tensor, *, segments: int,
                         row_scale: torch.Tensor | None, gather: bool = False, config: WSConfig = WS_DEFAULT,
                         programs: int | None = None) -> None:
@@ -135,23 +156,14 @@ def fp8_grouped_gemm_ws(aq: QTensor, bq: QTensor, plan: RoutingPlan, c: torch.Te
     K-major weights [E, N, segments * K] in fp8 blocks; ``gather``: A's rows are the plan's source rows (copied by
     cp.async; not yet run on a GPU, and the layer does not ask for it). ``programs``: at most that many persistent
     programs (tests give small problems several tiles a program this way)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from ..kernels.fp8_gemm_ws import fp8_grouped_gemm_ws_kernel
 
     aq_data, aq_scale, bq_data, bq_scale = aq.data, aq.scale, bq.data, bq.scale
     rows, n, k = plan.num_pairs, bq_data.shape[1], bq_data.shape[2] // segments
     if rows == 0 or aq_data.shape[0] == 0:  # no rows (a rank that receives nothing): no tiles, no descriptor
         return
-    a_layout, b_layout = _layouts(config.a_rows)
-    b_2d = bq_data.view(-1, bq_data.shape[2])
-    a_desc = TensorDescriptor.from_tensor(aq_data, [config.a_rows, WS_BLOCK_K], a_layout)
-    b_desc = TensorDescriptor.from_tensor(b_2d, [WS_BLOCK_N, WS_BLOCK_K], b_layout)
-    tma_store = config.tma_store and tma_store_applies(c)
-    c_desc = (TensorDescriptor.from_tensor(c, [config.a_rows, WS_BLOCK_N], _out_layout(config.a_rows, c.dtype))
-              if tma_store else a_desc)
-    tiles = plan.max_tiles * (QTILE_M // config.block_m) * cdiv(n, WS_BLOCK_N)
-    grid = (max(1, min(config.programs_per_sm * _num_sms(c.device), tiles, programs or tiles)),)
+    a_desc, b_desc, c_desc, tma_store = _descriptors(aq_data, bq_data.view(-1, bq_data.shape[2]), c, config)
+    grid = _grid(config, c.device, plan.max_tiles * (QTILE_M // config.block_m) * cdiv(n, WS_BLOCK_N), programs)
     load_warps, load_regs, mma_regs = ((WS_GATHER_LOAD_WARPS, WS_GATHER_LOAD_REGS, WS_GATHER_MMA_REGS) if gather
                                        else (1, WS_LOAD_REGS, WS_MMA_REGS))
     fp8_grouped_gemm_ws_kernel[grid](
@@ -181,20 +193,13 @@ def fp8_grouped_wgrad_ws(a_t: QTensor, b_t: QTensor, out: torch.Tensor, *, exper
     operands and ``ws_wgrad_unavailable`` first; ``fp8_launch.fp8_grouped_wgrad(use_ws=True)`` does both): cols_t
     operands a_t [M, T128], b_t [N, T128] with scales [T128 / 128, M] / [.., N], out [E, M, N]. Stores by TMA where
     the config asks for it and out is a contiguous 2-byte tensor whose M is a multiple of the box's rows."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from ..kernels.fp8_wgrad_ws import fp8_grouped_wgrad_ws_kernel
 
     m, n, experts = a_t.data.shape[0], b_t.data.shape[0], out.shape[0]
-    a_layout, b_layout = _layouts(config.a_rows)
-    a_desc = TensorDescriptor.from_tensor(a_t.data, [config.a_rows, WS_BLOCK_K], a_layout)
-    b_desc = TensorDescriptor.from_tensor(b_t.data, [WS_BLOCK_N, WS_BLOCK_K], b_layout)
-    out_2d = out.view(-1, n) if out.is_contiguous() else None
-    tma_store = config.tma_store and out_2d is not None and m % config.a_rows == 0 and tma_store_applies(out_2d)
-    c_desc = (TensorDescriptor.from_tensor(out_2d, [config.a_rows, WS_BLOCK_N], _out_layout(config.a_rows, out.dtype))
-              if tma_store else a_desc)
-    tiles = experts * cdiv(m, config.block_m) * cdiv(n, WS_BLOCK_N)
-    grid = (max(1, min(config.programs_per_sm * _num_sms(out.device), tiles, programs or tiles)),)
+    # Boxes of the output viewed as [E * M, N] must not reach the next expert's rows.
+    out_2d = out.view(-1, n) if out.is_contiguous() and m % config.a_rows == 0 else None
+    a_desc, b_desc, c_desc, tma_store = _descriptors(a_t.data, b_t.data, out_2d, config)
+    grid = _grid(config, out.device, experts * cdiv(m, config.block_m) * cdiv(n, WS_BLOCK_N), programs)
     fp8_grouped_wgrad_ws_kernel[grid](
         a_desc, b_desc, c_desc, a_t.scale, b_t.scale, out, expert_tiles, m, n, experts,
         a_t.scale.stride(0), b_t.scale.stride(0), out.stride(0), out.stride(1), out.stride(2),
