@@ -1,6 +1,6 @@
 """Every autotuning candidate of the fp8 kernels, checked and timed at a layer's shape (one GPU, EP = 1):
 
-    python scripts/fp8_probe.py [--shape qwen3-30b-a3b] [--tokens 16384] [--pow2]
+    python scripts/fp8_probe.py [--shape qwen3-30b-a3b] [--tokens 16384] [--pow2] [--ws-only] [--gemms dW1 dW2]
 
 For each GEMM of the fp8 layer (FC1 + SwiGLU, FC2, FC2 dgrad, FC1 dgrad, the two weight gradients) each candidate of
 its kernel family runs alone (the autotuner is given that one config), with pointer loads and then with TMA reads
@@ -55,6 +55,8 @@ def main():
     p.add_argument("--ws-only", action="store_true",
                    help="only the GEMMs the warp-specialised kernels run (FC2, the dgrads, the weight gradients): "
                         "their configs against the Triton kernels' first candidate (TMA reads)")
+    p.add_argument("--gemms", nargs="+", metavar="NAME",
+                   help="only these GEMMs (FC2, 'FC2 dgrad', 'FC1 dgrad', dW1, dW2, 'FC1 + SwiGLU')")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (interpreter, tiny shape)")
     args = p.parse_args()
     # Candidates are swapped in the autotuner between launches: launch through Triton itself, not through the
@@ -101,6 +103,8 @@ def main():
              for name, kernel, run in row_tiled for tma in (False, True)]
     if args.ws_only:
         cases = [c for c in cases if c[1] in ("FC2", "FC2 dgrad", "FC1 dgrad", "dW1", "dW2") and c[0] != c[1]]
+    if args.gemms:
+        cases = [c for c in cases if c[1] in args.gemms]
     print(f"{args.shape}, T = {args.tokens}, {pairs} rows, {num_experts} experts, H = {hidden}, I = {inter}, "
           f"fmt {fmt.name}{' pow2' if fmt.pow2 else ''}")
     print(f"{'GEMM':14s} {'config':22s} {'ms':>7s} {'TFLOP/s':>8s} same")
@@ -143,6 +147,7 @@ def main():
     ws_cases = [("FC2", ws_run(aq, w2f, row_scale=plan.row_weight)), ("FC2 dgrad", ws_run(dyq, w2b, gather=True)),
                 ("FC1 dgrad", ws_run(d.dh_rows, w1b, segments=2)), ("dW1", ws_wgrad_run(d.dh_t, x_t, gw1)),
                 ("dW2", ws_wgrad_run(dy_t, d.aw_t, gw2))]
+    ws_cases = [case for case in ws_cases if case[0] in refs]  # the GEMMs run above (--gemms)
     why_not = ws_gemm_unavailable(dyq.data, w2b.data, mx=False, gather=False, segments=1, k=hidden)
     for (name, run), cfg in ((case, cfg) for case in ws_cases for cfg in WS_CONFIGS):
         label = f"{name} ws"
@@ -160,7 +165,7 @@ def main():
         if ms < best[name][0]:
             best[name] = (ms, f"ws {desc}")
 
-    if args.ws_only:
+    if args.ws_only or args.gemms:
         for name, (ms, cfg) in best.items():
             print(f"  {name:16s} {ms:7.3f}  {cfg}")
         return

@@ -277,8 +277,8 @@ class QuantizedRoutedExperts(torch.autograd.Function):
         grad_rows = grad_weights = grad_w1 = grad_w2 = None
         if ctx.needs_input_grad[0]:
             w1q = cached_weight_operand(w1, "w1_bwd", fmt)
-            # The warp-specialised Hopper kernel where it applies: for the FC1 dgrad it measured 6% faster than the
-            # Triton kernel (1.002 against 1.069 ms at Qwen3-30B-A3B, T = 16384; FC2 was 4% slower with it).
+            # The warp-specialised Hopper kernel where it applies: 0.841 against 1.065 ms for the Triton kernel at
+            # Qwen3-30B-A3B, T = 16384 (benchmarks/results/fp8_probe_s14.txt).
             dx_sorted = fl.fp8_grouped_gemm(d.dh_rows, w1q, plan, fmt, out_dtype=rows.dtype, segments=2, use_ws=None)
             grad_rows, grad_weights = combine_with_pair_values(
                 dx_sorted, d.dw_row, plan, rows.dtype, ctx.weights_dtype if ctx.needs_input_grad[2] else None)
