@@ -150,6 +150,28 @@ case "${1:-}" in
     tail -5 "$LOGS/pytest_ws.log"
     step fp8_probe_ws 240 python scripts/fp8_probe.py --ws-only
     tail -24 "$LOGS/fp8_probe_ws.log" ;;
+  s14a)  # the ws weight gradient: smoke launches under a watchdog, then (when they pass) its GPU tests, the probe's
+         # weight-gradient rows, the quantised precisions' GPU tests and the layer against ab_base/ (which runs the
+         # Triton weight gradients); ab_base/ alone when the smoke fails
+    step wgrad_smoke 150 python scripts/fp8_wgrad_ws_smoke.py --watchdog 45
+    tail -4 "$LOGS/wgrad_smoke.log"
+    if grep -q "^PASS" "$LOGS/wgrad_smoke.log"; then
+      PRIME_MEGAMOE_AUTOTUNE=0 step pytest_wgrad 120 python -m pytest -q tests/test_fp8_gemm_ws.py -k "wgrad or nothing" -rA
+      tail -2 "$LOGS/pytest_wgrad.log"
+      step fp8_probe_dw 150 python scripts/fp8_probe.py --ws-only --gemms dW1 dW2
+      tail -14 "$LOGS/fp8_probe_dw.log"
+      PRIME_MEGAMOE_AUTOTUNE=0 step pytest_fp8 150 python -m pytest -q tests/test_fp8_experts.py -k "gpu or half_tile or tma" -rA
+      tail -2 "$LOGS/pytest_fp8.log"
+      step fp8_new 120 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+        --precisions fp8 fp8_bwd --backends torch mega_moe --iters 5 --warmup 2 --out "$LOGS/fp8_new.json"
+      tail -4 "$LOGS/fp8_new.log"
+    fi
+    (cd ab_base && PYTHONPATH=/tmp/site:$PWD step fp8_base 100 python -m prime_megamoe.bench --shape qwen3-30b-a3b \
+      --tokens 16384 --precisions fp8 fp8_bwd --backends mega_moe --iters 5 --warmup 2 --out "$LOGS/fp8_base.json")
+    tail -3 "$LOGS/fp8_base.log"
+    step fp8_new_r5 120 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --backends mega_moe \
+      --precisions fp8 fp8_bwd --repeat 5 --iters 5 --warmup 2 --out "$LOGS/fp8_new_r5.json"
+    tail -3 "$LOGS/fp8_new_r5.log" ;;
   s13b)  # where the ws kernel's time goes (variants without promotion / stores), Nsight Compute on its FC2 (summary,
          # stall samples per SASS line), the quantised precisions' GPU tests, the layer (this tree; ab_base/ between its
          # one-call and back-to-back runs when it ran)

@@ -176,7 +176,7 @@ def test_ws_gemm_on_a_rank_that_receives_nothing():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The weight gradient (kernels/fp8_wgrad_ws.py): not used by the layer until it has run on a GPU
+# The weight gradient (kernels/fp8_wgrad_ws.py): the layer's dW1 and dW2 on Hopper
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("cfg", WS_CONFIGS, ids=_config_id)
 def test_ws_wgrad_kernel_compiles_for_hopper_with_its_register_split(cfg):

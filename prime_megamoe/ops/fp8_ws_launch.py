@@ -8,8 +8,10 @@ asking for it where it does not apply is an error that says why. The layer asks 
 where it applies: with the default config (two 4-warp MMA partitions on the halves of each 128-row tile, TMA
 stores) FC2 took 0.468-0.483 ms against 0.576-0.580 for the Triton kernel and the FC1 dgrad 0.847-0.858 against
 1.063-1.070 (Qwen3-30B-A3B, T = 16384, one H200; benchmarks/results/fp8_probe_s13.txt, runs 4 and 5).
-``fp8_launch.fp8_grouped_wgrad(use_ws=...)`` likewise runs the weight-gradient kernel, which the layer does not ask
-for yet: it has not run on a GPU (``ws_wgrad_unavailable`` says where it cannot).
+The FC2 dgrad runs it too, its producer warps gathering dy's rows: 0.490 against 0.542 ms
+(benchmarks/results/fp8_probe_s14.txt). ``fp8_launch.fp8_grouped_wgrad(use_ws=...)`` likewise runs the
+weight-gradient kernel (``ws_wgrad_unavailable`` says where it cannot); the layer's two weight gradients ask for it:
+dW1 1.001 ms against 1.244 for the Triton kernel, dW2 0.536 against 0.693 (same file, run 4).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class WSConfig:
     stages: buffers of A (block_m x 128) and B (128 x 128) fp8. tma_store: tile parts holding only their expert's
     rows are stored by TMA, for outputs of 2-byte elements that TMA can write (a 4-byte output's buffers would not
     fit beside the ring; other outputs are stored from registers, the same values). scales_first: each step reads
-    its scales before issuing its wgmma (see ``_mma_step``; not yet run on a GPU)."""
+    its scales before issuing its wgmma (see ``_mma_step``): no faster (fp8_probe_s14.txt), so not the default."""
 
     block_m: int = 128
     stages: int = 4

@@ -287,17 +287,20 @@ class QuantizedRoutedExperts(torch.autograd.Function):
             grad_weights = plan.pair_values(d.dw_row, ctx.weights_dtype)
         d.dh_rows = None
         # Weight gradients from K-major fp8 operands; the gathered [H, tiles * 128] copies of x and dy are made one
-        # at a time, each freed after its GEMM.
+        # at a time, each freed after its GEMM. The warp-specialised Hopper kernel where it applies: dW1 1.001 and
+        # dW2 0.536 ms against 1.244 and 0.693 for the Triton kernel (benchmarks/results/fp8_probe_s14.txt).
         if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
             tiles = fl.expert_tile_offsets(plan)
             if ctx.needs_input_grad[3]:
                 x_t = fl.quantize_sorted_cols_t(rows, plan, fmt)
-                grad_w1 = fl.fp8_grouped_wgrad(d.dh_t, x_t, plan, fmt, torch.empty_like(w1), expert_tiles=tiles)
+                grad_w1 = fl.fp8_grouped_wgrad(d.dh_t, x_t, plan, fmt, torch.empty_like(w1), expert_tiles=tiles,
+                                               use_ws=None)
                 del x_t
             d.dh_t = None
             if ctx.needs_input_grad[4]:
                 dy_t = fl.quantize_sorted_cols_t(grad_out, plan, fmt)
-                grad_w2 = fl.fp8_grouped_wgrad(dy_t, d.aw_t, plan, fmt, torch.empty_like(w2), expert_tiles=tiles)
+                grad_w2 = fl.fp8_grouped_wgrad(dy_t, d.aw_t, plan, fmt, torch.empty_like(w2), expert_tiles=tiles,
+                                               use_ws=None)
         return grad_rows, None, grad_weights, grad_w1, grad_w2, None, None, None, None, None
 
 
