@@ -153,7 +153,7 @@ case "${1:-}" in
   s14a)  # the ws weight gradient: smoke launches under a watchdog, then (when they pass) its GPU tests, the probe's
          # weight-gradient rows, the quantised precisions' GPU tests and the layer against ab_base/ (which runs the
          # Triton weight gradients); ab_base/ alone when the smoke fails
-    step wgrad_smoke 150 python scripts/fp8_wgrad_ws_smoke.py --watchdog 45
+    step wgrad_smoke 150 python scripts/fp8_ws_smoke.py wgrad --watchdog 45
     tail -4 "$LOGS/wgrad_smoke.log"
     if grep -q "^PASS" "$LOGS/wgrad_smoke.log"; then
       PRIME_MEGAMOE_AUTOTUNE=0 step pytest_wgrad 120 python -m pytest -q tests/test_fp8_gemm_ws.py -k "wgrad or nothing" -rA

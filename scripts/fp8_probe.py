@@ -53,7 +53,8 @@ def main():
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--pow2", action="store_true", help="power-of-two scales")
     p.add_argument("--ws-only", action="store_true",
-                   help="only the GEMMs the warp-specialised kernels run (FC2, the dgrads, the weight gradients): "
+                   help="only the GEMMs the warp-specialised kernels run (FC1 + SwiGLU, FC2, the dgrads, the weight "
+                        "gradients): "
                         "their configs against the Triton kernels' first candidate (TMA reads)")
     p.add_argument("--gemms", nargs="+", metavar="NAME",
                    help="only these GEMMs (FC2, 'FC2 dgrad', 'FC1 dgrad', dW1, dW2, 'FC1 + SwiGLU')")
@@ -102,7 +103,8 @@ def main():
     cases = [(f"{name}{' tma' if tma else ''}", name, kernel, (lambda run=run, tma=tma: run(tma)))
              for name, kernel, run in row_tiled for tma in (False, True)]
     if args.ws_only:
-        cases = [c for c in cases if c[1] in ("FC2", "FC2 dgrad", "FC1 dgrad", "dW1", "dW2") and c[0] != c[1]]
+        cases = [c for c in cases if c[1] in ("FC1 + SwiGLU", "FC2", "FC2 dgrad", "FC1 dgrad", "dW1", "dW2")
+                 and c[0] != c[1]]
     if args.gemms:
         cases = [c for c in cases if c[1] in args.gemms]
     print(f"{args.shape}, T = {args.tokens}, {pairs} rows, {num_experts} experts, H = {hidden}, I = {inter}, "
@@ -149,6 +151,18 @@ def main():
                 ("dW2", ws_wgrad_run(dy_t, d.aw_t, gw2))]
     ws_cases = [case for case in ws_cases if case[0] in refs]  # the GEMMs run above (--gemms)
     why_not = ws_gemm_unavailable(dyq.data, w2b.data, mx=False, gather=False, segments=1, k=hidden)
+    if "FC1 + SwiGLU" in refs and why_not is None:  # one kernel config; h and a against the Triton kernel's
+        def fc1_ws():
+            return fl.fp8_fc1_swiglu(xq, w1f, plan, fmt, inter=inter, h_dtype=x.dtype, use_ws=True)
+        out = snapshot(fc1_ws())
+        ms = bench(fc1_ws, warmup=5, rep=40)
+        same = [torch.equal(a, b) for a, b in zip(out, refs["FC1 + SwiGLU"])]
+        diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(out, refs["FC1 + SwiGLU"]))
+        name = "FC1 + SwiGLU"
+        print(f"{'FC1+SwiGLU ws':14s} {'128x(64+64)x128 w4+4+4 s4':32s} {ms:7.3f} {flop[name] / ms / 1e9:8.1f} "
+              f"{all(same)} (h, a, scales: {same}; max diff {diff:.3g})")
+        if ms < best[name][0]:
+            best[name] = (ms, "ws")
     for (name, run), cfg in ((case, cfg) for case in ws_cases for cfg in WS_CONFIGS):
         label = f"{name} ws"
         if why_not is not None:

@@ -22,8 +22,10 @@ from prime_megamoe.ops.fp8_ws_launch import (
     WS_LOAD_REGS,
     WS_MMA_REGS,
     WSConfig,
+    fp8_fc1_swiglu_ws,
     fp8_grouped_gemm_ws,
     fp8_grouped_wgrad_ws,
+    ws_fc1_unavailable,
     ws_gemm_unavailable,
     ws_wgrad_unavailable,
 )
@@ -173,6 +175,95 @@ def test_ws_gemm_on_a_rank_that_receives_nothing():
     fp8_grouped_gemm_ws(aq, w2f, plan, c, segments=1, row_scale=None)
     torch.cuda.synchronize()
     assert torch.equal(c, torch.full_like(c, 7.0))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FC1 + SwiGLU (kernels/fp8_fc1_ws.py)
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("save_h,pow2", [(True, False), (False, True)], ids=["save_h", "pow2"])
+def test_ws_fc1_kernel_compiles_for_hopper_with_its_register_split(save_h, pow2):
+    """As the launcher launches it: four gathering producer warps, two MMA partitions; no spill (the first
+    sub-tile's a waits in shared memory for that), no wgmma serialisation, the ring and a's stash in shared memory."""
+    types = {"xq_ptr": "*fp8e4nv", "row_src_ptr": "*i32", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "h_ptr": "*bf16",
+             "aq_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_desc": "tensordesc<fp8e4nv[64, 128]>"}
+    (_, registers, spill, smem, partitions, wgmma), = compile_for_hopper(
+        "prime_megamoe.kernels.fp8_fc1_ws:fp8_fc1_swiglu_ws_kernel",
+        {"SAVE_H": save_h, "POW2": pow2, "STAGES": 4, "TILE_M": QTILE_M, "LOAD_WARPS": WS_GATHER_LOAD_WARPS,
+         "LOAD_REGS": WS_GATHER_LOAD_REGS, "MMA_REGS": WS_GATHER_MMA_REGS},
+        ["--warps", "4", "--maxnreg", "168", "--types", json.dumps(types)])
+    assert wgmma == "ok", "ptxas serialises the kernel's wgmma instructions (see register_check.wgmma_serialised)"
+    assert int(registers) == 168 and int(spill) == 0
+    assert 4 * (128 + 128) * 128 + 2 * 64 * 64 * 4 <= int(smem) <= 227 * 1024
+    assert max(int(v) for v in partitions.split(",")) >= 200
+
+
+def test_ws_fc1_applicability_says_why_not():
+    x = torch.empty(16, 256, dtype=fl.FP8_DTYPE)
+    w1 = torch.empty(2, 512, 256, dtype=fl.FP8_DTYPE)
+    assert "CUDA GPU" in ws_fc1_unavailable(x, w1, mx=False, group=128, weight_rows=128, inter=256)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("hidden,inter", [(256, 256), (208, 384)], ids=["two_k_blocks", "partial_k_block"])
+def test_ws_fc1_matches_the_triton_kernel(hidden, inter):
+    """h and the quantised a against the Triton FC1 + SwiGLU kernel: ragged routing (an empty expert, one taking
+    most rows), H = 208 (the last K step partial), plain and power-of-two scales, with and without h, as many
+    programs as tiles and 1 and 3 (several tiles a program). Both compute the same fp32 values; a quantised value
+    may still land one e4m3 step away where the two round a last fp32 bit apart."""
+    device = "cuda"
+    index, weights = ragged_routing(300, 4, 2, seed=9, hot_fraction=0.8)
+    plan = build_routing_plan(index.to(device), weights.to(device), expert_base=0, num_local_experts=4,
+                              tile_m=QTILE_M)
+    assert int(plan.expert_offsets.diff().min()) == 0 and int(plan.expert_offsets.diff().max()) > QTILE_M
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(300, hidden, generator=gen).to(device)
+    w1 = (torch.randn(4, 2 * inter, hidden, generator=gen) / hidden**0.5).to(device)
+    pairs = plan.num_pairs
+    for pow2 in (False, True):
+        fmt = fl.fp8_format(pow2)
+        xq, w1q = fl.quantize_rows(x, fmt), fl.quantize_w1_fwd(w1, fmt)
+        h_ref, a_ref = fl.fp8_fc1_swiglu(xq, w1q, plan, fmt, inter=inter, h_dtype=torch.bfloat16)
+        a_ref_f = fl.dequantize_rows(a_ref, fmt)
+        a_tol = 2**-3 * float(a_ref_f.abs().max())
+        for save_h, programs in itertools.product((True, False), (None, 1, 3)):
+            msg = f"pow2={pow2}, save_h={save_h}, programs={programs}"
+            h = torch.full((pairs, 2 * inter), float("nan"), dtype=torch.bfloat16, device=device)
+            aq = torch.full((pairs, inter), 0x7F, dtype=torch.uint8, device=device).view(fl.FP8_DTYPE)  # NaN
+            a_s = torch.full((pairs, inter // 128), float("nan"), device=device)
+            fp8_fc1_swiglu_ws(xq, w1q, plan, h if save_h else None, aq, a_s, inter=inter, pow2=pow2,
+                              programs=programs)
+            torch.testing.assert_close(a_s, a_ref.scale, rtol=1e-6, atol=0, msg=msg)
+            torch.testing.assert_close(fl.dequantize_rows(fl.QTensor(aq, a_s), fmt), a_ref_f, rtol=0, atol=a_tol,
+                                       msg=msg)
+            if save_h:
+                torch.testing.assert_close(h, h_ref, rtol=2**-8, atol=2**-8, msg=msg)
+            else:
+                assert torch.isnan(h).all(), msg  # without h nothing is written there
+        h, a = fl.fp8_fc1_swiglu(xq, w1q, plan, fmt, inter=inter, h_dtype=torch.bfloat16, use_ws=True)
+        torch.testing.assert_close(h, h_ref, rtol=2**-8, atol=2**-8)
+    with pytest.raises(ValueError, match="not mx"):
+        fl.fp8_fc1_swiglu(xq, w1q, plan, fl.MX_FORMAT, inter=inter, h_dtype=None, use_ws=True)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_ws_fc1_on_a_rank_that_receives_nothing():
+    """No row for any local expert: the kernel finishes and writes nothing."""
+    device = "cuda"
+    index, weights = ragged_routing(64, 8, 2, seed=8, empty_expert=None, hot_expert=None, forbid=range(0, 4))
+    plan = build_routing_plan(index.to(device), weights.to(device), expert_base=0, num_local_experts=4,
+                              tile_m=QTILE_M)
+    assert int(plan.num_tiles[0]) == 0 and plan.num_pairs > 0
+    fmt = fl.fp8_format()
+    xq = fl.quantize_rows(torch.randn(64, 256, device=device), fmt)
+    w1q = fl.quantize_w1_fwd(torch.randn(4, 256, 256, device=device), fmt)
+    h = torch.full((plan.num_pairs, 256), 7.0, dtype=torch.bfloat16, device=device)
+    aq = torch.zeros(plan.num_pairs, 128, dtype=torch.uint8, device=device)
+    a_s = torch.full((plan.num_pairs, 1), 7.0, device=device)
+    fp8_fc1_swiglu_ws(xq, w1q, plan, h, aq.view(fl.FP8_DTYPE), a_s, inter=128, pow2=False)
+    torch.cuda.synchronize()
+    assert (h == 7.0).all() and (aq == 0).all() and (a_s == 7.0).all()
 
 
 # ----------------------------------------------------------------------------------------------------------------

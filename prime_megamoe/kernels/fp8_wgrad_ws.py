@@ -19,7 +19,7 @@ bits. An expert without tiles gets zeros.
   with masks.
 
 The layer's two weight gradients run it on Hopper. ``tests/test_fp8_gemm_ws.py`` checks it against the Triton kernel
-on the GPU (Gluon has no interpreter; on the CPU it is compiled for sm_90), ``scripts/fp8_wgrad_ws_smoke.py``
+on the GPU (Gluon has no interpreter; on the CPU it is compiled for sm_90), ``scripts/fp8_ws_smoke.py wgrad``
 launches every config under a watchdog. Measured (Qwen3-30B-A3B, T = 16384, one H200, ``scripts/fp8_probe.py
 --ws-only --gemms dW1 dW2``, the same bits as the Triton kernel; ``benchmarks/results/fp8_probe_s14.txt``): dW1
 1.001 ms against 1.244, dW2 0.536 against 0.693.
@@ -124,7 +124,7 @@ def _wgrad_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc,
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
         # A while loop, not ``for _ in range(steps)``: Triton 3.6's Gluon inliner replaces a loop-carried value that
         # is only an inner for loop's bound by its first value (every tile then ran the first tile's step count:
-        # wrong sums, or a hang when the counts differ in total; scripts/fp8_wgrad_ws_smoke.py found it).
+        # wrong sums, or a hang when the counts differ in total; scripts/fp8_ws_smoke.py found it).
         j = 0
         while j < steps:
             acc = _wgrad_mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout, HALF, HALVES)

@@ -29,7 +29,14 @@ from ..kernels.fp8_gemm import QTILE_M, fp8_fc1_swiglu_kernel, fp8_grouped_gemm_
 from ..kernels.quantize import dequantize_blocks_kernel, gather_quantize_cols_t_kernel, quantize_blocks_kernel
 from ..kernels.swiglu_grad import swiglu_backward_quantize_kernel
 from .compiled_launch import launch
-from .fp8_ws_launch import fp8_grouped_gemm_ws, fp8_grouped_wgrad_ws, ws_gemm_unavailable, ws_wgrad_unavailable
+from .fp8_ws_launch import (
+    fp8_fc1_swiglu_ws,
+    fp8_grouped_gemm_ws,
+    fp8_grouped_wgrad_ws,
+    ws_fc1_unavailable,
+    ws_gemm_unavailable,
+    ws_wgrad_unavailable,
+)
 from .launch import tma_descriptor, tma_readable
 from .routing_plan import RoutingPlan
 from .sizes import cdiv
@@ -295,11 +302,13 @@ def _weight_descriptor(bq: QTensor, use_tma: bool | None):
 
 
 def fp8_fc1_swiglu(xq: QTensor, w1q: QTensor, plan: RoutingPlan, fmt: QFormat, *, inter: int,
-                   h_dtype: torch.dtype | None, use_tma: bool = False):
+                   h_dtype: torch.dtype | None, use_tma: bool = False, use_ws: bool | None = False):
     """xq [R, H] (source rows, row-scaled), w1q = quantize_w1_fwd(W1) -> (h [P, 2I] in h_dtype or None,
-    a = silu(g) * u as a row-scaled QTensor [P, I]) in expert-sorted row order. ``use_tma``: read W1 by TMA; off by
-    default: for FC1 pointer loads measured as fast or faster (1.172 / 1.166 ms against 1.205 / 1.168 with TMA at
-    Qwen3-30B-A3B, T = 16384, fp8_probe_s11_tma.txt / _wgrad_tma.txt), while TMA leads for the other GEMMs."""
+    a = silu(g) * u as a row-scaled QTensor [P, I]) in expert-sorted row order. ``use_ws=True``: the
+    warp-specialised Hopper kernel (``kernels/fp8_fc1_ws.py``; an error where ``fp8_ws_launch.ws_fc1_unavailable``
+    says it does not apply), ``None``: that kernel where it applies. Otherwise the Triton kernel, with ``use_tma``:
+    read W1 by TMA; off by default: for FC1 pointer loads measured as fast or faster (1.172 / 1.166 ms against
+    1.205 / 1.168 with TMA at Qwen3-30B-A3B, T = 16384, fp8_probe_s11_tma.txt / _wgrad_tma.txt)."""
     _check_plan(plan)
     num_pairs, hidden = plan.num_pairs, xq.data.shape[1]
     ng_out = cdiv(inter, fmt.group)
@@ -307,6 +316,14 @@ def fp8_fc1_swiglu(xq: QTensor, w1q: QTensor, plan: RoutingPlan, fmt: QFormat, *
     a_s = torch.empty(num_pairs, ng_out, dtype=fmt.scale_dtype, device=xq.data.device)
     save_h = h_dtype is not None
     h = torch.empty(num_pairs, 2 * inter, dtype=h_dtype, device=xq.data.device) if save_h else a_s
+    if use_ws is not False:
+        why_not = ws_fc1_unavailable(xq.data, w1q.data, mx=fmt.mx, group=fmt.group, weight_rows=fmt.weight_rows,
+                                     inter=inter)
+        if why_not is None:
+            fp8_fc1_swiglu_ws(xq, w1q, plan, h if save_h else None, aq, a_s, inter=inter, pow2=fmt.pow2)
+            return (h if save_h else None), QTensor(aq, a_s)
+        if use_ws:
+            raise ValueError(f"use_ws=True: the warp-specialised fp8 FC1 + SwiGLU cannot run here: {why_not}")
     up_scale_off = cdiv(inter, fmt.weight_rows)
     b_desc = _weight_descriptor(w1q, use_tma)
     launch(fp8_fc1_swiglu_kernel, _tile_grid(plan, inter),

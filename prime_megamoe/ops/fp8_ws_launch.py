@@ -208,3 +208,52 @@ def fp8_grouped_wgrad_ws(a_t: QTensor, b_t: QTensor, out: torch.Tensor, *, exper
         STAGES=config.stages, HALVES=config.halves, TMA_STORE=tma_store, LOAD_REGS=WS_LOAD_REGS,
         MMA_REGS=WS_MMA_REGS, num_warps=config.num_warps, maxnreg=config.maxnreg,
     )
+
+
+def ws_fc1_unavailable(xq_data: torch.Tensor, w1q_data: torch.Tensor, *, mx: bool, group: int, weight_rows: int,
+                       inter: int) -> str | None:
+    """Why the warp-specialised FC1 + SwiGLU kernel cannot run, or None when it can."""
+    why_not = _hopper_fp8_unavailable(xq_data, mx)
+    if why_not is not None:
+        return why_not
+    if group != WS_BLOCK_K or weight_rows != WS_WEIGHT_BLOCK:
+        return f"it takes 1 x {WS_BLOCK_K} activation groups and {WS_WEIGHT_BLOCK}-row weight blocks"
+    if inter % WS_BLOCK_N:
+        return f"the intermediate size must be a multiple of {WS_BLOCK_N} (got {inter})"
+    if xq_data.shape[1] % 16:
+        return f"gathering x's rows in 16-byte pieces needs the hidden size a multiple of 16 (got {xq_data.shape[1]})"
+    if not (xq_data.stride(1) == 1 and tma_readable(w1q_data.view(-1, w1q_data.shape[2]))):
+        return "x's rows must be contiguous and W1 TMA-readable (contiguous rows, 16-byte aligned)"
+    return None
+
+
+def fp8_fc1_swiglu_ws(xq: QTensor, w1q: QTensor, plan: RoutingPlan, h: torch.Tensor | None, aq: torch.Tensor,
+                      a_scale: torch.Tensor, *, inter: int, pow2: bool, stages: int = 4,
+                      programs: int | None = None) -> None:
+    """h = x[src] @ W1[e]^T (stored in h's dtype unless h is None) and a = silu(gate) * up into aq (fp8) with its
+    row scales a_scale [P, inter / 128], with ``kernels/fp8_fc1_ws.py`` (callers check ``ws_fc1_unavailable``
+    first): xq [R, H] row-scaled source rows, w1q = quantize_w1_fwd(W1) [E, 2I, H]. ``programs``: at most that many
+    persistent programs (tests give small problems several tiles a program this way)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from ..kernels.fp8_fc1_ws import fp8_fc1_swiglu_ws_kernel
+
+    rows, hidden = plan.num_pairs, xq.data.shape[1]
+    if rows == 0 or xq.data.shape[0] == 0:  # no rows (a rank that receives nothing): nothing to compute
+        return
+    if w1q.scale.stride(2) != 1:
+        raise ValueError("W1's block scales must be contiguous along K")
+    half_n = WS_BLOCK_N // 2  # gate (or up) rows of W1 a step reads
+    b_desc = TensorDescriptor.from_tensor(w1q.data.view(-1, hidden), [half_n, WS_BLOCK_K],
+                                          gl.NVMMASharedLayout.get_default_for([half_n, WS_BLOCK_K], gl.float8e4nv))
+    grid = (max(1, min(_num_sms(aq.device), plan.max_tiles * (inter // WS_BLOCK_N), programs or rows)),)
+    save_h = h is not None
+    fp8_fc1_swiglu_ws_kernel[grid](
+        b_desc, xq.data, plan.row_src, xq.scale, w1q.scale, h if save_h else aq, aq, a_scale,
+        plan.tile_expert, plan.tile_row, plan.num_tiles, plan.expert_offsets,
+        rows, inter, hidden, cdiv(inter, WS_WEIGHT_BLOCK), xq.data.stride(0), xq.scale.stride(0),
+        w1q.scale.stride(0), w1q.scale.stride(1), h.stride(0) if save_h else 0, aq.stride(0), a_scale.stride(0),
+        SAVE_H=save_h, POW2=pow2, STAGES=stages, TILE_M=QTILE_M, LOAD_WARPS=WS_GATHER_LOAD_WARPS,
+        LOAD_REGS=WS_GATHER_LOAD_REGS, MMA_REGS=WS_GATHER_MMA_REGS, num_warps=4, maxnreg=168,
+    )
