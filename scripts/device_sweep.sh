@@ -172,6 +172,34 @@ case "${1:-}" in
     step fp8_new_r5 120 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --backends mega_moe \
       --precisions fp8 fp8_bwd --repeat 5 --iters 5 --warmup 2 --out "$LOGS/fp8_new_r5.json"
     tail -3 "$LOGS/fp8_new_r5.log" ;;
+  s14b)  # the ws FC1 + SwiGLU: smoke launches under a watchdog, then (when they pass) its GPU tests, the probe's FC1
+         # rows, the quantised precisions' GPU tests and the layer against ab_base/ (Triton FC1), back to back last
+    step fc1_smoke 120 python scripts/fp8_ws_smoke.py fc1 --watchdog 45
+    tail -6 "$LOGS/fc1_smoke.log"
+    if grep -q "^PASS" "$LOGS/fc1_smoke.log"; then
+      PRIME_MEGAMOE_AUTOTUNE=0 step pytest_fc1 120 python -m pytest -q tests/test_fp8_gemm_ws.py -k "fc1" -rA
+      tail -2 "$LOGS/pytest_fc1.log"
+      step fp8_probe_fc1 120 python scripts/fp8_probe.py --ws-only --gemms "FC1 + SwiGLU"
+      tail -5 "$LOGS/fp8_probe_fc1.log"
+      PRIME_MEGAMOE_AUTOTUNE=0 step pytest_fp8 150 python -m pytest -q tests/test_fp8_experts.py -k "gpu or half_tile or tma" -rA
+      tail -2 "$LOGS/pytest_fp8.log"
+      step fp8_new 90 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+        --precisions fp8 --backends mega_moe --iters 5 --warmup 2 --out "$LOGS/fp8_new.json"
+      tail -2 "$LOGS/fp8_new.log"
+      (cd ab_base && PYTHONPATH=/tmp/site:$PWD step fp8_base 90 python -m prime_megamoe.bench --shape qwen3-30b-a3b \
+        --tokens 16384 --precisions fp8 --backends mega_moe --iters 5 --warmup 2 --out "$LOGS/fp8_base.json")
+      tail -2 "$LOGS/fp8_base.log"
+      step fp8_new_r5 90 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --backends mega_moe \
+        --precisions fp8 --repeat 5 --iters 5 --warmup 2 --out "$LOGS/fp8_new_r5.json"
+      tail -2 "$LOGS/fp8_new_r5.log"
+    fi ;;
+  ncu_fc1)  # Nsight Compute on one FC1 + SwiGLU launch: the Triton kernel, then the warp-specialised one
+    for kern in triton ws; do
+      step "ncu_fc1_$kern" 80 ncu --clock-control none --kernel-name regex:fp8_fc1_swiglu --launch-skip 2 \
+        --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+        --section ComputeWorkloadAnalysis python scripts/fp8_gemm_once.py --gemm fc1 --kernel $kern
+      grep -E "Duration|Throughput|Pipe|L2 Hit|L1/TEX Hit|Warp Cycles|Stall" "$LOGS/ncu_fc1_$kern.log" | head -24
+    done ;;
   s13b)  # where the ws kernel's time goes (variants without promotion / stores), Nsight Compute on its FC2 (summary,
          # stall samples per SASS line), the quantised precisions' GPU tests, the layer (this tree; ab_base/ between its
          # one-call and back-to-back runs when it ran)

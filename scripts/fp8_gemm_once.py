@@ -3,6 +3,8 @@
     ncu --clock-control none --kernel-name regex:fp8_grouped_gemm --launch-skip 2 --launch-count 1 \
         python scripts/fp8_gemm_once.py --gemm fc2 --kernel ws
 
+``--gemm fc1``: FC1 + SwiGLU (kernel names fp8_fc1_swiglu_kernel / fp8_fc1_swiglu_ws_kernel).
+
 ``--kernel triton``: the Triton kernel with its first candidate config and TMA reads (what the layer runs untuned);
 ``ws``: the warp-specialised Gluon kernel with ``--block-m`` / ``--stages`` / ``--halves`` (TMA stores unless
 ``--no-tma-store``). The operands are built as in ``scripts/fp8_probe.py``; nothing is checked here (the probe and
@@ -27,7 +29,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="qwen3-30b-a3b")
     p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--gemm", choices=["fc2", "fc1_dgrad"], default="fc2")
+    p.add_argument("--gemm", choices=["fc2", "fc1_dgrad", "fc1"], default="fc2")
     p.add_argument("--kernel", choices=["triton", "ws"], default="ws")
     p.add_argument("--block-m", type=int, default=128)
     p.add_argument("--stages", type=int, default=4)
@@ -41,6 +43,16 @@ def main():
     fmt = fl.fp8_format()
     plan = build_routing_plan(index, weights, expert_base=0, num_local_experts=num_experts, tile_m=fp8_gemm.QTILE_M)
     gen = torch.Generator(device="cuda").manual_seed(0)
+    if args.gemm == "fc1":  # FC1 + SwiGLU (its own kernels; the Triton one with its first config, W1 by TMA)
+        xq, w1q = fl.quantize_rows(x, fmt), fl.quantize_w1_fwd(w1, fmt)
+        fp8_gemm.fp8_fc1_swiglu_kernel.configs = fp8_gemm.fp8_fc1_swiglu_kernel.configs[:1]
+        fp8_gemm.fp8_fc1_swiglu_kernel.cache.clear()
+        for _ in range(args.calls):
+            fl.fp8_fc1_swiglu(xq, w1q, plan, fmt, inter=inter, h_dtype=x.dtype, use_tma=True,
+                              use_ws=args.kernel == "ws")
+        torch.cuda.synchronize()
+        print(f"fc1 {args.kernel}: {args.calls} calls done")
+        return
     if args.gemm == "fc2":
         a = fl.quantize_rows(torch.randn(plan.num_pairs, inter, device="cuda", generator=gen), fmt)
         b, segments, row_scale = fl.quantize_w2_fwd(w2, fmt), 1, plan.row_weight
