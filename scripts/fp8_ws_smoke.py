@@ -4,7 +4,8 @@ stopping a test run at its time limit:
 
     python scripts/fp8_ws_smoke.py wgrad [--watchdog 60] [--tokens 300] [--no-empty-expert] [--programs 1 3]
         [--configs 0 4] [--shapes 256x384]
-    python scripts/fp8_ws_smoke.py fc1 [--watchdog 60] [--tokens 300] [--programs 1 3] [--shapes 256x256]
+    python scripts/fp8_ws_smoke.py fc1 [--watchdog 60] [--tokens 300] [--programs 1 3] [--stages 4 3]
+        [--shapes 256x256]
 
 wgrad: ``fp8_grouped_wgrad_ws`` per WS_CONFIGS entry, shapes MxN of the gradient, against the Triton weight
 gradient (same bits in fp32). fc1: ``fp8_fc1_swiglu_ws`` with and without h, plain and power-of-two scales, shapes
@@ -77,16 +78,17 @@ def smoke_fc1(args, plan, fmt_plain, tokens, gen):
             xq, w1q = fl.quantize_rows(x, fmt), fl.quantize_w1_fwd(w1, fmt)
             h_ref, a_ref = fl.fp8_fc1_swiglu(xq, w1q, plan, fmt, inter=inter, h_dtype=torch.bfloat16)
             a_ref_f = fl.dequantize_rows(a_ref, fmt)
-            for save_h in (True, False):
+            for save_h, stages in ((s, n) for s in (True, False) for n in args.stages):
                 for programs in (p or None for p in args.programs):
-                    what = f"fc1 H={hidden} I={inter} pow2={fmt.pow2} save_h={save_h} programs={programs}"
+                    what = (f"fc1 H={hidden} I={inter} pow2={fmt.pow2} save_h={save_h} stages={stages} "
+                            f"programs={programs}")
                     pairs = plan.num_pairs
                     h = torch.full((pairs, 2 * inter), float("nan"), dtype=torch.bfloat16, device="cuda")
                     aq = torch.full((pairs, inter), 0x7F, dtype=torch.uint8, device="cuda").view(fl.FP8_DTYPE)
                     a_s = torch.full((pairs, inter // 128), float("nan"), device="cuda")
                     watched(what, args.watchdog, lambda: fp8_fc1_swiglu_ws(
                         xq, w1q, plan, h if save_h else None, aq, a_s, inter=inter, pow2=fmt.pow2,
-                        programs=programs))
+                        programs=programs, stages=stages))
                     a_f = fl.dequantize_rows(fl.QTensor(aq, a_s), fmt)
                     a_err = float((a_f - a_ref_f).abs().max()) / max(float(a_ref_f.abs().max()), 1e-30)
                     same_a = torch.equal(aq.view(torch.uint8), a_ref.data.view(torch.uint8)) and torch.equal(
@@ -109,6 +111,7 @@ def main():
     p.add_argument("--tokens", type=int, default=300)
     p.add_argument("--no-empty-expert", action="store_true", help="every expert gets rows")
     p.add_argument("--programs", type=int, nargs="+", default=[0, 1, 3], help="0: as many as the launcher picks")
+    p.add_argument("--stages", type=int, nargs="+", default=[4, 3], help="ring stages (fc1)")
     p.add_argument("--configs", type=int, nargs="+", default=list(range(len(WS_CONFIGS))),
                    help="WS_CONFIGS indices (wgrad)")
     p.add_argument("--shapes", nargs="+", default=None,

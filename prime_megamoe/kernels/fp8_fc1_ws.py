@@ -5,24 +5,26 @@ Hopper kernel (Gluon), built from the parts of ``fp8_gemm_ws.py``.
 expression), ``a = silu(h[:, :I]) * h[:, I:]``; h is stored in its dtype (when the backward needs it) and a in fp8
 with one scale per row and 128 columns, as the Triton kernel stores them.
 
-- A tile is 128 sorted rows (two 64-row halves, one per MMA partition) and one 128-column scale group of a. It runs
-  as two sub-tiles of 64 columns of a each; each step's B stage holds 64 gate rows of W1 and the 64 up rows I
-  further (two TMA boxes into the two halves of a 128-row buffer), so one 64 x 128 wgmma gives gate and up side by
-  side, promoted with A's row scales and the gate / up block scales (a column vector staged by the producer).
-- The producer (4 warps) gathers A's rows by cp.async as the gathering GEMM does, the scales by cp.async, the two
-  B boxes by TMA, all counted on the stage's ready barrier.
-- The epilogue of a sub-tile splits the accumulator into gate and up (register-local: a thread holds column j and
-  j + 64 of the MMA layout), stores h, and computes a; the first sub-tile's a stays in registers until the second's
-  is known, then the 128-column group is quantised (amax over both) and stored with its scale.
+- A tile is 128 sorted rows (two 64-row halves, one per MMA partition) and one 128-column scale group of a: gate
+  columns [c, c + 128) and the up columns I further. Each stage holds A's 128 rows once (gathered) and 256 rows of
+  W1 (the gate box, then the up box, by TMA).
+- Each step of an MMA partition: the gate wgmma (64 x 128), waited for and promoted into the gate accumulator, then
+  the up wgmma likewise. One at a time, so that two accumulators and one fresh product fit the registers; the other
+  partition's wgmma runs while one promotes.
+- The producer (4 warps) gathers A's rows by cp.async as the gathering GEMM does, A's row scales and the step's
+  gate / up block scales (each copied for a partition's 64 rows) by cp.async, the two B boxes by TMA, all counted on the
+  stage's ready barrier.
+- Epilogue: h's gate and up parts stored from registers in 64-column halves (fewer registers in flight), then
+  a = silu(gate) * up, its 128-column group quantised in registers and stored with its scale.
 
 Requirements (the launcher checks them): the fp8 format (128 x 128 weight blocks, 1 x 128 activation groups), I a
 multiple of 128, H a multiple of 16 (16-byte row pieces of x).
 
-Measured (Qwen3-30B-A3B, T = 16384, one H200; ``benchmarks/results/fp8_probe_s14.txt``, runs 5 and 6): the same
-bits as the Triton kernel (h, a and its scales), but 1.285 ms against 1.163, so the layer keeps the Triton kernel.
-Nsight Compute puts its L1/TEX throughput at 77% (the Triton kernel's 43%): x's rows are gathered by cp.async once
-per sub-tile, twice per tile, and h and a leave from registers. What would lift it: one gather per tile (a stage
-with A once and both sub-tiles' B, which needs the registers of two accumulators) and TMA stores of h.
+History: the first form (commit 10aa39d) split each tile into two 64-column sub-tiles, gate and up side by side in
+one wgmma; it gave the same bits as the Triton kernel but took 1.285 ms against 1.163 (Qwen3-30B-A3B, T = 16384,
+one H200; ``benchmarks/results/fp8_probe_s14.txt``, run 5): Nsight Compute put its L1/TEX path at 77%, as it
+gathered x's rows once per sub-tile. This form gathers them once per tile. It is compiled for sm_90 on the CPU
+(Triton 3.6: no spill; 3.9: 24 bytes; no wgmma serialisation); it has not run on a GPU.
 """
 
 from __future__ import annotations
@@ -48,75 +50,91 @@ def _fc1_load_partition(b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, 
                         ws_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, I, K, stride_xm, stride_xsm,
                         stride_wse, stride_wsn, UP_SCALE_OFF, TILE_M: gl.constexpr):
     """Fills each stage: A's rows gathered (cp.async, 16 bytes a thread), the gate and up boxes of W1 (TMA), A's
-    row scales and the step's gate / up block scales, one per column of the stage's B (cp.async)."""
+    row scales and the step's gate and up block scales, each copied for a partition's rows (cp.async)."""
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]  # rows of one MMA partition
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    HALF_N: gl.constexpr = b_desc.block_type.shape[0]  # gate (or up) rows of one step
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]  # gate (and up) rows of one step
     STAGES: gl.constexpr = b_bufs.type.shape[0]
     TILE_ROWS: gl.constexpr = 2 * BLOCK_M
     row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     chunk_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // BLOCK_K, BLOCK_K // 16], [gl.num_warps(), 1],
                                                   [1, 0])
     chunk_rows: gl.constexpr = gl.SliceLayout(1, chunk_layout)
-    n_groups = I // (2 * HALF_N)
+    n_groups = I // BLOCK_N
     k_steps = gl.cdiv(K, BLOCK_K)
     total = gl.load(num_tiles_ptr) * (TILE_M // TILE_ROWS) * n_groups
-    cols_sb = gl.arange(0, 2 * HALF_N, layout=row_layout)
+    # The stage's B scales: the gate block's in its first BLOCK_M entries, the up block's in the rest (each MMA
+    # partition reads them as a row vector of its BLOCK_M rows).
+    slots = gl.arange(0, 2 * BLOCK_M, layout=row_layout)
     it = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
-        expert, row0, col0 = _tile_of(t, n_groups, tile_expert_ptr, tile_row_ptr, TILE_ROWS, 2 * HALF_N, TILE_M)
+        expert, row0, col0 = _tile_of(t, n_groups, tile_expert_ptr, tile_row_ptr, TILE_ROWS, BLOCK_N, TILE_M)
         rows = row0 + gl.arange(0, TILE_ROWS, layout=row_layout)
         in_rows = rows < M
         sa_ptrs = xs_ptr + gl.load(row_src_ptr + rows, mask=in_rows, other=0).to(gl.int64) * stride_xsm
+        # Each half's source rows as 32-bit element offsets (the launcher checks that x's size allows it): 64-bit
+        # pointers held across the steps made the producer's registers spill.
         rows_0 = row0 + gl.arange(0, BLOCK_M, layout=chunk_rows)
         ok_0 = rows_0 < M
-        base_0 = xq_ptr + gl.load(row_src_ptr + rows_0, mask=ok_0, other=0).to(gl.int64) * stride_xm
+        off_0 = gl.load(row_src_ptr + rows_0, mask=ok_0, other=0) * stride_xm
         rows_1 = rows_0 + BLOCK_M
         ok_1 = rows_1 < M
-        base_1 = xq_ptr + gl.load(row_src_ptr + rows_1, mask=ok_1, other=0).to(gl.int64) * stride_xm
-        # The group's gate block scale for the stage's first HALF_N columns, its up block scale for the rest.
-        group = col0 // (2 * HALF_N)
+        off_1 = gl.load(row_src_ptr + rows_1, mask=ok_1, other=0) * stride_xm
+        group = col0 // BLOCK_N
         sb_ptrs = (ws_ptr + expert.to(gl.int64) * stride_wse
-                   + gl.where(cols_sb < HALF_N, group, UP_SCALE_OFF + group) * stride_wsn)
-        for sub in gl.static_range(2):
-            gate_row = expert * 2 * I + col0 + sub * HALF_N  # W1 viewed as [E * 2I, H]
-            for j in range(k_steps):
-                s = it % STAGES
-                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                bar = ready.index(s)
-                k = j * BLOCK_K
-                _cp_async(sa_bufs.index(s), sa_ptrs + j, mask=in_rows)
-                _cp_async(sb_bufs.index(s), sb_ptrs + j)
-                cols = k + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, chunk_layout))
-                in_cols = (cols < K)[None, :]
-                _cp_async(a_bufs.index(2 * s), base_0[:, None] + cols[None, :], mask=ok_0[:, None] & in_cols)
-                _cp_async(a_bufs.index(2 * s + 1), base_1[:, None] + cols[None, :], mask=ok_1[:, None] & in_cols)
-                async_copy.mbarrier_arrive(bar)
-                # Every producer warp has counted its copies on the barrier before one thread arms it.
-                _partition_barrier()
-                mbarrier.expect(bar, 2 * b_desc.block_type.nbytes)
-                _tma_load(b_desc, [gate_row, k], bar, b_bufs.index(s).slice(0, HALF_N))
-                _tma_load(b_desc, [gate_row + I, k], bar, b_bufs.index(s).slice(HALF_N, HALF_N))
-                it += 1
+                   + gl.where(slots < BLOCK_M, group, UP_SCALE_OFF + group) * stride_wsn)
+        gate_row = expert * 2 * I + col0  # W1 viewed as [E * 2I, H]
+        for j in range(k_steps):
+            s = it % STAGES
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            k = j * BLOCK_K
+            _cp_async(sa_bufs.index(s), sa_ptrs + j, mask=in_rows)
+            _cp_async(sb_bufs.index(s), sb_ptrs + j)
+            cols = k + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, chunk_layout))
+            in_cols = (cols < K)[None, :]
+            _cp_async(a_bufs.index(2 * s), xq_ptr + (off_0[:, None] + cols[None, :]), mask=ok_0[:, None] & in_cols)
+            _cp_async(a_bufs.index(2 * s + 1), xq_ptr + (off_1[:, None] + cols[None, :]),
+                      mask=ok_1[:, None] & in_cols)
+            async_copy.mbarrier_arrive(bar)
+            # Every producer warp has counted its copies on the barrier before one thread arms it.
+            _partition_barrier()
+            mbarrier.expect(bar, 2 * b_desc.block_type.nbytes)
+            _tma_load(b_desc, [gate_row, k], bar, b_bufs.index(s).slice(0, BLOCK_N))
+            _tma_load(b_desc, [gate_row + I, k], bar, b_bufs.index(s).slice(BLOCK_N, BLOCK_N))
+            it += 1
 
 
 @gluon.jit
-def _fc1_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout: gl.constexpr,
+def _promote(acc, a_tile, b_tile, scale, mma_layout: gl.constexpr):
+    """acc + (A @ B^T) * scale[row]: one fresh wgmma, waited for (the Triton kernel's expression)."""
+    BLOCK_M: gl.constexpr = a_tile.type.shape[0]
+    BLOCK_N: gl.constexpr = b_tile.type.shape[0]
+    tile = warpgroup_mma(a_tile, b_tile.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout),
+                         use_acc=False, is_async=True)
+    done = warpgroup_mma_wait(num_outstanding=0, deps=(tile, ))
+    return acc + done * scale[:, None]
+
+
+@gluon.jit
+def _fc1_step(acc_g, acc_u, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout: gl.constexpr,
               HALF: gl.constexpr):
-    """One K step of half HALF: gate and up in one wgmma, promoted with the row and column scales."""
+    """One K step of half HALF: the gate product promoted, then the up product."""
     STAGES: gl.constexpr = b_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1] // 2
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     s = it % STAGES
     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
     fence_async_shared()  # A was written by cp.async (the generic proxy); the wgmma reads it through the async one
-    tile = warpgroup_mma(a_bufs.index(2 * s + HALF), b_bufs.index(s).permute((1, 0)),
-                         gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout), use_acc=False, is_async=True)
-    sa = sa_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(gl.SliceLayout(1, mma_layout))
-    sb = sb_bufs.index(s).load(gl.SliceLayout(0, mma_layout))
-    done = warpgroup_mma_wait(num_outstanding=0, deps=(tile, ))
+    sa = sa_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(row_layout)
+    sg = sb_bufs.index(s).slice(0, BLOCK_M).load(row_layout)
+    su = sb_bufs.index(s).slice(BLOCK_M, BLOCK_M).load(row_layout)
+    a_tile = a_bufs.index(2 * s + HALF)
+    acc_g = _promote(acc_g, a_tile, b_bufs.index(s).slice(0, BLOCK_N), sa * sg, mma_layout)
+    acc_u = _promote(acc_u, a_tile, b_bufs.index(s).slice(BLOCK_N, BLOCK_N), sa * su, mma_layout)
     mbarrier.arrive(empty.index(s), count=1)
-    return acc + done * (sa[:, None] * sb[None, :])
+    return acc_g, acc_u
 
 
 @gluon.jit
@@ -144,21 +162,30 @@ def _store_rows(ptr, values, row0, col0, row_end, stride, store_layout: gl.const
 
 
 @gluon.jit
-def _fc1_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, act_smem, h_ptr, aq_ptr, as_ptr,
-                       tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, I, K, stride_hm, stride_am,
-                       stride_asm,
+def _store_halves(ptr, values, row0, col0, row_end, stride, store_layout: gl.constexpr):
+    """values [R, C] (fp32, an MMA layout) in ptr's dtype at ptr[row0 + r, col0 + c], as two [R, C / 2] halves
+    (``store_layout`` is a layout of one half)."""
+    R: gl.constexpr = values.type.shape[0]
+    C: gl.constexpr = values.type.shape[1]
+    lo, hi = gl.split(gl.permute(gl.reshape(values, [R, 2, C // 2]), (0, 2, 1)))
+    _store_rows(ptr, lo.to(ptr.dtype.element_ty), row0, col0, row_end, stride, store_layout)
+    _store_rows(ptr, hi.to(ptr.dtype.element_ty), row0, col0 + C // 2, row_end, stride, store_layout)
+
+
+@gluon.jit
+def _fc1_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, h_ptr, aq_ptr, as_ptr, tile_expert_ptr,
+                       tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, I, K, stride_hm, stride_am, stride_asm,
                        SAVE_H: gl.constexpr, POW2: gl.constexpr, TILE_M: gl.constexpr, HALF: gl.constexpr):
     """Rows [HALF * 64, HALF * 64 + 64) of every tile of this program."""
     num_warps: gl.constexpr = gl.num_warps()
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]  # gate + up columns of one sub-tile
-    HALF_N: gl.constexpr = BLOCK_N // 2
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1] // 2  # columns of a (and of gate, of up) of a tile
     TILE_ROWS: gl.constexpr = 2 * BLOCK_M
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
-    h_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HALF_N, HALF_N // 8], [num_warps, 1], [1, 0])
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // HALF_N, HALF_N // 16], [num_warps, 1], [1, 0])
+    h_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 16 // BLOCK_N, BLOCK_N // 16], [num_warps, 1], [1, 0])
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // BLOCK_N, BLOCK_N // 16], [num_warps, 1], [1, 0])
     s_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     n_groups = I // BLOCK_N
     k_steps = gl.cdiv(K, BLOCK_K)
@@ -173,29 +200,19 @@ def _fc1_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, act_smem,
         expert_n, row0_n, col0_n = _tile_of(gl.minimum(t + programs, total - 1), n_groups, tile_expert_ptr,
                                             tile_row_ptr, TILE_ROWS, BLOCK_N, TILE_M)
         row_end_n = gl.load(expert_offsets_ptr + expert_n + 1)
+        gate = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
+        up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
+        for j in range(k_steps):
+            gate, up = _fc1_step(gate, up, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout, HALF)
+            it += 1
         rows0 = row0 + HALF * BLOCK_M
-        for sub in gl.static_range(2):
-            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
-            for j in range(k_steps):
-                acc = _fc1_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout, HALF)
-                it += 1
-            # Gate (columns [0, HALF_N)) and up: column j and j + HALF_N sit in the same thread.
-            gate, up = gl.split(gl.permute(gl.reshape(acc, [BLOCK_M, 2, HALF_N]), (0, 2, 1)))
-            a_col = col0 + sub * HALF_N
-            if SAVE_H:
-                _store_rows(h_ptr, gate.to(h_ptr.dtype.element_ty), rows0, a_col, row_end, stride_hm, h_layout)
-                _store_rows(h_ptr, up.to(h_ptr.dtype.element_ty), rows0, I + a_col, row_end, stride_hm, h_layout)
-            act = gate * (1 / (1 + gl.exp(-gate))) * up  # tl.sigmoid's expression
-            amax = gl.max(gl.abs(act), axis=1)
-            if sub == 0:  # kept in shared memory while the second sub-tile runs (registers are short there)
-                act_smem.store(act)
-                amax_0 = amax
-        scale = _scale_from_amax(gl.maximum(amax_0, amax), POW2)
-        inv = (1.0 / scale)[:, None]
-        for sub in gl.static_range(2):
-            y = (act_smem.load(act.type.layout) if sub == 0 else act) * inv
-            y = gl.minimum(gl.maximum(y, -FP8_MAX), FP8_MAX)
-            _store_rows(aq_ptr, y.to(gl.float8e4nv), rows0, col0 + sub * HALF_N, row_end, stride_am, q_layout)
+        if SAVE_H:  # in 64-column halves (a thread holds column j and j + 64): fewer registers in flight
+            _store_halves(h_ptr, gate, rows0, col0, row_end, stride_hm, h_layout)
+            _store_halves(h_ptr, up, rows0, I + col0, row_end, stride_hm, h_layout)
+        act = gate * (1 / (1 + gl.exp(-gate))) * up  # tl.sigmoid's expression
+        scale = _scale_from_amax(gl.max(gl.abs(act), axis=1), POW2)
+        y = gl.minimum(gl.maximum(act * (1.0 / scale)[:, None], -FP8_MAX), FP8_MAX)
+        _store_rows(aq_ptr, y.to(gl.float8e4nv), rows0, col0, row_end, stride_am, q_layout)
         scale_rows = rows0 + gl.arange(0, BLOCK_M, layout=s_layout)
         gl.store(as_ptr + scale_rows.to(gl.int64) * stride_asm + col0 // BLOCK_N, gl.convert_layout(scale, s_layout),
                  mask=scale_rows < row_end)
@@ -212,28 +229,26 @@ def fp8_fc1_swiglu_ws_kernel(
 ):
     """Two 4-warp MMA partitions (the default one and a worker with MMA_REGS registers) on the two 64-row halves of
     each tile, a LOAD_WARPS producer. Without SAVE_H ``h_ptr`` is not written."""
-    HALF_N: gl.constexpr = b_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = b_desc.block_type.shape[1]
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_K], gl.float8e4nv)
-    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * HALF_N, BLOCK_K], gl.float8e4nv)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_N, BLOCK_K], gl.float8e4nv)
     a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, 64, BLOCK_K], a_layout)
-    b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 2 * HALF_N, BLOCK_K], b_layout)
+    b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 2 * BLOCK_N, BLOCK_K], b_layout)
     sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 128], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    sb_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 2 * HALF_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    sb_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 128], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
-    # Each MMA partition's a of a tile's first sub-tile (64 x 64 fp32).
-    act_smem = gl.allocate_shared_memory(gl.float32, [2, 64, HALF_N], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     gl.warp_specialize([
-        (_fc1_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, act_smem.index(0), h_ptr, aq_ptr,
-                              as_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, I, K,
-                              stride_hm, stride_am, stride_asm, SAVE_H, POW2, TILE_M, 0)),
-        (_fc1_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, act_smem.index(1), h_ptr, aq_ptr,
-                              as_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, I, K,
-                              stride_hm, stride_am, stride_asm, SAVE_H, POW2, TILE_M, 1)),
+        (_fc1_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, h_ptr, aq_ptr, as_ptr, tile_expert_ptr,
+                              tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, I, K, stride_hm, stride_am,
+                              stride_asm, SAVE_H, POW2, TILE_M, 0)),
+        (_fc1_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, h_ptr, aq_ptr, as_ptr, tile_expert_ptr,
+                              tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, I, K, stride_hm, stride_am,
+                              stride_asm, SAVE_H, POW2, TILE_M, 1)),
         (_fc1_load_partition, (b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, xq_ptr, row_src_ptr, xs_ptr,
                                ws_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, I, K, stride_xm, stride_xsm,
                                stride_wse, stride_wsn, UP_SCALE_OFF, TILE_M)),

@@ -13,7 +13,8 @@ The FC2 dgrad runs it too, its producer warps gathering dy's rows: 0.490 against
 weight-gradient kernel (``ws_wgrad_unavailable`` says where it cannot); the layer's two weight gradients ask for it:
 dW1 1.001 ms against 1.244 for the Triton kernel, dW2 0.536 against 0.693 (same file, run 4).
 ``fp8_launch.fp8_fc1_swiglu(use_ws=...)`` runs the FC1 + SwiGLU kernel (``ws_fc1_unavailable``); the layer does not
-ask for it: same bits, but 1.285 ms against 1.163 for the Triton kernel (same file, run 5).
+ask for it: its first form gave the same bits but took 1.285 ms against 1.163 for the Triton kernel (same file, run
+5); the second (x's rows gathered once per tile, not twice) has not run on a GPU.
 """
 
 from __future__ import annotations
@@ -226,6 +227,8 @@ def ws_fc1_unavailable(xq_data: torch.Tensor, w1q_data: torch.Tensor, *, mx: boo
         return f"gathering x's rows in 16-byte pieces needs the hidden size a multiple of 16 (got {xq_data.shape[1]})"
     if not (xq_data.stride(1) == 1 and tma_readable(w1q_data.view(-1, w1q_data.shape[2]))):
         return "x's rows must be contiguous and W1 TMA-readable (contiguous rows, 16-byte aligned)"
+    if xq_data.shape[0] * xq_data.stride(0) >= 2**31:
+        return "x must have fewer than 2^31 elements (its rows are addressed by 32-bit offsets)"
     return None
 
 
@@ -246,9 +249,10 @@ def fp8_fc1_swiglu_ws(xq: QTensor, w1q: QTensor, plan: RoutingPlan, h: torch.Ten
         return
     if w1q.scale.stride(2) != 1:
         raise ValueError("W1's block scales must be contiguous along K")
-    half_n = WS_BLOCK_N // 2  # gate (or up) rows of W1 a step reads
-    b_desc = TensorDescriptor.from_tensor(w1q.data.view(-1, hidden), [half_n, WS_BLOCK_K],
-                                          gl.NVMMASharedLayout.get_default_for([half_n, WS_BLOCK_K], gl.float8e4nv))
+    # Boxes of 128 gate (or up) rows of W1: a step reads one of each.
+    b_desc = TensorDescriptor.from_tensor(w1q.data.view(-1, hidden), [WS_BLOCK_N, WS_BLOCK_K],
+                                          gl.NVMMASharedLayout.get_default_for([WS_BLOCK_N, WS_BLOCK_K],
+                                                                               gl.float8e4nv))
     grid = (max(1, min(_num_sms(aq.device), plan.max_tiles * (inter // WS_BLOCK_N), programs or rows)),)
     save_h = h is not None
     fp8_fc1_swiglu_ws_kernel[grid](
