@@ -26,7 +26,7 @@ from triton.testing import do_bench
 
 from prime_megamoe.bench import make_inputs
 from prime_megamoe.kernels.fp8_gemm import QTILE_M
-from prime_megamoe.kernels.fp8_gemm_ws import _load_partition, _mma_step, _tile_of
+from prime_megamoe.kernels.fp8_gemm_ws import _load_partition, _mma_step, _stage_barriers, _tile_of
 from prime_megamoe.ops import fp8_launch as fl
 from prime_megamoe.ops.fp8_ws_launch import WS_DEFAULT, WS_LOAD_REGS, WS_MMA_REGS, _layouts, fp8_grouped_gemm_ws
 from prime_megamoe.ops.launch import _num_sms
@@ -93,11 +93,7 @@ def ws_variant_kernel(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, tile_expert_ptr, ti
                                         gl.SwizzledSharedLayout(1, 1, 1, [0]))
     sb_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 2 * a_desc.block_type.shape[0]],
                                         gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+    ready, empty = _stage_barriers(STAGES, 2)
     gl.warp_specialize([
         (_variant_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, tile_expert_ptr, tile_row_ptr,
                               num_tiles_ptr, expert_offsets_ptr, N, K, stride_cm, store, SEGS, TILE_M, 0, PROMOTE)),

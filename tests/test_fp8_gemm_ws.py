@@ -158,16 +158,22 @@ def test_ws_gemm_matches_the_triton_kernel(hidden, inter):
         assert rel_err(ws.cpu(), _reference(a_deq, b_deq, plan, row_scale)) < 1e-3, name
 
 
+def _plan_without_tiles(seed: int, device: str):
+    """A rank's plan (local experts 0-3 of 8) when every token goes to the other rank's experts: rows, no tiles."""
+    index, weights = ragged_routing(64, 8, 2, seed=seed, empty_expert=None, hot_expert=None, forbid=range(0, 4))
+    plan = build_routing_plan(index.to(device), weights.to(device), expert_base=0, num_local_experts=4,
+                              tile_m=QTILE_M)
+    assert int(plan.num_tiles[0]) == 0 and plan.num_pairs > 0
+    return plan
+
+
 @pytest.mark.gpu
 @needs_hopper
 def test_ws_gemm_on_a_rank_that_receives_nothing():
     """Every token routed to other ranks' experts: the plan has rows but no tiles; the kernel must finish and write
     nothing (the output keeps its fill)."""
     device = "cuda"
-    index, weights = ragged_routing(64, 8, 2, seed=6, empty_expert=None, hot_expert=None, forbid=range(0, 4))
-    plan = build_routing_plan(index.to(device), weights.to(device), expert_base=0, num_local_experts=4,
-                              tile_m=QTILE_M)
-    assert int(plan.num_tiles[0]) == 0 and plan.num_pairs > 0
+    plan = _plan_without_tiles(6, device)
     fmt = fl.fp8_format()
     aq = fl.quantize_rows(torch.randn(plan.num_pairs, 128, device=device), fmt)
     w2f = fl.quantize_w2_fwd(torch.randn(4, 256, 128, device=device), fmt)
@@ -257,10 +263,7 @@ def test_ws_fc1_matches_the_triton_kernel(hidden, inter):
 def test_ws_fc1_on_a_rank_that_receives_nothing():
     """No row for any local expert: the kernel finishes and writes nothing."""
     device = "cuda"
-    index, weights = ragged_routing(64, 8, 2, seed=8, empty_expert=None, hot_expert=None, forbid=range(0, 4))
-    plan = build_routing_plan(index.to(device), weights.to(device), expert_base=0, num_local_experts=4,
-                              tile_m=QTILE_M)
-    assert int(plan.num_tiles[0]) == 0 and plan.num_pairs > 0
+    plan = _plan_without_tiles(8, device)
     fmt = fl.fp8_format()
     xq = fl.quantize_rows(torch.randn(64, 256, device=device), fmt)
     w1q = fl.quantize_w1_fwd(torch.randn(4, 256, 256, device=device), fmt)

@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .fp8_gemm_ws import _cp_async, _partition_barrier, _tile_of, _tma_load
+from .fp8_gemm_ws import _cp_async, _partition_barrier, _stage_barriers, _tile_of, _tma_load
 
 FP8_MAX = gl.constexpr(448.0)
 SMALLEST_NORMAL = gl.constexpr(1.1754943508222875e-38)
@@ -237,11 +237,7 @@ def fp8_fc1_swiglu_ws_kernel(
     b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 2 * BLOCK_N, BLOCK_K], b_layout)
     sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 128], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     sb_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 128], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+    ready, empty = _stage_barriers(STAGES, 2)
     gl.warp_specialize([
         (_fc1_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, h_ptr, aq_ptr, as_ptr, tile_expert_ptr,
                               tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, I, K, stride_hm, stride_am,

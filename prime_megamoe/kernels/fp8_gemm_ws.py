@@ -262,6 +262,18 @@ def _mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_sme
 
 
 @gluon.jit
+def _stage_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """A ring's ready / empty mbarriers: ready completes on the producer's arrival (with its transaction bytes and
+    cp.async copies), empty once each of CONSUMERS MMA partitions has freed the stage."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    return ready, empty
+
+
+@gluon.jit
 def _allocate_stages(a_desc, b_desc, c_desc, STAGES: gl.constexpr, HALVES: gl.constexpr, SB_WIDTH: gl.constexpr,
                      TMA_STORE: gl.constexpr):
     """The ring (STAGES stages of HALVES A boxes, one B box, A's row scales and SB_WIDTH B scales), its ready /
@@ -272,11 +284,7 @@ def _allocate_stages(a_desc, b_desc, c_desc, STAGES: gl.constexpr, HALVES: gl.co
     sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, HALVES * a_desc.block_type.shape[0]],
                                         gl.SwizzledSharedLayout(1, 1, 1, [0]))
     sb_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, SB_WIDTH], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=HALVES)
+    ready, empty = _stage_barriers(STAGES, HALVES)
     if TMA_STORE:
         c_bufs = gl.allocate_shared_memory(c_desc.dtype, [HALVES] + c_desc.block_type.shape, c_desc.layout)
     else:
