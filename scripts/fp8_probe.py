@@ -26,6 +26,7 @@ from prime_megamoe.ops.fp8_ws_launch import (
     fp8_fc1_swiglu_ws,
     fp8_grouped_gemm_ws,
     fp8_grouped_wgrad_ws,
+    ws_fc1_unavailable,
     ws_gemm_unavailable,
 )
 from prime_megamoe.ops.routing_plan import build_routing_plan
@@ -60,8 +61,7 @@ def main():
     p.add_argument("--pow2", action="store_true", help="power-of-two scales")
     p.add_argument("--ws-only", action="store_true",
                    help="only the GEMMs the warp-specialised kernels run (FC1 + SwiGLU, FC2, the dgrads, the weight "
-                        "gradients): "
-                        "their configs against the Triton kernels' first candidate (TMA reads)")
+                        "gradients): their configs against the Triton kernels' first candidate (TMA reads)")
     p.add_argument("--gemms", nargs="+", metavar="NAME",
                    help="only these GEMMs (FC2, 'FC2 dgrad', 'FC1 dgrad', dW1, dW2, 'FC1 + SwiGLU')")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (interpreter, tiny shape)")
@@ -157,7 +157,9 @@ def main():
                 ("dW2", ws_wgrad_run(dy_t, d.aw_t, gw2))]
     ws_cases = [case for case in ws_cases if case[0] in refs]  # the GEMMs run above (--gemms)
     why_not = ws_gemm_unavailable(dyq.data, w2b.data, mx=False, gather=False, segments=1, k=hidden)
-    for stages in (4, 3) if "FC1 + SwiGLU" in refs and why_not is None else ():  # h, a against the Triton kernel
+    fc1_why_not = ws_fc1_unavailable(xq.data, w1f.data, mx=False, group=fmt.group, weight_rows=fmt.weight_rows,
+                                     inter=inter)
+    for stages in (4, 3) if "FC1 + SwiGLU" in refs and fc1_why_not is None else ():  # h, a against the Triton's
         def fc1_ws():
             h = torch.empty(pairs, 2 * inter, dtype=x.dtype, device=x.device)
             a = fl.QTensor(torch.empty(pairs, inter, dtype=fl.FP8_DTYPE, device=x.device),

@@ -428,7 +428,8 @@ def fp8_grouped_wgrad(a_t: QTensor, b_t: QTensor, plan: RoutingPlan, fmt: QForma
     Both operands come in the cols_t layout (``quantize_sorted_cols_t`` or ``fp8_fc2_dgrad_dswiglu``): a_t [M, T128],
     b_t [N, T128], T128 = max_tiles * 128; ``expert_tiles`` = ``expert_tile_offsets(plan)``. ``use_ws=True``: the
     warp-specialised Hopper kernel (``kernels/fp8_wgrad_ws.py``, same bits; an error where it does not apply),
-    ``None``: that kernel where it applies (the layer's choice). Otherwise the Triton kernel, with ``use_tma``: read both by TMA (default: where the GPU can)."""
+    ``None``: that kernel where it applies (the layer's choice). Otherwise the Triton kernel, with ``use_tma``: read
+    both by TMA (default: where the GPU can)."""
     _check_tile_space_plan(plan)
     m, n = a_t.data.shape[0], b_t.data.shape[0]
     width = plan.max_tiles * QTILE_M

@@ -159,8 +159,8 @@ def fp8_grouped_gemm_ws(aq: QTensor, bq: QTensor, plan: RoutingPlan, c: torch.Te
     """c[r] = row_scale[r] * A[src[r] if gather else r] @ B[e]^T with the warp-specialised kernel (callers check
     ``ws_gemm_unavailable`` first): A [P or R, segments * K] fp8 with row scales [.., segments * cdiv(K, 128)], B the
     K-major weights [E, N, segments * K] in fp8 blocks; ``gather``: A's rows are the plan's source rows (copied by
-    cp.async: the layer's FC2 dgrad). ``programs``: at most that many persistent
-    programs (tests give small problems several tiles a program this way)."""
+    cp.async: the layer's FC2 dgrad). ``programs``: at most that many persistent programs (tests give small problems
+    several tiles a program this way)."""
     from ..kernels.fp8_gemm_ws import fp8_grouped_gemm_ws_kernel
 
     aq_data, aq_scale, bq_data, bq_scale = aq.data, aq.scale, bq.data, bq.scale
