@@ -64,7 +64,8 @@ def main():
                         "gradients): their configs against the Triton kernels' first candidate (TMA reads)")
     p.add_argument("--gemms", nargs="+", metavar="NAME",
                    help="only these GEMMs (FC2, 'FC2 dgrad', 'FC1 dgrad', dW1, dW2, 'FC1 + SwiGLU')")
-    p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (interpreter, tiny shape)")
+    p.add_argument("--device", default="cuda",
+                   help="cpu: a smoke run of the script itself (interpreter; with --shape tiny --tokens 64)")
     args = p.parse_args()
     # Candidates are swapped in the autotuner between launches: launch through Triton itself, not through the
     # compiled-kernel cache (which would keep the first candidate's kernel).
