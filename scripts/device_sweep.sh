@@ -8,6 +8,7 @@
 #   bash scripts/device_sweep.sh record     # GPU tests, Qwen3-235B-A22B EP=2, tiny trainer with default autotuning
 #   bash scripts/device_sweep.sh pipeline   # EP check, wgrad probe, 30B EP=2 T=16384 (profiled, back-to-back)
 #   bash scripts/device_sweep.sh probe      # one-GPU check + fp8 profile (GPU 1) side by side, EP check, EP=2 T=16384
+#   bash scripts/device_sweep.sh s15a       # the second ws FC1: smoke, probe, GPU tests, the layer with it (one GPU)
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -192,6 +193,34 @@ case "${1:-}" in
       step fp8_new_r5 90 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --backends mega_moe \
         --precisions fp8 --repeat 5 --iters 5 --warmup 2 --out "$LOGS/fp8_new_r5.json"
       tail -2 "$LOGS/fp8_new_r5.log"
+    fi ;;
+  s15a)  # the second ws FC1 + SwiGLU (efd82f1): smoke launches under a watchdog, then (when they pass) the probe's FC1
+         # rows, its GPU tests, and the layer with FC1 on it (a copy of the tree with the one-argument change, its GPU
+         # tests, one call, back to back) against this tree (Triton FC1)
+    step fc1_smoke 150 python scripts/fp8_ws_smoke.py fc1 --watchdog 45
+    tail -6 "$LOGS/fc1_smoke.log"
+    if grep -q "^PASS" "$LOGS/fc1_smoke.log"; then
+      step fp8_probe_fc1 120 python scripts/fp8_probe.py --ws-only --gemms "FC1 + SwiGLU"
+      tail -6 "$LOGS/fp8_probe_fc1.log"
+      PRIME_MEGAMOE_AUTOTUNE=0 step pytest_fc1 120 python -m pytest -q tests/test_fp8_gemm_ws.py -k "fc1" -rA
+      tail -2 "$LOGS/pytest_fc1.log"
+      rm -rf /tmp/fc1_tree && mkdir /tmp/fc1_tree && cp -r prime_megamoe tests pyproject.toml /tmp/fc1_tree/
+      sed -i 's/h_dtype=rows.dtype if need_grad else None)$/h_dtype=rows.dtype if need_grad else None, use_ws=None)/' \
+        /tmp/fc1_tree/prime_megamoe/ops/quantized_experts.py
+      grep -c "need_grad else None, use_ws=None)" /tmp/fc1_tree/prime_megamoe/ops/quantized_experts.py
+      (cd /tmp/fc1_tree && PYTHONPATH=/tmp/site:$PWD:$OLDPWD/.pylib PRIME_MEGAMOE_AUTOTUNE=0 step pytest_fp8_fc1ws 150 \
+        python -m pytest -q tests/test_fp8_experts.py -k "gpu or half_tile or tma" -rA
+       tail -2 "$LOGS/pytest_fp8_fc1ws.log"
+       PYTHONPATH=/tmp/site:$PWD step fp8_fc1ws 90 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 \
+        --precisions fp8 --backends mega_moe --iters 5 --warmup 2 --out "$LOGS/fp8_fc1ws.json"
+       tail -2 "$LOGS/fp8_fc1ws.log")
+      step fp8_base 90 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 \
+        --backends mega_moe --iters 5 --warmup 2 --out "$LOGS/fp8_base.json"
+      tail -2 "$LOGS/fp8_base.log"
+      (cd /tmp/fc1_tree && PYTHONPATH=/tmp/site:$PWD step fp8_fc1ws_r5 90 python -m prime_megamoe.bench \
+        --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 --backends mega_moe --repeat 5 --iters 5 --warmup 2 \
+        --out "$LOGS/fp8_fc1ws_r5.json"
+       tail -2 "$LOGS/fp8_fc1ws_r5.log")
     fi ;;
   ncu_fc1)  # Nsight Compute on one FC1 + SwiGLU launch: the Triton kernel, then the warp-specialised one
     for kern in triton ws; do
