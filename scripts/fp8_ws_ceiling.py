@@ -26,7 +26,7 @@ from triton.testing import do_bench
 
 from prime_megamoe.bench import make_inputs
 from prime_megamoe.kernels.fp8_gemm import QTILE_M
-from prime_megamoe.kernels.fp8_gemm_ws import _load_partition, _mma_step, _stage_barriers, _tile_of
+from prime_megamoe.kernels.fp8_gemm_ws import _load_partition, _mma_step, _stage_barriers, _tile_with_end
 from prime_megamoe.ops import fp8_launch as fl
 from prime_megamoe.ops.fp8_ws_launch import WS_DEFAULT, WS_LOAD_REGS, WS_MMA_REGS, _layouts, fp8_grouped_gemm_ws
 from prime_megamoe.ops.launch import _num_sms
@@ -52,8 +52,8 @@ def _variant_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, ti
     total = gl.load(num_tiles_ptr) * (TILE_M // (2 * BLOCK_M)) * n_col_tiles
     it = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
-        expert, row0, col0 = _tile_of(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, 2 * BLOCK_M, BLOCK_N, TILE_M)
-        row_end = gl.load(expert_offsets_ptr + expert + 1)
+        row0, col0, row_end = _tile_with_end(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
+                                             2 * BLOCK_M, BLOCK_N, TILE_M)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
         if PROMOTE:  # as the layer's kernel
             for j in range(n_steps):

@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .fp8_gemm_ws import _cp_async, _partition_barrier, _stage_barriers, _tile_of, _tma_load
+from .fp8_gemm_ws import _cp_async, _partition_barrier, _stage_barriers, _tile_of, _tile_with_end, _tma_load
 
 FP8_MAX = gl.constexpr(448.0)
 SMALLEST_NORMAL = gl.constexpr(1.1754943508222875e-38)
@@ -192,14 +192,12 @@ def _fc1_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, h_ptr, aq
     total = gl.load(num_tiles_ptr) * (TILE_M // TILE_ROWS) * n_groups
     programs = gl.num_programs(0)
     t0 = gl.minimum(gl.program_id(0), total - 1)
-    expert, row0, col0 = _tile_of(t0, n_groups, tile_expert_ptr, tile_row_ptr, TILE_ROWS, BLOCK_N, TILE_M,
-                                  valid=total > 0)
-    row_end = gl.load(expert_offsets_ptr + expert + 1)
+    row0, col0, row_end = _tile_with_end(t0, n_groups, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, TILE_ROWS,
+                                         BLOCK_N, TILE_M, valid=total > 0)
     it = 0
     for t in range(gl.program_id(0), total, programs):
-        expert_n, row0_n, col0_n = _tile_of(gl.minimum(t + programs, total - 1), n_groups, tile_expert_ptr,
-                                            tile_row_ptr, TILE_ROWS, BLOCK_N, TILE_M)
-        row_end_n = gl.load(expert_offsets_ptr + expert_n + 1)
+        row0_n, col0_n, row_end_n = _tile_with_end(gl.minimum(t + programs, total - 1), n_groups, tile_expert_ptr,
+                                                   tile_row_ptr, expert_offsets_ptr, TILE_ROWS, BLOCK_N, TILE_M)
         gate = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
         up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
         for j in range(k_steps):
@@ -216,7 +214,7 @@ def _fc1_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, h_ptr, aq
         scale_rows = rows0 + gl.arange(0, BLOCK_M, layout=s_layout)
         gl.store(as_ptr + scale_rows.to(gl.int64) * stride_asm + col0 // BLOCK_N, gl.convert_layout(scale, s_layout),
                  mask=scale_rows < row_end)
-        expert, row0, col0, row_end = expert_n, row0_n, col0_n, row_end_n
+        row0, col0, row_end = row0_n, col0_n, row_end_n
 
 
 @gluon.jit

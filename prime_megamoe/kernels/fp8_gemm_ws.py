@@ -83,6 +83,15 @@ def _tile_of(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, TILE_ROWS: gl.conste
 
 
 @gluon.jit
+def _tile_with_end(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, TILE_ROWS: gl.constexpr,
+                   BLOCK_N: gl.constexpr, TILE_M: gl.constexpr, valid=True):
+    """First row and first column of persistent tile t (``_tile_of``), and the end of its expert's rows: what an
+    MMA partition needs to store the tile."""
+    expert, row0, col0 = _tile_of(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, TILE_ROWS, BLOCK_N, TILE_M, valid)
+    return row0, col0, gl.load(expert_offsets_ptr + expert + 1)
+
+
+@gluon.jit
 def _load_partition(a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_ptr, row_src_ptr, as_ptr,
                     bs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, N, K, NKG, stride_am, stride_asm,
                     stride_bse, stride_bsn, SEGS: gl.constexpr, B_GROUP_N: gl.constexpr, TILE_M: gl.constexpr,
@@ -219,17 +228,15 @@ def _mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_sme
     # The first tile's indices and row scales; each later tile's are loaded while the tile before it runs.
     # (With no tiles at all the tile list holds no valid entry: nothing is loaded, the loop below does not run.)
     t0 = gl.minimum(gl.program_id(0), total - 1)
-    expert, row0, col0 = _tile_of(t0, n_col_tiles, tile_expert_ptr, tile_row_ptr, TILE_ROWS, BLOCK_N, TILE_M,
-                                  valid=total > 0)
-    row_end = gl.load(expert_offsets_ptr + expert + 1)
+    row0, col0, row_end = _tile_with_end(t0, n_col_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, TILE_ROWS,
+                                         BLOCK_N, TILE_M, valid=total > 0)
     rows = row0 + lane_rows
     if SCALE_ROWS:
         rs_next = gl.load(row_scale_ptr + rows, mask=rows < M, other=0.0).to(gl.float32)
     it = 0
     for t in range(gl.program_id(0), total, programs):
-        expert_n, row0_n, col0_n = _tile_of(gl.minimum(t + programs, total - 1), n_col_tiles, tile_expert_ptr,
-                                            tile_row_ptr, TILE_ROWS, BLOCK_N, TILE_M)
-        row_end_n = gl.load(expert_offsets_ptr + expert_n + 1)
+        row0_n, col0_n, row_end_n = _tile_with_end(gl.minimum(t + programs, total - 1), n_col_tiles, tile_expert_ptr,
+                                                   tile_row_ptr, expert_offsets_ptr, TILE_ROWS, BLOCK_N, TILE_M)
         # Each step's MMA into a fresh fp32 tile, waited for, then scaled and added. (Waiting for the previous step's
         # only, with the next in flight, makes ptxas serialise every wgmma of the kernel: a wgmma's accumulator
         # registers must not be written while another wgmma runs, and each fresh tile is.)
@@ -256,7 +263,7 @@ def _mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_sme
             cols_s = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
             c_ptrs = c_ptr + rows_s.to(gl.int64)[:, None] * stride_cm + cols_s[None, :]
             gl.store(c_ptrs, out_rows, mask=(rows_s < row_end)[:, None] & (cols_s < N)[None, :])
-        expert, row0, col0, row_end = expert_n, row0_n, col0_n, row_end_n
+        row0, col0, row_end = row0_n, col0_n, row_end_n
     if TMA_STORE:
         tma.store_wait(0)
 

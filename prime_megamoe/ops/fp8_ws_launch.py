@@ -147,10 +147,10 @@ def _descriptors(a_2d: torch.Tensor, b_2d: torch.Tensor, c_2d: torch.Tensor | No
     return a_desc, b_desc, c_desc, tma_store
 
 
-def _grid(config: WSConfig, device: torch.device, tiles: int, programs: int | None) -> tuple[int]:
-    """Persistent programs: as many as the SMs hold (``config.programs_per_sm`` each), at most one a tile and at
+def _grid(per_sm: int, device: torch.device, tiles: int, programs: int | None) -> tuple[int]:
+    """Persistent programs: as many as the SMs hold (``per_sm`` each), at most one a tile and at
     most ``programs``."""
-    return (max(1, min(config.programs_per_sm * _num_sms(device), tiles, programs or tiles)),)
+    return (max(1, min(per_sm * _num_sms(device), tiles, programs or tiles)),)
 
 
 def fp8_grouped_gemm_ws(aq: QTensor, bq: QTensor, plan: RoutingPlan, c: torch.Tensor, *, segments: int,
@@ -168,7 +168,8 @@ def fp8_grouped_gemm_ws(aq: QTensor, bq: QTensor, plan: RoutingPlan, c: torch.Te
     if rows == 0 or aq_data.shape[0] == 0:  # no rows (a rank that receives nothing): no tiles, no descriptor
         return
     a_desc, b_desc, c_desc, tma_store = _descriptors(aq_data, bq_data.view(-1, bq_data.shape[2]), c, config)
-    grid = _grid(config, c.device, plan.max_tiles * (QTILE_M // config.block_m) * cdiv(n, WS_BLOCK_N), programs)
+    tiles = plan.max_tiles * (QTILE_M // config.block_m) * cdiv(n, WS_BLOCK_N)
+    grid = _grid(config.programs_per_sm, c.device, tiles, programs)
     load_warps, load_regs, mma_regs = ((WS_GATHER_LOAD_WARPS, WS_GATHER_LOAD_REGS, WS_GATHER_MMA_REGS) if gather
                                        else (1, WS_LOAD_REGS, WS_MMA_REGS))
     fp8_grouped_gemm_ws_kernel[grid](
@@ -204,7 +205,8 @@ def fp8_grouped_wgrad_ws(a_t: QTensor, b_t: QTensor, out: torch.Tensor, *, exper
     # Boxes of the output viewed as [E * M, N] must not reach the next expert's rows.
     out_2d = out.view(-1, n) if out.is_contiguous() and m % config.a_rows == 0 else None
     a_desc, b_desc, c_desc, tma_store = _descriptors(a_t.data, b_t.data, out_2d, config)
-    grid = _grid(config, out.device, experts * cdiv(m, config.block_m) * cdiv(n, WS_BLOCK_N), programs)
+    tiles = experts * cdiv(m, config.block_m) * cdiv(n, WS_BLOCK_N)
+    grid = _grid(config.programs_per_sm, out.device, tiles, programs)
     fp8_grouped_wgrad_ws_kernel[grid](
         a_desc, b_desc, c_desc, a_t.scale, b_t.scale, out, expert_tiles, m, n, experts,
         a_t.scale.stride(0), b_t.scale.stride(0), out.stride(0), out.stride(1), out.stride(2),
@@ -253,7 +255,7 @@ def fp8_fc1_swiglu_ws(xq: QTensor, w1q: QTensor, plan: RoutingPlan, h: torch.Ten
     b_desc = TensorDescriptor.from_tensor(w1q.data.view(-1, hidden), [WS_BLOCK_N, WS_BLOCK_K],
                                           gl.NVMMASharedLayout.get_default_for([WS_BLOCK_N, WS_BLOCK_K],
                                                                                gl.float8e4nv))
-    grid = (max(1, min(_num_sms(aq.device), plan.max_tiles * (inter // WS_BLOCK_N), programs or rows)),)
+    grid = _grid(1, aq.device, plan.max_tiles * (inter // WS_BLOCK_N), programs)
     save_h = h is not None
     fp8_fc1_swiglu_ws_kernel[grid](
         b_desc, xq.data, plan.row_src, xq.scale, w1q.scale, h if save_h else aq, aq, a_scale,
