@@ -252,7 +252,8 @@ class QuantizedRoutedExperts(torch.autograd.Function):
             xq = fl.quantize_rows(rows, fmt)
             w1q = cached_weight_operand(w1, "w1_fwd", fmt)
             w2q = cached_weight_operand(w2, "w2_fwd", fmt)
-            h, aq = fl.fp8_fc1_swiglu(xq, w1q, plan, fmt, inter=inter, h_dtype=rows.dtype if need_grad else None)
+            h, aq = fl.fp8_fc1_swiglu(xq, w1q, plan, fmt, inter=inter, h_dtype=rows.dtype if need_grad else None,
+                                      use_ws=None)
             out_sorted = fl.fp8_grouped_gemm(aq, w2q, plan, fmt, out_dtype=rows.dtype, row_scale=plan.row_weight,
                                              use_ws=None)
             out = launch.combine_rows(out_sorted, plan.pair_pos, rows.dtype)
