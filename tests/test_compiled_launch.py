@@ -145,3 +145,25 @@ def test_tensor_descriptors_pass_through_keyed_on_dtype_and_integer_classes(kern
     compiled_launch.launch(kernel, (1,), desc(a.double()), 48, 5, FLAG=True)
     compiled_launch.launch(kernel, (1,), desc(torch.zeros(65, 32)), 48, 5, FLAG=True)  # 65 rows: not a multiple of 16
     assert [entry[0] for entry in kernel.log] == ["first", "direct", "first", "first"]
+
+
+def test_gluon_descriptors_are_keyed_on_their_block_shape_and_layout_too(kernel):
+    # A Gluon descriptor's block shape and shared layout are part of the kernel's signature (the warp-specialised
+    # kernels read them at compile time): another block shape or layout compiles again; another tensor of the same
+    # dtype and classes with the same block and layout reuses the compiled kernel.
+    gluon_hopper = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from triton.experimental.gluon import language as gl
+
+    def desc(t, block=(16, 16), swizzle=32):
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=32, rank=2)
+        return gluon_hopper.TensorDescriptor.from_tensor(t, list(block), layout)
+
+    a, b = torch.zeros(64, 32), torch.zeros(128, 32)
+    compiled_launch.launch(kernel, (1,), desc(a), 48, 5, FLAG=True)
+    same = desc(b)
+    compiled_launch.launch(kernel, (1,), same, 48, 5, FLAG=True)
+    assert [entry[0] for entry in kernel.log] == ["first", "direct"]
+    assert kernel.log[1][3][0] is same
+    compiled_launch.launch(kernel, (1,), desc(b, (32, 16)), 48, 5, FLAG=True)
+    compiled_launch.launch(kernel, (1,), desc(b, swizzle=64), 48, 5, FLAG=True)
+    assert [entry[0] for entry in kernel.log] == ["first", "direct", "first", "first"]

@@ -4,8 +4,9 @@ A forward of the expert-parallel layer issues about 15 Triton launches. Through 
 its ~25 arguments, recomputes Triton's specialisation key and (for autotuned kernels) the autotuning key, which adds up
 to a large share of the host time of a call: single calls are host-bound (see BENCHMARKS.md). ``launch`` does the
 first launch of each specialisation the regular way (compiling and autotuning as usual), keeps the compiled kernel and
-the config autotuning chose, and afterwards calls that compiled kernel straight away. Tensor descriptors (TMA) pass
-through to the launcher, which fills them with the compiled kernel's block shape.
+the config autotuning chose, and afterwards calls that compiled kernel straight away. Tensor descriptors (TMA,
+Triton's and Gluon's) pass through to the launcher, which fills them with the compiled kernel's block shape. The
+warp-specialised Gluon kernels launch this way too (``fp8_ws_launch``).
 
 The cache key holds everything the compiled kernel depends on, so a hit can only reuse a kernel Triton itself would
 have picked: each tensor's dtype and 16-byte alignment, each integer's specialisation class (== 1, divisible by 16,
@@ -29,6 +30,11 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernels.tuning import interpreting
+
+try:  # Gluon's descriptors (the warp-specialised Hopper kernels) carry their block shape and shared layout
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+except ImportError:  # a Triton without Gluon: no such arguments
+    GluonTensorDescriptor = None
 
 _I32 = (-(2**31), 2**31)
 
@@ -101,12 +107,16 @@ def _key(kernel, args, constexprs, device: int) -> tuple[tuple, list]:
             append(not ptr & 15)
         elif isinstance(a, float):
             append(float)
-        elif kind is TensorDescriptor:
+        elif kind is TensorDescriptor or kind is GluonTensorDescriptor:
             # The launcher builds the TMA descriptor from the compiled kernel's block shape; what can vary between
-            # calls of one compiled kernel is the tensor, its shape and strides (integers, classed as above).
+            # calls of one compiled kernel is the tensor, its shape and strides (integers, classed as above). A
+            # Gluon descriptor's block shape and shared layout are part of the kernel's signature: keyed too.
             append(a.base.dtype)
             append(getattr(a, "padding", None))  # (fields of newer Triton versions)
             append(getattr(a, "round_f32_to_tf32", None))
+            if kind is GluonTensorDescriptor:
+                append(tuple(a.block_shape))
+                append(a.layout)
             for v in (*a.shape, *a.strides):
                 append(_int_class(v))
         else:
@@ -137,8 +147,9 @@ def _first_launch(kernel, grid, args, constexprs) -> _Entry:
 
 
 def launch(kernel, grid, *args, **constexprs) -> None:
-    """``kernel[grid](*args, **constexprs)`` (kernel: a ``triton.jit`` or autotuned kernel; args: its leading
-    parameters in order; constexprs: the rest by name, and launch options), through the compiled-kernel cache."""
+    """``kernel[grid](*args, **constexprs)`` (kernel: a ``triton.jit``, ``gluon.jit`` or autotuned kernel; args:
+    its leading parameters in order; constexprs: the rest by name, and launch options), through the compiled-kernel
+    cache."""
     if not direct_launch_enabled():
         kernel[grid](*args, **constexprs)
         return

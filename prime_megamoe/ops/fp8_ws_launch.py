@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..kernels.fp8_gemm import QTILE_M
+from .compiled_launch import launch
 from .launch import _cuda_properties, _num_sms, tma_readable
 from .routing_plan import RoutingPlan
 from .sizes import cdiv
@@ -172,8 +173,8 @@ def fp8_grouped_gemm_ws(aq: QTensor, bq: QTensor, plan: RoutingPlan, c: torch.Te
     grid = _grid(config.programs_per_sm, c.device, tiles, programs)
     load_warps, load_regs, mma_regs = ((WS_GATHER_LOAD_WARPS, WS_GATHER_LOAD_REGS, WS_GATHER_MMA_REGS) if gather
                                        else (1, WS_LOAD_REGS, WS_MMA_REGS))
-    fp8_grouped_gemm_ws_kernel[grid](
-        a_desc, b_desc, c_desc, aq_data, plan.row_src, aq_scale, bq_scale, c,
+    launch(
+        fp8_grouped_gemm_ws_kernel, grid, a_desc, b_desc, c_desc, aq_data, plan.row_src, aq_scale, bq_scale, c,
         row_scale if row_scale is not None else plan.row_weight,
         plan.tile_expert, plan.tile_row, plan.num_tiles, plan.expert_offsets,
         rows, n, k, aq_scale.shape[1] // segments, aq_data.stride(0), aq_scale.stride(0), bq_scale.stride(0),
@@ -207,9 +208,9 @@ def fp8_grouped_wgrad_ws(a_t: QTensor, b_t: QTensor, out: torch.Tensor, *, exper
     a_desc, b_desc, c_desc, tma_store = _descriptors(a_t.data, b_t.data, out_2d, config)
     tiles = experts * cdiv(m, config.block_m) * cdiv(n, WS_BLOCK_N)
     grid = _grid(config.programs_per_sm, out.device, tiles, programs)
-    fp8_grouped_wgrad_ws_kernel[grid](
-        a_desc, b_desc, c_desc, a_t.scale, b_t.scale, out, expert_tiles, m, n, experts,
-        a_t.scale.stride(0), b_t.scale.stride(0), out.stride(0), out.stride(1), out.stride(2),
+    launch(
+        fp8_grouped_wgrad_ws_kernel, grid, a_desc, b_desc, c_desc, a_t.scale, b_t.scale, out, expert_tiles, m, n,
+        experts, a_t.scale.stride(0), b_t.scale.stride(0), out.stride(0), out.stride(1), out.stride(2),
         STAGES=config.stages, HALVES=config.halves, TMA_STORE=tma_store, LOAD_REGS=WS_LOAD_REGS,
         MMA_REGS=WS_MMA_REGS, num_warps=config.num_warps, maxnreg=config.maxnreg,
     )
@@ -241,7 +242,6 @@ def fp8_fc1_swiglu_ws(xq: QTensor, w1q: QTensor, plan: RoutingPlan, h: torch.Ten
     row scales a_scale [P, inter / 128], with ``kernels/fp8_fc1_ws.py`` (callers check ``ws_fc1_unavailable``
     first): xq [R, H] row-scaled source rows, w1q = quantize_w1_fwd(W1) [E, 2I, H]. ``programs``: at most that many
     persistent programs (tests give small problems several tiles a program this way)."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ..kernels.fp8_fc1_ws import fp8_fc1_swiglu_ws_kernel
@@ -253,13 +253,12 @@ def fp8_fc1_swiglu_ws(xq: QTensor, w1q: QTensor, plan: RoutingPlan, h: torch.Ten
         raise ValueError("W1's block scales must be contiguous along K")
     # Boxes of 128 gate (or up) rows of W1: a step reads one of each.
     b_desc = TensorDescriptor.from_tensor(w1q.data.view(-1, hidden), [WS_BLOCK_N, WS_BLOCK_K],
-                                          gl.NVMMASharedLayout.get_default_for([WS_BLOCK_N, WS_BLOCK_K],
-                                                                               gl.float8e4nv))
+                                          _layouts(WS_BLOCK_N)[1])
     grid = _grid(1, aq.device, plan.max_tiles * (inter // WS_BLOCK_N), programs)
     save_h = h is not None
-    fp8_fc1_swiglu_ws_kernel[grid](
-        b_desc, xq.data, plan.row_src, xq.scale, w1q.scale, h if save_h else aq, aq, a_scale,
-        plan.tile_expert, plan.tile_row, plan.num_tiles, plan.expert_offsets,
+    launch(
+        fp8_fc1_swiglu_ws_kernel, grid, b_desc, xq.data, plan.row_src, xq.scale, w1q.scale, h if save_h else aq, aq,
+        a_scale, plan.tile_expert, plan.tile_row, plan.num_tiles, plan.expert_offsets,
         rows, inter, hidden, cdiv(inter, WS_WEIGHT_BLOCK), xq.data.stride(0), xq.scale.stride(0),
         w1q.scale.stride(0), w1q.scale.stride(1), h.stride(0) if save_h else 0, aq.stride(0), a_scale.stride(0),
         SAVE_H=save_h, POW2=pow2, STAGES=stages, TILE_M=QTILE_M, LOAD_WARPS=WS_GATHER_LOAD_WARPS,
