@@ -9,6 +9,7 @@
 #   bash scripts/device_sweep.sh pipeline   # EP check, wgrad probe, 30B EP=2 T=16384 (profiled, back-to-back)
 #   bash scripts/device_sweep.sh probe      # one-GPU check + fp8 profile (GPU 1) side by side, EP check, EP=2 T=16384
 #   bash scripts/device_sweep.sh s15a       # the second ws FC1: smoke, probe, GPU tests, the layer with it (one GPU)
+#   bash scripts/device_sweep.sh s15b       # ws launches through the compiled-kernel cache: tests, layer A/B, profile
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -222,6 +223,19 @@ case "${1:-}" in
         --out "$LOGS/fp8_fc1ws_r5.json"
        tail -2 "$LOGS/fp8_fc1ws_r5.log")
     fi ;;
+  s15b)  # the ws kernels through the compiled-kernel cache: the quantised precisions' GPU tests, then the layer (fp8,
+         # fp8_bwd, one call) this tree (profiled first) against ab_base/ (git archive of the commit before), alternating
+    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_fp8 200 python -m pytest -q tests/test_fp8_experts.py \
+      -k "gpu or half_tile or tma" -rA
+    tail -2 "$LOGS/pytest_fp8.log"
+    for run in new_a base_a new_b base_b; do
+      tree=.; [ "${run%%_*}" = base ] && tree=ab_base
+      prof=(); [ "$run" = new_a ] && prof=(--profile-dir "$LOGS/prof_fp8")
+      (cd $tree && PYTHONPATH=/tmp/site:$PWD step "fp8_$run" 120 python -m prime_megamoe.bench --shape qwen3-30b-a3b \
+        --tokens 16384 --precisions fp8 fp8_bwd --backends mega_moe --iters 5 --warmup 2 "${prof[@]}" \
+        --out "$LOGS/fp8_$run.json"
+       tail -3 "$LOGS/fp8_$run.log")
+    done ;;
   ncu_fc1)  # Nsight Compute on one FC1 + SwiGLU launch: the Triton kernel, then the warp-specialised one
     for kern in triton ws; do
       step "ncu_fc1_$kern" 80 ncu --clock-control none --kernel-name regex:fp8_fc1_swiglu --launch-skip 2 \
