@@ -10,6 +10,7 @@
 #   bash scripts/device_sweep.sh probe      # one-GPU check + fp8 profile (GPU 1) side by side, EP check, EP=2 T=16384
 #   bash scripts/device_sweep.sh s15a       # the second ws FC1: smoke, probe, GPU tests, the layer with it (one GPU)
 #   bash scripts/device_sweep.sh s15b       # ws launches through the compiled-kernel cache: tests, layer A/B, profile
+#   bash scripts/device_sweep.sh s15c       # the backward's two lanes: GPU tests, the layer for several side-SM counts
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -235,6 +236,18 @@ case "${1:-}" in
         --tokens 16384 --precisions fp8 fp8_bwd --backends mega_moe --iters 5 --warmup 2 "${prof[@]}" \
         --out "$LOGS/fp8_$run.json"
        tail -3 "$LOGS/fp8_$run.log")
+    done ;;
+  s15c)  # the backward's two lanes: the quantised precisions' GPU tests (with the lanes' bitwise test), then the layer
+         # (fp8, fp8_bwd, one call) for several SM counts left to the passes (0: one stream), the 16 one profiled
+    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_fp8 220 python -m pytest -q tests/test_fp8_experts.py \
+      -k "gpu or half_tile or tma or lanes" -rA
+    tail -2 "$LOGS/pytest_fp8.log"
+    for spare in 16 0 8 24 32; do
+      prof=(); [ "$spare" = 16 ] && prof=(--profile-dir "$LOGS/prof_side16")
+      PRIME_MEGAMOE_BACKWARD_SIDE_SMS=$spare step "fp8_side$spare" 120 python -m prime_megamoe.bench \
+        --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd --backends mega_moe --iters 5 --warmup 2 \
+        "${prof[@]}" --out "$LOGS/fp8_side$spare.json"
+      tail -2 "$LOGS/fp8_side$spare.log"
     done ;;
   ncu_fc1)  # Nsight Compute on one FC1 + SwiGLU launch: the Triton kernel, then the warp-specialised one
     for kern in triton ws; do

@@ -339,13 +339,16 @@ def fp8_fc1_swiglu(xq: QTensor, w1q: QTensor, plan: RoutingPlan, fmt: QFormat, *
 
 def fp8_grouped_gemm(aq: QTensor, bq: QTensor, plan: RoutingPlan, fmt: QFormat, *, out_dtype: torch.dtype,
                      segments: int = 1, gather: bool = False, row_scale: torch.Tensor | None = None,
-                     use_tma: bool | None = None, use_ws: bool | None = False) -> torch.Tensor:
+                     use_tma: bool | None = None, use_ws: bool | None = False,
+                     programs: int | None = None) -> torch.Tensor:
     """C[r] = scale[r] * A[src[r] if gather else r] @ B[e]^T with B the K-major operand [E, N, segments * K].
     ``use_ws=True``: run the warp-specialised Hopper kernel (``kernels/fp8_gemm_ws.py``, same bits); where it does
     not apply (``fp8_ws_launch.ws_gemm_unavailable``) that is an error. ``use_ws=None``: that kernel where it
     applies, else the Triton one (the layer's FC2 and FC1 dgrad ask for that: fp8_probe_s13.txt). Otherwise the
     Triton kernel, with ``use_tma``: read B by TMA, and A too where it is not gathered and each segment's K is a
-    multiple of 128 (a box must not run into the next segment); default: where the GPU can."""
+    multiple of 128 (a box must not run into the next segment); default: where the GPU can. ``programs``: at most
+    that many persistent programs for the ws kernel, which then leaves the other SMs free (``backward_lanes``); the
+    Triton kernel launches a program per tile and takes no such bound."""
     _check_plan(plan)
     n, k_total = bq.data.shape[1], bq.data.shape[2]
     k = k_total // segments
@@ -353,7 +356,8 @@ def fp8_grouped_gemm(aq: QTensor, bq: QTensor, plan: RoutingPlan, fmt: QFormat, 
     if use_ws is not False:
         why_not = ws_gemm_unavailable(aq.data, bq.data, mx=fmt.mx, gather=gather, segments=segments, k=k)
         if why_not is None:
-            fp8_grouped_gemm_ws(aq, bq, plan, c, segments=segments, row_scale=row_scale, gather=gather)
+            fp8_grouped_gemm_ws(aq, bq, plan, c, segments=segments, row_scale=row_scale, gather=gather,
+                                programs=programs)
             return c
         if use_ws:
             raise ValueError(f"use_ws=True: the warp-specialised fp8 GEMM cannot run here: {why_not}")
@@ -381,35 +385,67 @@ class DSwiGLUOut:
     dw_row: torch.Tensor  # [P] fp32: <dy W2, a> per sorted row (the top-k weight gradient)
 
 
-def fp8_fc2_dgrad_dswiglu(dyq: QTensor, w2q_bwd: QTensor, h: torch.Tensor, plan: RoutingPlan,
-                          fmt: QFormat) -> DSwiGLUOut:
-    """From dyq [R, H] (row-scaled source rows) and w2q_bwd = quantize_w2_bwd(W2) [E, I, H]: the fp8 FC2 dgrad GEMM
-    g_a = dy[src] @ W2[e] (stored in h's dtype), then the quantising SwiGLU backward pass
-    (``kernels.swiglu_grad.swiglu_backward_quantize_kernel``), which writes every output below."""
+def fp8_fc2_dgrad(dyq: QTensor, w2q_bwd: QTensor, plan: RoutingPlan, fmt: QFormat, out_dtype: torch.dtype, *,
+                  programs: int | None = None) -> torch.Tensor:
+    """The fp8 FC2 dgrad GEMM g_a = dy[src] @ W2[e] [P, I] in ``out_dtype``, from dyq [R, H] (row-scaled source rows)
+    and w2q_bwd = quantize_w2_bwd(W2) [E, I, H]. The warp-specialised Hopper kernel where it applies (its producer
+    warps gather dy's rows by cp.async): 0.490 against 0.542 ms for the Triton kernel at Qwen3-30B-A3B, T = 16384
+    (benchmarks/results/fp8_probe_s14.txt). ``programs`` as in ``fp8_grouped_gemm``."""
     _check_tile_space_plan(plan)
-    inter = w2q_bwd.data.shape[1]
-    num_pairs, device = plan.num_pairs, h.device
+    return fp8_grouped_gemm(dyq, w2q_bwd, plan, fmt, out_dtype=out_dtype, gather=True, use_ws=None,
+                            programs=programs)
+
+
+def _dswiglu_launch(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFormat, *, rows_out: bool,
+                    dh_rows: QTensor, dh_t: QTensor, aw_t: QTensor, dw_partial: torch.Tensor) -> None:
+    inter = g_a.shape[1]
     ng = cdiv(inter, fmt.group)
-    # The warp-specialised Hopper kernel where it applies (its producer warps gather dy's rows by cp.async): 0.490
-    # against 0.542 ms for the Triton kernel at Qwen3-30B-A3B, T = 16384 (benchmarks/results/fp8_probe_s14.txt).
-    g_a = fp8_grouped_gemm(dyq, w2q_bwd, plan, fmt, out_dtype=h.dtype, gather=True, use_ws=None)
-    f8 = {"dtype": FP8_DTYPE, "device": device}
-    sc = {"dtype": fmt.scale_dtype, "device": device}
-    dh_rows = QTensor(torch.empty(num_pairs, 2 * inter, **f8), torch.empty(num_pairs, 2 * ng, **sc))
-    dh_t = empty_cols_t(2 * inter, plan, fmt, device)
-    aw_t = empty_cols_t(inter, plan, fmt, device)
     args = (g_a, h, plan.row_weight, dh_rows.data, dh_rows.scale, dh_t.data, dh_t.scale, aw_t.data, aw_t.scale)
     strides = (inter, ng, g_a.stride(0), h.stride(0), dh_rows.data.stride(0), dh_rows.scale.stride(0),
                dh_t.data.stride(0), dh_t.scale.stride(0), aw_t.data.stride(0), aw_t.scale.stride(0))
     fmt_args = {"MX": fmt.mx, "POW2": fmt.pow2, "GROUP_K": fmt.group, "GROUP_R": fmt.group, "TILE_M": QTILE_M}
-    (rows_r, rows_c), (cols_r, cols_c) = DSWIGLU_ROWS_BLOCK, DSWIGLU_COLS_BLOCK
-    dw_partial = torch.empty(cdiv(inter, rows_c), num_pairs, dtype=torch.float32, device=device)
-    for rows_out, block_r, block_c in ((True, rows_r, rows_c), (False, cols_r, cols_c)):
-        launch(swiglu_backward_quantize_kernel, (cdiv(inter, block_c), plan.max_tiles * (QTILE_M // block_r)),
-            *args, dw_partial, *_tile_args(plan), *strides, dw_partial.stride(0),
-            ROWS_OUT=rows_out, COLS_OUT=not rows_out, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4, **fmt_args,
-        )
-    dw_row = dw_partial.sum(0)
+    block_r, block_c = DSWIGLU_ROWS_BLOCK if rows_out else DSWIGLU_COLS_BLOCK
+    launch(swiglu_backward_quantize_kernel, (cdiv(inter, block_c), plan.max_tiles * (QTILE_M // block_r)),
+        *args, dw_partial, *_tile_args(plan), *strides, dw_partial.stride(0),
+        ROWS_OUT=rows_out, COLS_OUT=not rows_out, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4, **fmt_args,
+    )
+
+
+def dswiglu_rows(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan,
+                 fmt: QFormat) -> tuple[QTensor, torch.Tensor]:
+    """The quantising SwiGLU backward pass's row outputs (``kernels.swiglu_grad.swiglu_backward_quantize_kernel``,
+    ROWS_OUT): from g_a [P, I] (``fp8_fc2_dgrad``) and h = [g | u] [P, 2I], dh row-scaled [P, 2I] (the A of the FC1
+    dgrad) and dw_row [P] fp32 (the top-k weight gradient per sorted row)."""
+    _check_tile_space_plan(plan)
+    num_pairs, inter, device = plan.num_pairs, g_a.shape[1], g_a.device
+    ng = cdiv(inter, fmt.group)
+    dh_rows = QTensor(torch.empty(num_pairs, 2 * inter, dtype=FP8_DTYPE, device=device),
+                      torch.empty(num_pairs, 2 * ng, dtype=fmt.scale_dtype, device=device))
+    dw_partial = torch.empty(cdiv(inter, DSWIGLU_ROWS_BLOCK[1]), num_pairs, dtype=torch.float32, device=device)
+    _dswiglu_launch(g_a, h, plan, fmt, rows_out=True, dh_rows=dh_rows, dh_t=dh_rows, aw_t=dh_rows,
+                    dw_partial=dw_partial)
+    return dh_rows, dw_partial.sum(0)
+
+
+def dswiglu_cols_t(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFormat) -> tuple[QTensor, QTensor]:
+    """The same pass's column outputs (COLS_OUT): dh^T [2I, max_tiles * 128] and (w * a)^T [I, ..] in the cols_t
+    layout, the K-major operands of the two weight gradients."""
+    _check_tile_space_plan(plan)
+    inter, device = g_a.shape[1], g_a.device
+    dh_t = empty_cols_t(2 * inter, plan, fmt, device)
+    aw_t = empty_cols_t(inter, plan, fmt, device)
+    unused_dw = torch.empty(1, 1, dtype=torch.float32, device=device)  # (the row outputs are not written here)
+    _dswiglu_launch(g_a, h, plan, fmt, rows_out=False, dh_rows=dh_t, dh_t=dh_t, aw_t=aw_t, dw_partial=unused_dw)
+    return dh_t, aw_t
+
+
+def fp8_fc2_dgrad_dswiglu(dyq: QTensor, w2q_bwd: QTensor, h: torch.Tensor, plan: RoutingPlan,
+                          fmt: QFormat) -> DSwiGLUOut:
+    """``fp8_fc2_dgrad``, then both launches of the quantising SwiGLU backward pass (``dswiglu_rows``, then
+    ``dswiglu_cols_t``): every output below. The layer issues the three itself (``backward_lanes``)."""
+    g_a = fp8_fc2_dgrad(dyq, w2q_bwd, plan, fmt, h.dtype)
+    dh_rows, dw_row = dswiglu_rows(g_a, h, plan, fmt)
+    dh_t, aw_t = dswiglu_cols_t(g_a, h, plan, fmt)
     return DSwiGLUOut(dh_rows, dh_t, aw_t, dw_row)
 
 
@@ -424,13 +460,14 @@ def expert_tile_offsets(plan: RoutingPlan) -> torch.Tensor:
 
 def fp8_grouped_wgrad(a_t: QTensor, b_t: QTensor, plan: RoutingPlan, fmt: QFormat, out: torch.Tensor, *,
                       expert_tiles: torch.Tensor, use_tma: bool | None = None,
-                      use_ws: bool | None = False) -> torch.Tensor:
+                      use_ws: bool | None = False, programs: int | None = None) -> torch.Tensor:
     """out[e] = A[rows of e]^T @ B[rows of e] in fp8 with fp32 accumulation, out [E, M, N] (any dtype and strides).
     Both operands come in the cols_t layout (``quantize_sorted_cols_t`` or ``fp8_fc2_dgrad_dswiglu``): a_t [M, T128],
     b_t [N, T128], T128 = max_tiles * 128; ``expert_tiles`` = ``expert_tile_offsets(plan)``. ``use_ws=True``: the
     warp-specialised Hopper kernel (``kernels/fp8_wgrad_ws.py``, same bits; an error where it does not apply),
-    ``None``: that kernel where it applies (the layer's choice). Otherwise the Triton kernel, with ``use_tma``: read
-    both by TMA (default: where the GPU can)."""
+    ``None``: that kernel where it applies (the layer's choice), with at most ``programs`` persistent programs as in
+    ``fp8_grouped_gemm``. Otherwise the Triton kernel, with ``use_tma``: read both by TMA (default: where the GPU
+    can)."""
     _check_tile_space_plan(plan)
     m, n = a_t.data.shape[0], b_t.data.shape[0]
     width = plan.max_tiles * QTILE_M
@@ -448,7 +485,7 @@ def fp8_grouped_wgrad(a_t: QTensor, b_t: QTensor, plan: RoutingPlan, fmt: QForma
     if use_ws is not False:
         why_not = ws_wgrad_unavailable(a_t.data, b_t.data, mx=fmt.mx)
         if why_not is None:
-            fp8_grouped_wgrad_ws(a_t, b_t, out, expert_tiles=expert_tiles)
+            fp8_grouped_wgrad_ws(a_t, b_t, out, expert_tiles=expert_tiles, programs=programs)
             return out
         if use_ws:
             raise ValueError(f"use_ws=True: the warp-specialised fp8 weight gradient cannot run here: {why_not}")
@@ -471,5 +508,6 @@ __all__ = [
     "quantize_rows", "dequantize_rows", "quantize_weight", "dequantize_weight", "empty_cols_t",
     "quantize_sorted_cols_t",
     "quantize_w1_fwd", "quantize_w1_bwd", "quantize_w2_fwd", "quantize_w2_bwd",
-    "fp8_fc1_swiglu", "fp8_grouped_gemm", "fp8_fc2_dgrad_dswiglu", "fp8_grouped_wgrad", "expert_tile_offsets",
+    "fp8_fc1_swiglu", "fp8_grouped_gemm", "fp8_fc2_dgrad", "dswiglu_rows", "dswiglu_cols_t", "fp8_fc2_dgrad_dswiglu",
+    "fp8_grouped_wgrad", "expert_tile_offsets",
 ]
