@@ -237,8 +237,9 @@ case "${1:-}" in
         --out "$LOGS/fp8_$run.json"
        tail -3 "$LOGS/fp8_$run.log")
     done ;;
-  s15c)  # the backward's two lanes: the quantised precisions' GPU tests (with the lanes' bitwise test), then the layer
-         # (fp8, fp8_bwd, one call) for several SM counts left to the passes (0: one stream), the 16 one profiled
+  s15c)  # the backward's two lanes (commit c915442; dropped after, fp8_lanes_s15.txt): the quantised precisions' GPU
+         # tests (with the lanes' bitwise test), then the layer (fp8, fp8_bwd, one call) for several SM counts left to
+         # the passes (0: one stream), the 16 one profiled
     PRIME_MEGAMOE_AUTOTUNE=0 step pytest_fp8 220 python -m pytest -q tests/test_fp8_experts.py \
       -k "gpu or half_tile or tma or lanes" -rA
     tail -2 "$LOGS/pytest_fp8.log"

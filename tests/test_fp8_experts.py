@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from prime_megamoe.kernels import fp8_gemm, tuning
 from prime_megamoe.kernels.fp8_gemm import QTILE_M
-from prime_megamoe.ops import backward_lanes
 from prime_megamoe.ops import fp8_launch as fl
 from prime_megamoe.ops import quantized_experts as qe
 from prime_megamoe.ops.quantized_experts import (
@@ -421,36 +420,6 @@ def test_gpu_against_oracle(precision):
     for n, a, b in zip(NAMES, got, oracle):
         assert rel_err(a.cpu(), b) < ORACLE_TOL, n
     qe.invalidate_weight_cache()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
-def test_backward_lanes_compute_the_same(monkeypatch, precision):
-    """On a GPU: the backward with its GEMMs on a lane of their own (SMs left to the passes beside them, so the
-    persistent GEMMs take several tiles a program) gives the same bits as with everything on one stream. Ragged
-    routing: an expert with no rows, one with most of them."""
-    problem = _problem(2048, 512, 384, 8, 4, seed=5, empty_expert=3, hot_expert=1)
-    problem = [t.cuda().bfloat16() if t.is_floating_point() and i != 2 else t.cuda() for i, t in enumerate(problem)]
-    results = {}
-    for spare in ("0", "16", "120"):
-        monkeypatch.setenv(backward_lanes.SIDE_SMS_ENV, spare)
-        results[spare] = _run(precision, *problem)
-        qe.invalidate_weight_cache()
-    for spare in ("16", "120"):
-        for name, a, b in zip(NAMES, results["0"], results[spare]):
-            assert torch.equal(a, b), f"{precision} {name}: {spare} side SMs give other bits"
-
-
-def test_backward_side_sms_must_be_a_count(monkeypatch):
-    monkeypatch.setenv(backward_lanes.SIDE_SMS_ENV, "many")
-    with pytest.raises(ValueError, match="PRIME_MEGAMOE_BACKWARD_SIDE_SMS='many'.*whole number"):
-        backward_lanes.side_sms()
-    monkeypatch.setenv(backward_lanes.SIDE_SMS_ENV, "-2")
-    with pytest.raises(ValueError, match="whole number of SMs >= 0"):
-        backward_lanes.side_sms()
-    monkeypatch.setenv(backward_lanes.SIDE_SMS_ENV, "4")
-    assert backward_lanes.side_sms() == 4
-    assert not backward_lanes.BackwardLanes(torch.device("cpu")).enabled  # the CPU: one stream, nothing bounded
 
 
 @pytest.mark.parametrize("precision", ["fp8", "mxfp8"])

@@ -339,16 +339,13 @@ def fp8_fc1_swiglu(xq: QTensor, w1q: QTensor, plan: RoutingPlan, fmt: QFormat, *
 
 def fp8_grouped_gemm(aq: QTensor, bq: QTensor, plan: RoutingPlan, fmt: QFormat, *, out_dtype: torch.dtype,
                      segments: int = 1, gather: bool = False, row_scale: torch.Tensor | None = None,
-                     use_tma: bool | None = None, use_ws: bool | None = False,
-                     programs: int | None = None) -> torch.Tensor:
+                     use_tma: bool | None = None, use_ws: bool | None = False) -> torch.Tensor:
     """C[r] = scale[r] * A[src[r] if gather else r] @ B[e]^T with B the K-major operand [E, N, segments * K].
     ``use_ws=True``: run the warp-specialised Hopper kernel (``kernels/fp8_gemm_ws.py``, same bits); where it does
     not apply (``fp8_ws_launch.ws_gemm_unavailable``) that is an error. ``use_ws=None``: that kernel where it
     applies, else the Triton one (the layer's FC2 and FC1 dgrad ask for that: fp8_probe_s13.txt). Otherwise the
     Triton kernel, with ``use_tma``: read B by TMA, and A too where it is not gathered and each segment's K is a
-    multiple of 128 (a box must not run into the next segment); default: where the GPU can. ``programs``: at most
-    that many persistent programs for the ws kernel, which then leaves the other SMs free (``backward_lanes``); the
-    Triton kernel launches a program per tile and takes no such bound."""
+    multiple of 128 (a box must not run into the next segment); default: where the GPU can."""
     _check_plan(plan)
     n, k_total = bq.data.shape[1], bq.data.shape[2]
     k = k_total // segments
@@ -356,8 +353,7 @@ def fp8_grouped_gemm(aq: QTensor, bq: QTensor, plan: RoutingPlan, fmt: QFormat, 
     if use_ws is not False:
         why_not = ws_gemm_unavailable(aq.data, bq.data, mx=fmt.mx, gather=gather, segments=segments, k=k)
         if why_not is None:
-            fp8_grouped_gemm_ws(aq, bq, plan, c, segments=segments, row_scale=row_scale, gather=gather,
-                                programs=programs)
+            fp8_grouped_gemm_ws(aq, bq, plan, c, segments=segments, row_scale=row_scale, gather=gather)
             return c
         if use_ws:
             raise ValueError(f"use_ws=True: the warp-specialised fp8 GEMM cannot run here: {why_not}")
@@ -385,15 +381,14 @@ class DSwiGLUOut:
     dw_row: torch.Tensor  # [P] fp32: <dy W2, a> per sorted row (the top-k weight gradient)
 
 
-def fp8_fc2_dgrad(dyq: QTensor, w2q_bwd: QTensor, plan: RoutingPlan, fmt: QFormat, out_dtype: torch.dtype, *,
-                  programs: int | None = None) -> torch.Tensor:
+def fp8_fc2_dgrad(dyq: QTensor, w2q_bwd: QTensor, plan: RoutingPlan, fmt: QFormat,
+                  out_dtype: torch.dtype) -> torch.Tensor:
     """The fp8 FC2 dgrad GEMM g_a = dy[src] @ W2[e] [P, I] in ``out_dtype``, from dyq [R, H] (row-scaled source rows)
     and w2q_bwd = quantize_w2_bwd(W2) [E, I, H]. The warp-specialised Hopper kernel where it applies (its producer
     warps gather dy's rows by cp.async): 0.490 against 0.542 ms for the Triton kernel at Qwen3-30B-A3B, T = 16384
-    (benchmarks/results/fp8_probe_s14.txt). ``programs`` as in ``fp8_grouped_gemm``."""
+    (benchmarks/results/fp8_probe_s14.txt)."""
     _check_tile_space_plan(plan)
-    return fp8_grouped_gemm(dyq, w2q_bwd, plan, fmt, out_dtype=out_dtype, gather=True, use_ws=None,
-                            programs=programs)
+    return fp8_grouped_gemm(dyq, w2q_bwd, plan, fmt, out_dtype=out_dtype, gather=True, use_ws=None)
 
 
 def _dswiglu_launch(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFormat, *, rows_out: bool,
@@ -442,7 +437,7 @@ def dswiglu_cols_t(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: Q
 def fp8_fc2_dgrad_dswiglu(dyq: QTensor, w2q_bwd: QTensor, h: torch.Tensor, plan: RoutingPlan,
                           fmt: QFormat) -> DSwiGLUOut:
     """``fp8_fc2_dgrad``, then both launches of the quantising SwiGLU backward pass (``dswiglu_rows``, then
-    ``dswiglu_cols_t``): every output below. The layer issues the three itself (``backward_lanes``)."""
+    ``dswiglu_cols_t``): every output below."""
     g_a = fp8_fc2_dgrad(dyq, w2q_bwd, plan, fmt, h.dtype)
     dh_rows, dw_row = dswiglu_rows(g_a, h, plan, fmt)
     dh_t, aw_t = dswiglu_cols_t(g_a, h, plan, fmt)
@@ -460,14 +455,13 @@ def expert_tile_offsets(plan: RoutingPlan) -> torch.Tensor:
 
 def fp8_grouped_wgrad(a_t: QTensor, b_t: QTensor, plan: RoutingPlan, fmt: QFormat, out: torch.Tensor, *,
                       expert_tiles: torch.Tensor, use_tma: bool | None = None,
-                      use_ws: bool | None = False, programs: int | None = None) -> torch.Tensor:
+                      use_ws: bool | None = False) -> torch.Tensor:
     """out[e] = A[rows of e]^T @ B[rows of e] in fp8 with fp32 accumulation, out [E, M, N] (any dtype and strides).
     Both operands come in the cols_t layout (``quantize_sorted_cols_t`` or ``fp8_fc2_dgrad_dswiglu``): a_t [M, T128],
     b_t [N, T128], T128 = max_tiles * 128; ``expert_tiles`` = ``expert_tile_offsets(plan)``. ``use_ws=True``: the
     warp-specialised Hopper kernel (``kernels/fp8_wgrad_ws.py``, same bits; an error where it does not apply),
-    ``None``: that kernel where it applies (the layer's choice), with at most ``programs`` persistent programs as in
-    ``fp8_grouped_gemm``. Otherwise the Triton kernel, with ``use_tma``: read both by TMA (default: where the GPU
-    can)."""
+    ``None``: that kernel where it applies (the layer's choice). Otherwise the Triton kernel, with ``use_tma``: read
+    both by TMA (default: where the GPU can)."""
     _check_tile_space_plan(plan)
     m, n = a_t.data.shape[0], b_t.data.shape[0]
     width = plan.max_tiles * QTILE_M
@@ -485,7 +479,7 @@ def fp8_grouped_wgrad(a_t: QTensor, b_t: QTensor, plan: RoutingPlan, fmt: QForma
     if use_ws is not False:
         why_not = ws_wgrad_unavailable(a_t.data, b_t.data, mx=fmt.mx)
         if why_not is None:
-            fp8_grouped_wgrad_ws(a_t, b_t, out, expert_tiles=expert_tiles, programs=programs)
+            fp8_grouped_wgrad_ws(a_t, b_t, out, expert_tiles=expert_tiles)
             return out
         if use_ws:
             raise ValueError(f"use_ws=True: the warp-specialised fp8 weight gradient cannot run here: {why_not}")

@@ -90,7 +90,6 @@ from ..kernels import tuning
 from ..kernels.fp8_gemm import QTILE_M
 from . import fp8_launch as fl
 from . import launch
-from .backward_lanes import BackwardLanes
 from .expert_compute import combine_with_pair_values, unquantized_forward
 from .routing_plan import RoutingPlan, build_routing_plan
 
@@ -270,61 +269,39 @@ class QuantizedRoutedExperts(torch.autograd.Function):
         rows, w1, w2, h = ctx.saved_tensors
         plan: RoutingPlan = ctx.plan
         fmt: fl.QFormat = ctx.fmt
-        need_rows, need_weights, need_w1, need_w2 = (ctx.needs_input_grad[i] for i in (0, 2, 3, 4))
         grad_out = grad_out.contiguous().to(rows.dtype)
-        # The GEMMs run on a lane of their own, on all but a few SMs; the memory-bound passes between them run on
-        # this stream and take the SMs left over (ops/backward_lanes.py). Issue order sets what overlaps what:
-        # x^T beside the FC2 dgrad, the SwiGLU pass's column outputs beside the FC1 dgrad, dy^T beside dW1.
-        lanes = BackwardLanes(rows.device)
         dyq = fl.quantize_rows(grad_out, fmt)
         w2q = cached_weight_operand(w2, "w2_bwd", fmt)
-        lanes.used_by_gemms(dyq)
-        with lanes.gemms():
-            g_a = fl.fp8_fc2_dgrad(dyq, w2q, plan, fmt, h.dtype, programs=lanes.programs)
+        d = fl.fp8_fc2_dgrad_dswiglu(dyq, w2q, h, plan, fmt)
         del dyq
-        lanes.used_by_passes(g_a)
-        tiles = fl.expert_tile_offsets(plan) if need_w1 or need_w2 else None
-        x_t = fl.quantize_sorted_cols_t(rows, plan, fmt) if need_w1 else None
-        lanes.passes_wait()
-        dh_rows, dw_row = fl.dswiglu_rows(g_a, h, plan, fmt)
 
         grad_rows = grad_weights = grad_w1 = grad_w2 = None
-        if need_rows:
+        if ctx.needs_input_grad[0]:
             w1q = cached_weight_operand(w1, "w1_bwd", fmt)
-            lanes.used_by_gemms(dh_rows, dw_row)
-            with lanes.gemms():
-                # The warp-specialised Hopper kernel where it applies: 0.841 against 1.065 ms for the Triton kernel
-                # at Qwen3-30B-A3B, T = 16384 (benchmarks/results/fp8_probe_s14.txt).
-                dx_sorted = fl.fp8_grouped_gemm(dh_rows, w1q, plan, fmt, out_dtype=rows.dtype, segments=2,
-                                                use_ws=None, programs=lanes.programs)
-                grad_rows, grad_weights = combine_with_pair_values(
-                    dx_sorted, dw_row, plan, rows.dtype, ctx.weights_dtype if need_weights else None)
-                del dx_sorted
-            lanes.used_by_passes(grad_rows, grad_weights)
-        elif need_weights:
-            grad_weights = plan.pair_values(dw_row, ctx.weights_dtype)
-        del dh_rows
-        # Weight gradients from K-major fp8 operands in the cols_t layout. The warp-specialised Hopper kernel where
-        # it applies: dW1 1.001 and dW2 0.536 ms against 1.244 and 0.693 for the Triton kernel
-        # (benchmarks/results/fp8_probe_s14.txt).
-        if need_w1 or need_w2:
-            dh_t, aw_t = fl.dswiglu_cols_t(g_a, h, plan, fmt)
-            del g_a
-            if need_w1:
-                grad_w1 = torch.empty_like(w1)
-                lanes.used_by_gemms(dh_t, x_t, grad_w1)
-                with lanes.gemms():
-                    fl.fp8_grouped_wgrad(dh_t, x_t, plan, fmt, grad_w1, expert_tiles=tiles, use_ws=None,
-                                         programs=lanes.programs)
-            del x_t, dh_t
-            if need_w2:
+            # The warp-specialised Hopper kernel where it applies: 0.841 against 1.065 ms for the Triton kernel at
+            # Qwen3-30B-A3B, T = 16384 (benchmarks/results/fp8_probe_s14.txt).
+            dx_sorted = fl.fp8_grouped_gemm(d.dh_rows, w1q, plan, fmt, out_dtype=rows.dtype, segments=2, use_ws=None)
+            grad_rows, grad_weights = combine_with_pair_values(
+                dx_sorted, d.dw_row, plan, rows.dtype, ctx.weights_dtype if ctx.needs_input_grad[2] else None)
+            del dx_sorted
+        elif ctx.needs_input_grad[2]:
+            grad_weights = plan.pair_values(d.dw_row, ctx.weights_dtype)
+        d.dh_rows = None
+        # Weight gradients from K-major fp8 operands; the gathered [H, tiles * 128] copies of x and dy are made one
+        # at a time, each freed after its GEMM. The warp-specialised Hopper kernel where it applies: dW1 1.001 and
+        # dW2 0.536 ms against 1.244 and 0.693 for the Triton kernel (benchmarks/results/fp8_probe_s14.txt).
+        if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
+            tiles = fl.expert_tile_offsets(plan)
+            if ctx.needs_input_grad[3]:
+                x_t = fl.quantize_sorted_cols_t(rows, plan, fmt)
+                grad_w1 = fl.fp8_grouped_wgrad(d.dh_t, x_t, plan, fmt, torch.empty_like(w1), expert_tiles=tiles,
+                                               use_ws=None)
+                del x_t
+            d.dh_t = None
+            if ctx.needs_input_grad[4]:
                 dy_t = fl.quantize_sorted_cols_t(grad_out, plan, fmt)
-                grad_w2 = torch.empty_like(w2)
-                lanes.used_by_gemms(dy_t, aw_t, grad_w2)
-                with lanes.gemms():
-                    fl.fp8_grouped_wgrad(dy_t, aw_t, plan, fmt, grad_w2, expert_tiles=tiles, use_ws=None,
-                                         programs=lanes.programs)
-        lanes.close()
+                grad_w2 = fl.fp8_grouped_wgrad(dy_t, d.aw_t, plan, fmt, torch.empty_like(w2), expert_tiles=tiles,
+                                               use_ws=None)
         return grad_rows, None, grad_weights, grad_w1, grad_w2, None, None, None, None, None
 
 
