@@ -11,6 +11,7 @@
 #   bash scripts/device_sweep.sh s15a       # the second ws FC1: smoke, probe, GPU tests, the layer with it (one GPU)
 #   bash scripts/device_sweep.sh s15b       # ws launches through the compiled-kernel cache: tests, layer A/B, profile
 #   bash scripts/device_sweep.sh s15c       # the backward's two lanes: GPU tests, the layer for several side-SM counts
+#   bash scripts/device_sweep.sh s15d       # the backward's passes' configs (fp8_pass_probe.py), the fp8 layer record
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -250,6 +251,16 @@ case "${1:-}" in
         "${prof[@]}" --out "$LOGS/fp8_side$spare.json"
       tail -2 "$LOGS/fp8_side$spare.log"
     done ;;
+  s15d)  # the backward's memory-bound passes in several block shapes / warp counts, then the layer (fp8, fp8_bwd,
+         # with torch) one call and back to back
+    step pass_probe 200 python scripts/fp8_pass_probe.py
+    tail -5 "$LOGS/pass_probe.log"
+    step fp8_rec 150 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd \
+      --backends torch mega_moe --iters 5 --warmup 2 --out "$LOGS/fp8_rec.json"
+    tail -5 "$LOGS/fp8_rec.log"
+    step fp8_rec_r5 120 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd \
+      --backends mega_moe --repeat 5 --iters 5 --warmup 2 --out "$LOGS/fp8_rec_r5.json"
+    tail -3 "$LOGS/fp8_rec_r5.log" ;;
   ncu_fc1)  # Nsight Compute on one FC1 + SwiGLU launch: the Triton kernel, then the warp-specialised one
     for kern in triton ws; do
       step "ncu_fc1_$kern" 80 ncu --clock-control none --kernel-name regex:fp8_fc1_swiglu --launch-skip 2 \

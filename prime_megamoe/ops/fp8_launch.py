@@ -45,8 +45,10 @@ FP8_DTYPE = torch.float8_e4m3fn
 # The quantising SwiGLU backward pass in two launches: the row-scaled outputs from 16 x 128 blocks, then the column-
 # scaled ones from 128 x 64 blocks, 4 warps each. At Qwen3-30B-A3B, T = 16384 (fp8_probe_s11_pruned.txt): 0.664 ms,
 # against 0.767 for one launch over 128 x 128 blocks (8 warps), which holds too many fp32 tiles at once.
-DSWIGLU_ROWS_BLOCK = (16, 128)  # (BLOCK_R, BLOCK_C)
-DSWIGLU_COLS_BLOCK = (QTILE_M, 64)
+DSWIGLU_ROWS_BLOCK = (16, 128, 4)  # (BLOCK_R, BLOCK_C, num_warps)
+DSWIGLU_COLS_BLOCK = (QTILE_M, 64, 4)
+# The x^T / dy^T gather-quantise pass: a 128-row tile x GATHER_COLS_T_BLOCK[0] columns per program, [1] warps.
+GATHER_COLS_T_BLOCK = (64, 4)
 
 
 @dataclass(frozen=True)
@@ -266,11 +268,11 @@ def quantize_sorted_cols_t(x: torch.Tensor, plan: RoutingPlan, fmt: QFormat) -> 
     x = x.contiguous()
     k = x.shape[1]
     out = empty_cols_t(k, plan, fmt, x.device)
-    block_k = 64  # a 128 x 64 tile per program (~8K elements)
+    block_k, warps = GATHER_COLS_T_BLOCK
     launch(gather_quantize_cols_t_kernel, (cdiv(k, block_k), plan.max_tiles),
         x, plan.row_src, out.data, out.scale, *_tile_args(plan),
         k, x.stride(0), out.data.stride(0), out.scale.stride(0),
-        POW2=fmt.pow2, E8M0=fmt.mx, GROUP_R=fmt.group, TILE=QTILE_M, BK=block_k, num_warps=4,
+        POW2=fmt.pow2, E8M0=fmt.mx, GROUP_R=fmt.group, TILE=QTILE_M, BK=block_k, num_warps=warps,
     )
     return out
 
@@ -399,10 +401,10 @@ def _dswiglu_launch(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: 
     strides = (inter, ng, g_a.stride(0), h.stride(0), dh_rows.data.stride(0), dh_rows.scale.stride(0),
                dh_t.data.stride(0), dh_t.scale.stride(0), aw_t.data.stride(0), aw_t.scale.stride(0))
     fmt_args = {"MX": fmt.mx, "POW2": fmt.pow2, "GROUP_K": fmt.group, "GROUP_R": fmt.group, "TILE_M": QTILE_M}
-    block_r, block_c = DSWIGLU_ROWS_BLOCK if rows_out else DSWIGLU_COLS_BLOCK
+    block_r, block_c, warps = DSWIGLU_ROWS_BLOCK if rows_out else DSWIGLU_COLS_BLOCK
     launch(swiglu_backward_quantize_kernel, (cdiv(inter, block_c), plan.max_tiles * (QTILE_M // block_r)),
         *args, dw_partial, *_tile_args(plan), *strides, dw_partial.stride(0),
-        ROWS_OUT=rows_out, COLS_OUT=not rows_out, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4, **fmt_args,
+        ROWS_OUT=rows_out, COLS_OUT=not rows_out, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps, **fmt_args,
     )
 
 

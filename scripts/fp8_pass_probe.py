@@ -1,0 +1,95 @@
+"""The fp8 backward's memory-bound passes, each in several block shapes and warp counts, checked and timed at a
+layer's shape (one GPU, EP = 1):
+    python scripts/fp8_pass_probe.py [--shape qwen3-30b-a3b] [--tokens 16384]
+The passes: the quantising SwiGLU backward's row outputs (``dswiglu_rows``) and column outputs (``dswiglu_cols_t``),
+and the x^T gather-quantise pass (``quantize_sorted_cols_t``). Each config's outputs are compared bitwise with the
+default config's (a block shape changes no sum: same bits expected) and its time turned into GB/s of bytes read and
+written. The table ends with the best config per pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from triton.testing import do_bench
+
+from prime_megamoe.bench import make_inputs
+from prime_megamoe.kernels import fp8_gemm
+from prime_megamoe.ops import fp8_launch as fl
+from prime_megamoe.ops.routing_plan import build_routing_plan
+
+# (BLOCK_R, BLOCK_C, warps) of the SwiGLU pass's two launches; (columns, warps) of the gather-quantise pass.
+ROWS_CONFIGS = [(16, 128, 4), (16, 128, 2), (32, 128, 4), (32, 128, 8), (8, 128, 2)]
+COLS_CONFIGS = [(128, 64, 4), (128, 64, 8), (128, 32, 4), (128, 32, 8), (128, 16, 4), (128, 128, 8), (128, 128, 16)]
+GATHER_CONFIGS = [(64, 4), (64, 8), (32, 4), (128, 8), (128, 4)]
+
+
+def flat(out) -> list[torch.Tensor]:
+    """Copies of a pass's outputs (QTensors and tensors), fp8 viewed as bytes."""
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in flat(o)]
+    if isinstance(out, fl.QTensor):
+        return flat(out.data) + flat(out.scale)
+    return [(out.view(torch.uint8) if out.dtype == fl.FP8_DTYPE else out).clone()]
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="qwen3-30b-a3b")
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--device", default="cuda",
+                   help="cpu: a smoke run of the script itself (TRITON_INTERPRET=1; with --shape tiny --tokens 64)")
+    args = p.parse_args()
+    bench = do_bench if args.device == "cuda" else (lambda fn, **_: (fn(), 1.0)[1])  # no timing on the CPU
+    x, index, weights, w1, w2 = make_inputs(args.shape, args.tokens, 0, 1, seed=0, device=args.device)
+    num_experts, hidden, inter = w2.shape
+    fmt = fl.fp8_format()
+    plan = build_routing_plan(index, weights, expert_base=0, num_local_experts=num_experts, tile_m=fp8_gemm.QTILE_M)
+    xq, dyq = fl.quantize_rows(x, fmt), fl.quantize_rows(torch.randn_like(x), fmt)
+    h, _ = fl.fp8_fc1_swiglu(xq, fl.quantize_w1_fwd(w1, fmt), plan, fmt, inter=inter, h_dtype=x.dtype)
+    g_a = fl.fp8_fc2_dgrad(dyq, fl.quantize_w2_bwd(w2, fmt), plan, fmt, x.dtype)
+    # Tile-space columns (and their scale rows) past the device-side tile count are never written: compared up to it.
+    written = int(plan.num_tiles[0]) * fp8_gemm.QTILE_M
+
+    def cols_t(*operands):
+        return [t for q in operands for t in flat(fl.QTensor(q.data[:, :written], q.scale[:written // fmt.group]))]
+    cases = [
+        ("SwiGLU rows", "DSWIGLU_ROWS_BLOCK", ROWS_CONFIGS, lambda: flat(fl.dswiglu_rows(g_a, h, plan, fmt)),
+         nbytes([g_a, h])),
+        ("SwiGLU cols", "DSWIGLU_COLS_BLOCK", COLS_CONFIGS, lambda: cols_t(*fl.dswiglu_cols_t(g_a, h, plan, fmt)),
+         nbytes([g_a, h])),
+        ("x^T gather", "GATHER_COLS_T_BLOCK", GATHER_CONFIGS, lambda: cols_t(fl.quantize_sorted_cols_t(x, plan, fmt)),
+         plan.num_pairs * hidden * 2),
+    ]
+    print(f"{args.shape}, T = {args.tokens}, {plan.num_pairs} rows, H = {hidden}, I = {inter}")
+    print(f"{'pass':12s} {'config':14s} {'ms':>7s} {'GB/s':>6s} same")
+    best = {}
+    for name, knob, configs, run, read in cases:
+        default = getattr(fl, knob)
+        ref = run()
+        written_bytes = nbytes(ref)
+        for cfg in configs:
+            setattr(fl, knob, cfg)
+            try:
+                out = run()
+                ms = bench(run, warmup=5, rep=40)
+            except Exception as exc:  # a config that does not compile: say so, go on
+                print(f"{name:12s} {str(cfg):14s} failed: {type(exc).__name__}: {str(exc)[:80]}")
+                continue
+            same = all(torch.equal(a, b) for a, b in zip(out, ref))
+            print(f"{name:12s} {str(cfg):14s} {ms:7.3f} {(read + written_bytes) / ms / 1e6:6.0f} {same}")
+            if same and ms < best.get(name, (1e9, None))[0]:
+                best[name] = (ms, cfg)
+        setattr(fl, knob, default)
+    print("\nbest per pass (ms):")
+    for name, (ms, cfg) in best.items():
+        print(f"  {name:12s} {ms:7.3f}  {cfg}")
+
+
+if __name__ == "__main__":
+    main()
