@@ -86,6 +86,18 @@ def main():
             if same and ms < best.get(name, (1e9, None))[0]:
                 best[name] = (ms, cfg)
         setattr(fl, knob, default)
+    # The one-pass Gluon kernel against the two launches (each as the layer runs it), same inputs.
+    if fl.fused_dswiglu_unavailable(g_a, h, fmt) is None:
+        two = lambda: fl.fp8_dswiglu(g_a, h, plan, fmt, fused=False)  # noqa: E731
+        one = lambda: fl.fp8_dswiglu(g_a, h, plan, fmt, fused=True)  # noqa: E731
+        outs = []
+        for label, run in (("two launches", two), ("one pass", one)):
+            d = run()
+            outs.append(flat([d.dh_rows]) + cols_t(d.dh_t, d.aw_t))
+            ms = bench(run, warmup=5, rep=40)
+            moved = nbytes([g_a, h]) + nbytes(outs[-1])
+            same = label == "two launches" or all(torch.equal(a, b) for a, b in zip(*outs))
+            print(f"{'SwiGLU bwd':12s} {label:14s} {ms:7.3f} {moved / ms / 1e6:6.0f} {same}")
     print("\nbest per pass (ms):")
     for name, (ms, cfg) in best.items():
         print(f"  {name:12s} {ms:7.3f}  {cfg}")

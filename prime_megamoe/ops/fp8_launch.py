@@ -47,6 +47,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 # against 0.767 for one launch over 128 x 128 blocks (8 warps), which holds too many fp32 tiles at once.
 DSWIGLU_ROWS_BLOCK = (16, 128, 4)  # (BLOCK_R, BLOCK_C, num_warps)
 DSWIGLU_COLS_BLOCK = (QTILE_M, 64, 4)
+# The one-pass form (kernels/swiglu_grad_fused.py): RB-row chunks of a 128-row tile, num_warps.
+DSWIGLU_FUSED_BLOCK = (16, 8)
 # The x^T / dy^T gather-quantise pass: a 128-row tile x GATHER_COLS_T_BLOCK[0] columns per program, [1] warps.
 GATHER_COLS_T_BLOCK = (64, 4)
 
@@ -436,14 +438,58 @@ def dswiglu_cols_t(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: Q
     return dh_t, aw_t
 
 
-def fp8_fc2_dgrad_dswiglu(dyq: QTensor, w2q_bwd: QTensor, h: torch.Tensor, plan: RoutingPlan,
-                          fmt: QFormat) -> DSwiGLUOut:
-    """``fp8_fc2_dgrad``, then both launches of the quantising SwiGLU backward pass (``dswiglu_rows``, then
-    ``dswiglu_cols_t``): every output below."""
-    g_a = fp8_fc2_dgrad(dyq, w2q_bwd, plan, fmt, h.dtype)
+def fused_dswiglu_unavailable(g_a: torch.Tensor, h: torch.Tensor, fmt: QFormat) -> str | None:
+    """Why the one-pass SwiGLU backward (``kernels/swiglu_grad_fused.py``) cannot run, or None when it can."""
+    if g_a.device.type != "cuda":
+        return "it runs on a CUDA GPU only (Gluon kernels have no interpreter)"
+    if fmt.mx or fmt.group != QTILE_M:
+        return f"it takes the fp8 format (1 x {QTILE_M} groups, fp32 scales), not mx"
+    if g_a.shape[1] % QTILE_M:
+        return f"the intermediate size must be a multiple of {QTILE_M} (got {g_a.shape[1]})"
+    if g_a.stride(1) != 1 or h.stride(1) != 1:
+        return "g_a's and h's rows must be contiguous"
+    return None
+
+
+def fp8_dswiglu(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFormat, *,
+                fused: bool | None = None) -> DSwiGLUOut:
+    """The quantising SwiGLU backward from g_a [P, I] (``fp8_fc2_dgrad``) and h = [g | u] [P, 2I]: every output of
+    ``DSwiGLUOut``. ``fused=None``: the one-pass Gluon kernel (``kernels/swiglu_grad_fused.py``, g_a and h read once)
+    where ``fused_dswiglu_unavailable`` says it applies, else the two Triton launches (``dswiglu_rows``, then
+    ``dswiglu_cols_t``); True: the one-pass kernel or an error saying why not; False: the two launches."""
+    why_not = fused_dswiglu_unavailable(g_a, h, fmt) if fused is not False else "not asked for"
+    if why_not is None:
+        from ..kernels.swiglu_grad_fused import swiglu_backward_fused_kernel
+
+        _check_tile_space_plan(plan)
+        num_pairs, inter, device = plan.num_pairs, g_a.shape[1], g_a.device
+        ng = inter // fmt.group
+        dh_rows = QTensor(torch.empty(num_pairs, 2 * inter, dtype=FP8_DTYPE, device=device),
+                          torch.empty(num_pairs, 2 * ng, dtype=fmt.scale_dtype, device=device))
+        dh_t = empty_cols_t(2 * inter, plan, fmt, device)
+        aw_t = empty_cols_t(inter, plan, fmt, device)
+        dw_partial = torch.empty(ng, num_pairs, dtype=torch.float32, device=device)
+        rb, warps = DSWIGLU_FUSED_BLOCK
+        launch(swiglu_backward_fused_kernel, (ng, plan.max_tiles),
+            g_a, h, plan.row_weight, dh_rows.data, dh_rows.scale, dh_t.data, dh_t.scale, aw_t.data, aw_t.scale,
+            dw_partial, *_tile_args(plan), inter, ng, g_a.stride(0), h.stride(0), dh_rows.data.stride(0),
+            dh_rows.scale.stride(0), dh_t.data.stride(0), dh_t.scale.stride(0), aw_t.data.stride(0),
+            aw_t.scale.stride(0), dw_partial.stride(0),
+            POW2=fmt.pow2, TILE_M=QTILE_M, RB=rb, num_warps=warps,
+        )
+        return DSwiGLUOut(dh_rows, dh_t, aw_t, dw_partial.sum(0))
+    if fused:
+        raise ValueError(f"fused=True: the one-pass SwiGLU backward cannot run here: {why_not}")
     dh_rows, dw_row = dswiglu_rows(g_a, h, plan, fmt)
     dh_t, aw_t = dswiglu_cols_t(g_a, h, plan, fmt)
     return DSwiGLUOut(dh_rows, dh_t, aw_t, dw_row)
+
+
+def fp8_fc2_dgrad_dswiglu(dyq: QTensor, w2q_bwd: QTensor, h: torch.Tensor, plan: RoutingPlan,
+                          fmt: QFormat, *, fused: bool | None = None) -> DSwiGLUOut:
+    """``fp8_fc2_dgrad``, then the quantising SwiGLU backward (``fp8_dswiglu``): every output below."""
+    g_a = fp8_fc2_dgrad(dyq, w2q_bwd, plan, fmt, h.dtype)
+    return fp8_dswiglu(g_a, h, plan, fmt, fused=fused)
 
 
 def expert_tile_offsets(plan: RoutingPlan) -> torch.Tensor:
@@ -504,6 +550,7 @@ __all__ = [
     "quantize_rows", "dequantize_rows", "quantize_weight", "dequantize_weight", "empty_cols_t",
     "quantize_sorted_cols_t",
     "quantize_w1_fwd", "quantize_w1_bwd", "quantize_w2_fwd", "quantize_w2_bwd",
-    "fp8_fc1_swiglu", "fp8_grouped_gemm", "fp8_fc2_dgrad", "dswiglu_rows", "dswiglu_cols_t", "fp8_fc2_dgrad_dswiglu",
+    "fp8_fc1_swiglu", "fp8_grouped_gemm", "fp8_fc2_dgrad", "dswiglu_rows", "dswiglu_cols_t", "fp8_dswiglu",
+    "fused_dswiglu_unavailable", "fp8_fc2_dgrad_dswiglu",
     "fp8_grouped_wgrad", "expert_tile_offsets",
 ]
