@@ -13,6 +13,7 @@
 #   bash scripts/device_sweep.sh s15c       # the backward's two lanes: GPU tests, the layer for several side-SM counts
 #   bash scripts/device_sweep.sh s15d       # the backward's passes' configs (fp8_pass_probe.py), the fp8 layer record
 #   bash scripts/device_sweep.sh s15e       # the one-pass SwiGLU backward: tests, probe, the layer against ab_base/
+#   bash scripts/device_sweep.sh s15f       # the same after its copies became asynchronous (torch in the record)
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -277,6 +278,21 @@ case "${1:-}" in
         --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd --backends mega_moe --iters 5 --warmup 2 \
         "${extra[@]}" --out "$LOGS/fp8_$run.json"
        tail -2 "$LOGS/fp8_$run.log")
+    done ;;
+  s15f)  # s15e again after the one-pass kernel's copies became asynchronous, with torch in the profiled run
+    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_fused 240 python -m pytest -q tests/test_swiglu_grad_fused.py \
+      tests/test_fp8_experts.py -k "fused or gpu or half_tile" -rA
+    tail -2 "$LOGS/pytest_fused.log"
+    step pass_probe 150 python scripts/fp8_pass_probe.py
+    tail -7 "$LOGS/pass_probe.log"
+    for run in new base new_r5 base_r5; do
+      tree=.; [ "${run%%_*}" = base ] && tree=ab_base
+      extra=(--backends mega_moe); [ "$run" = new ] && extra=(--backends torch mega_moe --profile-dir "$LOGS/prof_fused")
+      [ "${run#*_}" = r5 ] && extra=(--backends mega_moe --repeat 5)
+      (cd $tree && PYTHONPATH=/tmp/site:$PWD step "fp8_$run" 120 python -m prime_megamoe.bench \
+        --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd --iters 5 --warmup 2 "${extra[@]}" \
+        --out "$LOGS/fp8_$run.json"
+       tail -3 "$LOGS/fp8_$run.log")
     done ;;
   ncu_fc1)  # Nsight Compute on one FC1 + SwiGLU launch: the Triton kernel, then the warp-specialised one
     for kern in triton ws; do

@@ -9,15 +9,15 @@ Why a second kernel: the Triton pass runs as two launches (row outputs from 16 x
 ran slower still (BENCHMARKS.md). Here a program takes one routing tile (128 rows) by one 128-column group and keeps
 its inputs in shared memory:
 
-- phase A walks the tile in RB-row chunks: loads g_a, g and u from global memory, stores them (bf16) in shared
-  memory, computes dg, du and w * a in fp32, quantises dg and du per row and stores them with their scales and the
+- the program first issues asynchronous copies (cp.async) of every RB-row chunk of g_a, g and u into shared memory;
+- phase A walks the chunks as they land: computes dg, du and w * a in fp32, quantises dg and du per row and stores them with their scales and the
   chunk's dw partials, and keeps a running elementwise max of |dg|, |du|, |w * a|;
 - the column scales follow from those maxima (one reduction over the rows);
 - phase B walks the chunks again from shared memory, computes the same fp32 values, quantises them with the column
   scales and stores them transposed (each thread a run of consecutive rows of one column).
 
-Each thread reads back in phase B exactly the shared-memory elements it wrote in phase A (same layout), so the two
-phases need no barrier. Rows past the tile's expert load zeros: the cols_t layout stores zeros there, and the row
+Each thread reads exactly the shared-memory elements it copied (the copies and both phases use one layout), so
+waiting for its own copies is enough: no barrier. Rows past the tile's expert load zeros: the cols_t layout stores zeros there, and the row
 outputs are not stored. dw_partial sums 128 columns in another order than the Triton pass (its layout differs), so
 it may differ in the last bits; every other output is the same bits. Gluon kernels have no interpreter: this one is
 tested on the GPU against the Triton pass and compiled for sm_90 on the CPU.
@@ -27,8 +27,10 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from .fp8_fc1_ws import FP8_MAX, _scale_from_amax
+from .fp8_gemm_ws import _cp_async
 
 
 @gluon.jit
@@ -98,6 +100,17 @@ def swiglu_backward_fused_kernel(
         ga_s = gl.allocate_shared_memory(ga_ptr.dtype.element_ty, [CHUNKS, RB, BC], smem_layout)
         g_s = gl.allocate_shared_memory(h_ptr.dtype.element_ty, [CHUNKS, RB, BC], smem_layout)
         u_s = gl.allocate_shared_memory(h_ptr.dtype.element_ty, [CHUNKS, RB, BC], smem_layout)
+        # Every chunk's copies in flight at once (cp.async, 16 bytes a thread; rows past the expert's end are
+        # zero-filled), one commit group a chunk, so that phase A starts on a chunk as soon as it has landed.
+        for k in gl.static_range(CHUNKS):
+            rows = row0 + k * RB + gl.arange(0, RB, layout=rows_layout)
+            ok = (rows < row_end)[:, None]
+            rows64 = rows.to(gl.int64)
+            _cp_async(ga_s.index(k), ga_ptr + rows64[:, None] * stride_gam + (col + cols)[None, :], mask=ok)
+            h_ptrs = h_ptr + rows64[:, None] * stride_hm + (col + cols)[None, :]
+            _cp_async(g_s.index(k), h_ptrs, mask=ok)
+            _cp_async(u_s.index(k), h_ptrs + I, mask=ok)
+            async_copy.commit_group()
         amax_g = gl.zeros([RB, BC], gl.float32, layout)
         amax_u = gl.zeros([RB, BC], gl.float32, layout)
         amax_a = gl.zeros([RB, BC], gl.float32, layout)
@@ -105,16 +118,12 @@ def swiglu_backward_fused_kernel(
             rows = row0 + k * RB + gl.arange(0, RB, layout=rows_layout)
             ok = rows < row_end
             rows64 = rows.to(gl.int64)
-            ga_raw = gl.load(ga_ptr + rows64[:, None] * stride_gam + (col + cols)[None, :], mask=ok[:, None],
-                             other=0.0)
-            h_ptrs = h_ptr + rows64[:, None] * stride_hm + (col + cols)[None, :]
-            g_raw = gl.load(h_ptrs, mask=ok[:, None], other=0.0)
-            u_raw = gl.load(h_ptrs + I, mask=ok[:, None], other=0.0)
-            ga_s.index(k).store(ga_raw)
-            g_s.index(k).store(g_raw)
-            u_s.index(k).store(u_raw)
             w = gl.load(row_weight_ptr + rows, mask=ok, other=0.0).to(gl.float32)
-            dg, du, aw, dw = _dswiglu_chunk(ga_raw.to(gl.float32), g_raw.to(gl.float32), u_raw.to(gl.float32), w)
+            async_copy.wait_group(CHUNKS - 1 - k)  # this thread's copies of chunk k have landed
+            ga = ga_s.index(k).load(layout).to(gl.float32)
+            g = g_s.index(k).load(layout).to(gl.float32)
+            u = u_s.index(k).load(layout).to(gl.float32)
+            dg, du, aw, dw = _dswiglu_chunk(ga, g, u, w)
             gl.store(dw_partial_ptr + c.to(gl.int64) * stride_dwp + rows, gl.sum(dw, axis=1), mask=ok)
             _store_rows_q(dhq_ptr, dhs_ptr, dg, rows64, ok, col, cols, c, stride_dhm, stride_dhsm, POW2)
             _store_rows_q(dhq_ptr, dhs_ptr, du, rows64, ok, I + col, cols, NG + c, stride_dhm, stride_dhsm, POW2)
