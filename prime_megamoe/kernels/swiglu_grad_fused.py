@@ -21,6 +21,14 @@ waiting for its own copies is enough: no barrier. Rows past the tile's expert lo
 outputs are not stored. dw_partial sums 128 columns in another order than the Triton pass (its layout differs), so
 it may differ in the last bits; every other output is the same bits. Gluon kernels have no interpreter: this one is
 tested on the GPU against the Triton pass and compiled for sm_90 on the CPU.
+
+Measured (Qwen3-30B-A3B, T = 16384, one H200, ``scripts/fp8_pass_probe.py``; benchmarks/results/
+fp8_pass_probe_s15.txt): slower than the two launches, so the layer does not use it (``fp8_launch.fp8_dswiglu``'s
+``fused`` is False by default): with plain loads 0.888 ms against 0.671, with the copies asynchronous 0.797 against
+0.673 (the layer's backward 4.62 against 4.40 ms one call). What it spends that time on is not measured yet; the
+candidates: two programs an SM (128 registers, ~100 KB of shared memory each) with nothing overlapping a program's
+own phases, ~70 barriers a program (each layout conversion and column reduction), and phase B's transposed stores in
+8-byte pieces (16 rows a chunk).
 """
 
 from __future__ import annotations

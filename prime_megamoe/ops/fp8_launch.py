@@ -452,11 +452,13 @@ def fused_dswiglu_unavailable(g_a: torch.Tensor, h: torch.Tensor, fmt: QFormat) 
 
 
 def fp8_dswiglu(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFormat, *,
-                fused: bool | None = None) -> DSwiGLUOut:
+                fused: bool | None = False) -> DSwiGLUOut:
     """The quantising SwiGLU backward from g_a [P, I] (``fp8_fc2_dgrad``) and h = [g | u] [P, 2I]: every output of
-    ``DSwiGLUOut``. ``fused=None``: the one-pass Gluon kernel (``kernels/swiglu_grad_fused.py``, g_a and h read once)
-    where ``fused_dswiglu_unavailable`` says it applies, else the two Triton launches (``dswiglu_rows``, then
-    ``dswiglu_cols_t``); True: the one-pass kernel or an error saying why not; False: the two launches."""
+    ``DSwiGLUOut``. ``fused=False`` (the layer's choice): the two Triton launches (``dswiglu_rows``, then
+    ``dswiglu_cols_t``); True: the one-pass Gluon kernel (``kernels/swiglu_grad_fused.py``, g_a and h read once, the
+    same bits but for dw's last bits) or an error saying why not (``fused_dswiglu_unavailable``); None: that kernel
+    where it applies. It is slower so far: 0.797 against 0.673 ms in ``scripts/fp8_pass_probe.py``, layer backward
+    4.62 against 4.40 ms (Qwen3-30B-A3B, T = 16384, one H200; benchmarks/results/fp8_pass_probe_s15.txt)."""
     why_not = fused_dswiglu_unavailable(g_a, h, fmt) if fused is not False else "not asked for"
     if why_not is None:
         from ..kernels.swiglu_grad_fused import swiglu_backward_fused_kernel
@@ -486,7 +488,7 @@ def fp8_dswiglu(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFor
 
 
 def fp8_fc2_dgrad_dswiglu(dyq: QTensor, w2q_bwd: QTensor, h: torch.Tensor, plan: RoutingPlan,
-                          fmt: QFormat, *, fused: bool | None = None) -> DSwiGLUOut:
+                          fmt: QFormat, *, fused: bool | None = False) -> DSwiGLUOut:
     """``fp8_fc2_dgrad``, then the quantising SwiGLU backward (``fp8_dswiglu``): every output below."""
     g_a = fp8_fc2_dgrad(dyq, w2q_bwd, plan, fmt, h.dtype)
     return fp8_dswiglu(g_a, h, plan, fmt, fused=fused)
