@@ -12,9 +12,10 @@ The FC2 dgrad runs it too, its producer warps gathering dy's rows: 0.490 against
 (benchmarks/results/fp8_probe_s14.txt). ``fp8_launch.fp8_grouped_wgrad(use_ws=...)`` likewise runs the
 weight-gradient kernel (``ws_wgrad_unavailable`` says where it cannot); the layer's two weight gradients ask for it:
 dW1 1.001 ms against 1.244 for the Triton kernel, dW2 0.536 against 0.693 (same file, run 4).
-``fp8_launch.fp8_fc1_swiglu(use_ws=...)`` runs the FC1 + SwiGLU kernel (``ws_fc1_unavailable``); the layer does not
-ask for it: its first form gave the same bits but took 1.285 ms against 1.163 for the Triton kernel (same file, run
-5); the second (x's rows gathered once per tile, not twice) has not run on a GPU.
+``fp8_launch.fp8_fc1_swiglu(use_ws=...)`` runs the FC1 + SwiGLU kernel (``ws_fc1_unavailable``); the layer asks for
+it: 0.899 ms against 1.164 for the Triton kernel, same bits (benchmarks/results/fp8_probe_s15.txt; its first form,
+which gathered x's rows twice per tile, took 1.285 against 1.163: fp8_probe_s14.txt, run 5). All of them launch
+through the compiled-kernel cache (``compiled_launch.launch``).
 """
 
 from __future__ import annotations
