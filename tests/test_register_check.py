@@ -45,7 +45,7 @@ def test_kernel_compiles_for_hopper_without_spills(kernel, constexprs, extra):
 
 # Kernels whose compiled form the interpreter cannot vouch for (it accepts, for one, a name bound to two shapes in
 # the two branches of an if, which the compiler rejects): each must compile for sm_90.
-ROUTING = {"TOP_K": 8, "NUM_LOCAL": 64, "EXPERT_BLOCK": 64, "TILE_M": 128, "BLOCK": 1024, "TILE_BLOCK": 32, "KEYS": 4}
+ROUTING = {"TOP_K": 8, "NUM_LOCAL": 64, "EXPERT_BLOCK": 64, "TILE_M": 128, "BLOCK": 1024, "TILE_BLOCK": 32, "HIST_BLOCK": 16}
 COMPILES = [
     ("prime_megamoe.kernels.routing:routing_keys_kernel",
      {"NUM_LOCAL": 64, "NUM_BINS": 128, "SKIP": 64, "BLOCK": 1024, "COPY_ROUTING": True},

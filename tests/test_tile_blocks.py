@@ -9,7 +9,11 @@ import torch
 from prime_megamoe.kernels import tuning
 from prime_megamoe.kernels.grouped_gemm import fc1_swiglu_kernel, grouped_gemm_kernel
 
-from .oracle import NAMES, make_problem, only_config, run_mega_moe
+from .oracle import NAMES, make_problem, only_config, rel_err, run_mega_moe
+
+# _HOST_BLAS: under the interpreter (CPU) tl.dot runs on the host's BLAS, whose summation order may depend on the
+# block's rows: on some CPUs whole and half tiles then differ in the last bits (relative error ~1e-7). The GPU
+# kernels are checked bitwise.
 
 
 def test_half_tile_programs_compute_the_same(monkeypatch):
@@ -26,7 +30,10 @@ def test_half_tile_programs_compute_the_same(monkeypatch):
             only_config(monkeypatch, kernel, BLOCK_M=half, PERSISTENT=persistent)
         parts = run_mega_moe(x, index, weights, w1, w2, g)
         for name, a, b in zip(NAMES, whole, parts):
-            assert torch.equal(a, b), f"{name} differs with {half}-row programs (persistent={persistent})"
+            if device == "cuda":
+                assert torch.equal(a, b), f"{name} differs with {half}-row programs (persistent={persistent})"
+            else:  # the interpreter's dots go through the host's BLAS (see _HOST_BLAS)
+                assert rel_err(a, b) < 1e-6, f"{name} differs with {half}-row programs (persistent={persistent})"
 
 
 def test_fc1_gate_and_up_in_one_dot_compute_the_same(monkeypatch):
@@ -41,4 +48,7 @@ def test_fc1_gate_and_up_in_one_dot_compute_the_same(monkeypatch):
         only_config(monkeypatch, fc1_swiglu_kernel, BLOCK_M=block_m, ONE_DOT=True)
         one = run_mega_moe(x, index, weights, w1, w2, g)
         for name, a, b in zip(NAMES, two, one):
-            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=f"{name} with ONE_DOT, BLOCK_M={block_m}")
+            if device == "cuda":
+                torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=f"{name} with ONE_DOT, BLOCK_M={block_m}")
+            else:  # (see _HOST_BLAS)
+                assert rel_err(a, b) < 1e-6, f"{name} with ONE_DOT, BLOCK_M={block_m}"

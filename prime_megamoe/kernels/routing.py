@@ -53,56 +53,63 @@ def routing_place_kernel(
     num_pairs, first_segment, pairs_per_segment, tiles_per_segment, split_expert,
     TOP_K: tl.constexpr, NUM_LOCAL: tl.constexpr, EXPERT_BLOCK: tl.constexpr, NUM_BINS: tl.constexpr,
     SKIP: tl.constexpr, TILE_M: tl.constexpr, BLOCK: tl.constexpr, TILE_BLOCK: tl.constexpr, HALVES: tl.constexpr,
-    KEYS: tl.constexpr,
+    HIST_BLOCK: tl.constexpr,
 ):
-    """Grid (key programs + segments of this launch, chunks of BLOCK pairs as routing_keys_kernel's programs), a key
-    program per KEYS consecutive keys (keys 0..SKIP: fewer programs, each chunk's keys read fewer times). Plans
-    segments [first_segment, first_segment + SKIP // NUM_LOCAL) of the plan from their pairs' keys, counts and
-    per-chunk counts (``hist``). Every segment has fixed places, so segments can be planned in separate launches (a
-    rank plans its own block before the peers' routing arrives):
+    """Grid (1 + segments of this launch, chunks of BLOCK pairs as routing_keys_kernel's programs). Plans segments
+    [first_segment, first_segment + SKIP // NUM_LOCAL) of the plan from their pairs' keys, counts and per-chunk
+    counts (``hist``). Every segment has fixed places, so segments can be planned in separate launches (a rank plans
+    its own block before the peers' routing arrives):
 
     - sorted rows [s * P, s * P + count_s) (P = pairs_per_segment), expert-major, pairs in index order within an
       expert (a stable counting sort by key): source row, weight, and the inverse map from each pair to its sorted
-      row (-1: not local). Chunk c's pairs of key b are placed after the segment's pairs of smaller keys
-      (``counts``) and key b's pairs in earlier chunks (``hist``); each pair is written by exactly one program, at a
-      place fixed by the keys alone.
+      row (-1: not local). Program (0, c) sorts chunk c's keys once (with their lanes, so the sort is stable) and
+      places each pair after the segment's pairs of smaller keys (``counts``), the key's pairs in earlier chunks
+      (``hist``) and the chunk's earlier pairs of its key; each pair is written by exactly one program, at a place
+      fixed by the keys alone.
     - expert offsets [s * (NUM_LOCAL + 1), (s + 1) * (NUM_LOCAL + 1)): expert e's rows are [off[e], off[e + 1]);
     - tile slots [s * tiles_per_segment, (s + 1) * tiles_per_segment), of which num_tiles[s] are in use: programs
-      (key programs + s, c), from the counts alone.
+      (1 + s, c), from the counts alone.
 
     HALVES: also split each segment's tiles at expert ``split_expert``: the lower experts' tiles are the first
     half_num_tiles[s, 0] of the segment's list; the upper experts' half_num_tiles[s, 1] tiles are copied, from slot
     s * tiles_per_segment on, into the half tile list, so either half can be launched on its own."""
     chunk = tl.program_id(1)
-    key_programs = (SKIP + KEYS) // KEYS  # keys 0..SKIP, KEYS a program
-    if tl.program_id(0) < key_programs:
-        offs = chunk * BLOCK + tl.arange(0, BLOCK)
-        in_range = offs < num_pairs
-        # The chunk's keys and weights in one go (the weights' loads would otherwise wait for the key test).
-        keys = tl.load(key_ptr + offs, mask=in_range, other=-1)
-        weights = tl.load(weights_ptr + offs, mask=in_range, other=0.0).to(tl.float32)
-        global_pair = first_segment * pairs_per_segment + offs
+    if tl.program_id(0) == 0:
+        lanes = tl.arange(0, BLOCK)
+        offs = chunk * BLOCK + lanes
+        # Padding lanes take the last bin (no key), which sorts after every key.
+        keys = tl.load(key_ptr + offs, mask=offs < num_pairs, other=NUM_BINS - 1)
+        order = tl.sort(keys * BLOCK + lanes)  # key-major, lane order within a key: a stable sort of the chunk
+        sorted_keys = order // BLOCK
+        pair = chunk * BLOCK + order % BLOCK
         bins = tl.arange(0, NUM_BINS)
+        # Per key b: the sorted row of its first pair in this chunk, less the chunk's pairs of smaller keys (the
+        # sorted position of that pair).
         key_counts = tl.load(counts_ptr + bins, mask=bins < SKIP, other=0)
-        for j in tl.static_range(KEYS):
-            b = tl.program_id(0) * KEYS + j
-            hit = (keys == b).to(tl.int32)
-            if b == SKIP:  # pairs whose expert lives elsewhere
-                tl.store(pair_pos_ptr + global_pair, tl.full((BLOCK,), -1, tl.int32), mask=hit > 0)
-            elif b < SKIP:
-                seg = b // NUM_LOCAL
-                before = (bins >= seg * NUM_LOCAL) & (bins < b)  # the segment's smaller keys
-                start = tl.sum(tl.where(before, key_counts, 0), 0)
-                for c0 in range(0, chunk, BLOCK):
-                    earlier = c0 + tl.arange(0, BLOCK)
-                    start += tl.sum(tl.load(hist_ptr + earlier * NUM_BINS + b, mask=earlier < chunk, other=0), 0)
-                row = (first_segment + seg) * pairs_per_segment + start + tl.cumsum(hit, 0) - 1
-                local = hit > 0
-                tl.store(row_src_ptr + row, (global_pair // TOP_K).to(tl.int32), mask=local)
-                tl.store(row_weight_ptr + row, weights, mask=local)
-                tl.store(pair_pos_ptr + global_pair, row.to(tl.int32), mask=local)
+        smaller = tl.cumsum(key_counts, 0) - key_counts  # every smaller key, earlier segments' too
+        for s in tl.static_range(1, SKIP // NUM_LOCAL):  # minus the earlier segments' pairs
+            earlier_segments = tl.sum(tl.where(bins < s * NUM_LOCAL, key_counts, 0), 0)
+            smaller = tl.where(bins >= s * NUM_LOCAL, tl.cumsum(key_counts, 0) - key_counts - earlier_segments,
+                               smaller)
+        in_earlier_chunks = tl.zeros((NUM_BINS,), dtype=tl.int32)
+        for c0 in range(0, chunk, HIST_BLOCK):
+            hist_rows = c0 + tl.arange(0, HIST_BLOCK)
+            block = tl.load(hist_ptr + hist_rows[:, None] * NUM_BINS + bins[None, :],
+                            mask=(hist_rows < chunk)[:, None], other=0)
+            in_earlier_chunks += tl.sum(block, 0)
+        chunk_hist = tl.load(hist_ptr + chunk * NUM_BINS + bins)
+        first_rows = (first_segment + bins // NUM_LOCAL) * pairs_per_segment
+        key_base = first_rows + smaller + in_earlier_chunks - (tl.cumsum(chunk_hist, 0) - chunk_hist)
+        placed = tl.gather(key_base, sorted_keys, 0) + lanes
+        valid = pair < num_pairs
+        local = valid & (sorted_keys < SKIP)
+        global_pair = first_segment * pairs_per_segment + pair
+        weights = tl.load(weights_ptr + pair, mask=local, other=0.0).to(tl.float32)
+        tl.store(row_src_ptr + placed, (global_pair // TOP_K).to(tl.int32), mask=local)
+        tl.store(row_weight_ptr + placed, weights, mask=local)
+        tl.store(pair_pos_ptr + global_pair, tl.where(local, placed, -1).to(tl.int32), mask=valid)
     else:
-        seg = tl.program_id(0) - key_programs
+        seg = tl.program_id(0) - 1
         pid = chunk
         experts = tl.arange(0, EXPERT_BLOCK)
         e_mask = experts < NUM_LOCAL

@@ -229,9 +229,8 @@ def fill_routing_plan(plan: RoutingPlan, top_k_index: torch.Tensor, top_k_weight
                                                                                    *copy_to))
     halves = plan.split_expert is not None
     skip = num_segments * experts
-    keys_per_program = 4
     launch(
-        routing_place_kernel, (cdiv(skip + 1, keys_per_program) + num_segments, hist.numel() // num_bins),
+        routing_place_kernel, (1 + num_segments, hist.numel() // num_bins),
         keys, hist, top_k_weights.reshape(-1), counts,
         plan.row_src, plan.row_weight, plan.pair_pos, plan.expert_offsets, plan.tile_expert, plan.tile_row,
         plan.num_tiles,
@@ -240,7 +239,7 @@ def fill_routing_plan(plan: RoutingPlan, top_k_index: torch.Tensor, top_k_weight
         keys.numel(), first_segment, max(seg_pairs, 1), plan.max_tiles // plan.num_segments,
         plan.split_expert if halves else experts,
         TOP_K=top_k, NUM_LOCAL=experts, EXPERT_BLOCK=next_power_of_2(experts), NUM_BINS=num_bins, SKIP=skip,
-        TILE_M=plan.tile_m, BLOCK=chunk, TILE_BLOCK=32, HALVES=halves, KEYS=keys_per_program,
+        TILE_M=plan.tile_m, BLOCK=chunk, TILE_BLOCK=32, HALVES=halves, HIST_BLOCK=16,
     )
 
 
