@@ -14,6 +14,7 @@
 #   bash scripts/device_sweep.sh s15d       # the backward's passes' configs (fp8_pass_probe.py), the fp8 layer record
 #   bash scripts/device_sweep.sh s15e       # the one-pass SwiGLU backward: tests, probe, the layer against ab_base/
 #   bash scripts/device_sweep.sh s15f       # the same after its copies became asynchronous (torch in the record)
+#   bash scripts/device_sweep.sh s15g       # the sorting placement kernel: GPU tests, the fp8 layer (profiled)
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -294,6 +295,17 @@ case "${1:-}" in
         --out "$LOGS/fp8_$run.json"
        tail -3 "$LOGS/fp8_$run.log")
     done ;;
+  s15g)  # the sorting placement kernel: its GPU test at the layer's scale, the fp8 oracle tests, then the fp8 layer
+         # one call (profiled) and back to back
+    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_sort 150 python -m pytest -q tests/test_mega_moe_kernels.py \
+      tests/test_fp8_experts.py -k "on_gpu or gpu_against_oracle" -rA
+    tail -2 "$LOGS/pytest_sort.log"
+    step fp8_sort 90 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 \
+      --backends mega_moe --iters 5 --warmup 2 --profile-dir "$LOGS/prof_sort" --out "$LOGS/fp8_sort.json"
+    tail -2 "$LOGS/fp8_sort.log"
+    step fp8_sort_r5 60 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 \
+      --backends mega_moe --repeat 5 --iters 5 --warmup 2 --out "$LOGS/fp8_sort_r5.json"
+    tail -2 "$LOGS/fp8_sort_r5.log" ;;
   ncu_fc1)  # Nsight Compute on one FC1 + SwiGLU launch: the Triton kernel, then the warp-specialised one
     for kern in triton ws; do
       step "ncu_fc1_$kern" 80 ncu --clock-control none --kernel-name regex:fp8_fc1_swiglu --launch-skip 2 \

@@ -244,7 +244,7 @@ def test_fill_copies_the_routing_it_reads(index_dtype, weight_dtype):
     ],
 )
 def test_counting_sort_matches_stable_sort(rows, k, num_local, segments, base, chunk):
-    # The plan's counting sort (keys and per-chunk counts, then one program per key and chunk writing the plan)
+    # The plan's counting sort (keys and per-chunk counts, then a program per chunk sorting its keys and placing them)
     # against torch's stable sort of the same keys, over several chunks and segments, ragged experts (a hot one,
     # empty ones) and padding rows: every sorted row, weight and pair position exactly.
     ids, weights = _random_ids(rows, k, 8, seed=rows + k, pad_rows=7) if rows else (
@@ -286,6 +286,42 @@ def test_counting_sort_matches_stable_sort(rows, k, num_local, segments, base, c
         expected = s * seg_pairs + torch.cat([torch.zeros(1, dtype=torch.long),
                                               counts.view(segments, num_local)[s].cumsum(0)])
         assert torch.equal(offsets[s], expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("segments, num_local, base", [(1, 128, 0), (2, 64, 64)], ids=["ep1", "two_segments"])
+def test_counting_sort_matches_stable_sort_on_gpu(segments, num_local, base):
+    """The compiled placement at the layer's scale (16,384 rows x 8 slots: 128 chunks of 1,024 pairs; a hot expert, a
+    padded tail) against torch's stable sort of the same keys: every pair position, sorted row and weight."""
+    rows, k = 16384, 8
+    gen = torch.Generator().manual_seed(segments)
+    ids = torch.multinomial(torch.ones(rows, 128), k, generator=gen)
+    ids[: rows // 3, 0] = base + 5
+    ids[-9:] = -1
+    weights = torch.rand(rows, k, generator=gen)
+    ids, weights = ids.cuda(), weights.cuda()
+    plan = allocate_routing_plan(rows, k, num_local_experts=num_local, tile_m=128, device=ids.device,
+                                 num_segments=segments)
+    fill_routing_plan(plan, ids, weights, expert_base=base)
+    seg_pairs = rows // segments * k
+    local = ids.reshape(-1).long() - base
+    segment = torch.arange(rows * k, device="cuda") // seg_pairs
+    skip = segments * num_local
+    keys = torch.where((local >= 0) & (local < num_local), segment * num_local + local, skip)
+    order = torch.sort(keys, stable=True).indices
+    counts = torch.bincount(keys, minlength=skip + 1)[:skip]
+    seg_starts = torch.cat([counts.new_zeros(1), counts.view(segments, num_local).sum(1).cumsum(0)])
+    sorted_keys = keys[order]
+    place = torch.arange(rows * k, device="cuda")
+    seg = (sorted_keys // num_local).clamp(max=segments - 1)
+    expected_pos = torch.full((rows * k,), -1, dtype=torch.long, device="cuda")
+    placed_sorted = sorted_keys < skip
+    expected_pos[order[placed_sorted]] = (seg * seg_pairs + place - seg_starts[seg])[placed_sorted]
+    assert torch.equal(plan.pair_pos.reshape(-1).long(), expected_pos)
+    placed = expected_pos >= 0
+    assert torch.equal(plan.row_src.long()[expected_pos[placed]], torch.arange(rows * k, device="cuda")[placed] // k)
+    assert torch.equal(plan.row_weight[expected_pos[placed]], weights.reshape(-1)[placed].float())
 
 
 @pytest.mark.parametrize("tile_m", [1, 4, 16])
