@@ -229,7 +229,8 @@ case "${1:-}" in
        tail -2 "$LOGS/fp8_fc1ws_r5.log")
     fi ;;
   s15b)  # the ws kernels through the compiled-kernel cache: the quantised precisions' GPU tests, then the layer (fp8,
-         # fp8_bwd, one call) this tree (profiled first) against ab_base/ (git archive of the commit before), alternating
+         # fp8_bwd, one call) this tree (profiled first) against ab_base/ (git archive of the commit before),
+         # alternating
     PRIME_MEGAMOE_AUTOTUNE=0 step pytest_fp8 200 python -m pytest -q tests/test_fp8_experts.py \
       -k "gpu or half_tile or tma" -rA
     tail -2 "$LOGS/pytest_fp8.log"
@@ -264,31 +265,18 @@ case "${1:-}" in
     step fp8_rec_r5 120 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd \
       --backends mega_moe --repeat 5 --iters 5 --warmup 2 --out "$LOGS/fp8_rec_r5.json"
     tail -3 "$LOGS/fp8_rec_r5.log" ;;
-  s15e)  # the one-pass SwiGLU backward: its GPU tests and the quantised precisions' (the layer through it), the pass
-         # probe, then the layer (fp8, fp8_bwd) one call (profiled) and back to back, against ab_base/ (two launches)
+  s15e|s15f)  # the one-pass SwiGLU backward: its GPU tests and the quantised precisions', the pass probe, then the
+              # layer (fp8, fp8_bwd) one call (profiled) and back to back, against ab_base/ (two launches); s15f ran
+              # after its copies became asynchronous, with torch in the profiled run
     PRIME_MEGAMOE_AUTOTUNE=0 step pytest_fused 240 python -m pytest -q tests/test_swiglu_grad_fused.py \
       tests/test_fp8_experts.py -k "fused or gpu or half_tile" -rA
     tail -2 "$LOGS/pytest_fused.log"
     step pass_probe 150 python scripts/fp8_pass_probe.py
     tail -7 "$LOGS/pass_probe.log"
+    first=(mega_moe); [ "$1" = s15f ] && first=(torch mega_moe)
     for run in new base new_r5 base_r5; do
       tree=.; [ "${run%%_*}" = base ] && tree=ab_base
-      extra=(); [ "$run" = new ] && extra=(--profile-dir "$LOGS/prof_fused")
-      [ "${run#*_}" = r5 ] && extra=(--repeat 5)
-      (cd $tree && PYTHONPATH=/tmp/site:$PWD step "fp8_$run" 120 python -m prime_megamoe.bench \
-        --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd --backends mega_moe --iters 5 --warmup 2 \
-        "${extra[@]}" --out "$LOGS/fp8_$run.json"
-       tail -2 "$LOGS/fp8_$run.log")
-    done ;;
-  s15f)  # s15e again after the one-pass kernel's copies became asynchronous, with torch in the profiled run
-    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_fused 240 python -m pytest -q tests/test_swiglu_grad_fused.py \
-      tests/test_fp8_experts.py -k "fused or gpu or half_tile" -rA
-    tail -2 "$LOGS/pytest_fused.log"
-    step pass_probe 150 python scripts/fp8_pass_probe.py
-    tail -7 "$LOGS/pass_probe.log"
-    for run in new base new_r5 base_r5; do
-      tree=.; [ "${run%%_*}" = base ] && tree=ab_base
-      extra=(--backends mega_moe); [ "$run" = new ] && extra=(--backends torch mega_moe --profile-dir "$LOGS/prof_fused")
+      extra=(--backends mega_moe); [ "$run" = new ] && extra=(--backends "${first[@]}" --profile-dir "$LOGS/prof_fused")
       [ "${run#*_}" = r5 ] && extra=(--backends mega_moe --repeat 5)
       (cd $tree && PYTHONPATH=/tmp/site:$PWD step "fp8_$run" 120 python -m prime_megamoe.bench \
         --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd --iters 5 --warmup 2 "${extra[@]}" \
