@@ -18,20 +18,12 @@ from prime_megamoe.bench import make_inputs
 from prime_megamoe.kernels import fp8_gemm
 from prime_megamoe.ops import fp8_launch as fl
 from prime_megamoe.ops.routing_plan import build_routing_plan
+from fp8_probe import snapshot  # (scripts/ is on sys.path when run as a script)
 
 # (BLOCK_R, BLOCK_C, warps) of the SwiGLU pass's two launches; (columns, warps) of the gather-quantise pass.
 ROWS_CONFIGS = [(16, 128, 4), (16, 128, 2), (32, 128, 4), (32, 128, 8), (8, 128, 2)]
 COLS_CONFIGS = [(128, 64, 4), (128, 64, 8), (128, 32, 4), (128, 32, 8), (128, 16, 4), (128, 128, 8), (128, 128, 16)]
 GATHER_CONFIGS = [(64, 4), (64, 8), (32, 4), (128, 8), (128, 4)]
-
-
-def flat(out) -> list[torch.Tensor]:
-    """Copies of a pass's outputs (QTensors and tensors), fp8 viewed as bytes."""
-    if isinstance(out, (tuple, list)):
-        return [t for o in out for t in flat(o)]
-    if isinstance(out, fl.QTensor):
-        return flat(out.data) + flat(out.scale)
-    return [(out.view(torch.uint8) if out.dtype == fl.FP8_DTYPE else out).clone()]
 
 
 def nbytes(tensors) -> int:
@@ -57,9 +49,9 @@ def main():
     written = int(plan.num_tiles[0]) * fp8_gemm.QTILE_M
 
     def cols_t(*operands):
-        return [t for q in operands for t in flat(fl.QTensor(q.data[:, :written], q.scale[:written // fmt.group]))]
+        return [t for q in operands for t in snapshot(fl.QTensor(q.data[:, :written], q.scale[:written // fmt.group]))]
     cases = [
-        ("SwiGLU rows", "DSWIGLU_ROWS_BLOCK", ROWS_CONFIGS, lambda: flat(fl.dswiglu_rows(g_a, h, plan, fmt)),
+        ("SwiGLU rows", "DSWIGLU_ROWS_BLOCK", ROWS_CONFIGS, lambda: snapshot(fl.dswiglu_rows(g_a, h, plan, fmt)),
          nbytes([g_a, h])),
         ("SwiGLU cols", "DSWIGLU_COLS_BLOCK", COLS_CONFIGS, lambda: cols_t(*fl.dswiglu_cols_t(g_a, h, plan, fmt)),
          nbytes([g_a, h])),
@@ -93,7 +85,7 @@ def main():
         outs = []
         for label, run in (("two launches", two), ("one pass", one)):
             d = run()
-            outs.append(flat([d.dh_rows]) + cols_t(d.dh_t, d.aw_t))
+            outs.append(snapshot([d.dh_rows]) + cols_t(d.dh_t, d.aw_t))
             ms = bench(run, warmup=5, rep=40)
             moved = nbytes([g_a, h]) + nbytes(outs[-1])
             same = label == "two launches" or all(torch.equal(a, b) for a, b in zip(*outs))

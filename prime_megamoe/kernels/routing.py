@@ -87,10 +87,9 @@ def routing_place_kernel(
         # sorted position of that pair).
         key_counts = tl.load(counts_ptr + bins, mask=bins < SKIP, other=0)
         smaller = tl.cumsum(key_counts, 0) - key_counts  # every smaller key, earlier segments' too
-        for s in tl.static_range(1, SKIP // NUM_LOCAL):  # minus the earlier segments' pairs
-            earlier_segments = tl.sum(tl.where(bins < s * NUM_LOCAL, key_counts, 0), 0)
-            smaller = tl.where(bins >= s * NUM_LOCAL, tl.cumsum(key_counts, 0) - key_counts - earlier_segments,
-                               smaller)
+        for s in tl.static_range(1, SKIP // NUM_LOCAL):  # less each earlier segment's pairs (its rows start at s * P)
+            previous = tl.sum(tl.where((bins >= (s - 1) * NUM_LOCAL) & (bins < s * NUM_LOCAL), key_counts, 0), 0)
+            smaller -= tl.where(bins >= s * NUM_LOCAL, previous, 0)
         in_earlier_chunks = tl.zeros((NUM_BINS,), dtype=tl.int32)
         for c0 in range(0, chunk, HIST_BLOCK):
             hist_rows = c0 + tl.arange(0, HIST_BLOCK)
