@@ -1,7 +1,8 @@
 """When the host issued each kernel of one layer call, and when its stream reached it.
 
     torchrun --nproc-per-node 2 scripts/call_timeline.py --shape qwen3-30b-a3b --tokens 16384 [--grad | --forward-grad]
-        [--profiler] [--repeat K]
+        [--profiler] [--repeat K] [--precision fp8]
+    python scripts/call_timeline.py --precision fp8 [--grad]      # one GPU (EP = 1)
 
 After warm-up, every rank synchronises, passes a barrier and makes one call (the no-grad forward, or with --grad a
 forward + backward), timed as the benchmark times a call (CUDA events from just before it).
@@ -31,12 +32,15 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import prime_megamoe.comm.symmetric_memory as symmetric_memory
+import prime_megamoe.ops.fp8_launch as fp8_launch
+import prime_megamoe.ops.fp8_ws_launch as fp8_ws_launch
 import prime_megamoe.ops.launch as ops_launch
 import prime_megamoe.ops.routing_plan as routing_plan
 from prime_megamoe.bench import make_workload, torchrun_group
 from prime_megamoe.ops import compiled_launch
 
-LAUNCHING_MODULES = (ops_launch, routing_plan, symmetric_memory)  # the modules that launch through compiled_launch
+# The modules that launch through compiled_launch.
+LAUNCHING_MODULES = (ops_launch, routing_plan, symmetric_memory, fp8_launch, fp8_ws_launch)
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -104,10 +108,11 @@ def event_timeline(step, repeat: int = 1) -> list[str]:
     return lines
 
 
-def host_sections(step) -> list[str]:
+def host_sections(step, deep: bool = False) -> list[str]:
     import prime_megamoe.dispatch.mega_moe as mega_moe
     import prime_megamoe.functional as functional
     import prime_megamoe.ops.ep_pipeline as ep_pipeline
+    import prime_megamoe.ops.quantized_experts as quantized_experts
     from prime_megamoe.comm.symmetric_memory import SymmetricMemoryTransport
     from prime_megamoe.ops.routing_plan import RoutingPlan
 
@@ -136,10 +141,26 @@ def host_sections(step) -> list[str]:
         (SymmetricMemoryTransport, "routing"), (SymmetricMemoryTransport, "wait_rows"),
         (SymmetricMemoryTransport, "partial_buffers"), (SymmetricMemoryTransport, "send"),
         (SymmetricMemoryTransport, "finish"), (RoutingPlan, "segment"),
+        (quantized_experts, "check_precision_supported"), (quantized_experts, "_plan"),
+        (quantized_experts, "cached_weight_operand"), (quantized_experts, "combine_with_pair_values"),
+        (fp8_launch, "quantize_rows"), (fp8_launch, "fp8_fc1_swiglu"), (fp8_launch, "fp8_grouped_gemm"),
+        (fp8_launch, "fp8_fc2_dgrad_dswiglu"), (fp8_launch, "quantize_sorted_cols_t"),
+        (fp8_launch, "fp8_grouped_wgrad"), (fp8_launch, "expert_tile_offsets"),
     ]
+    if deep:  # the pieces of the quantised path's steps, down to each launch, allocation and TMA descriptor
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        targets += [
+            (routing_plan, "allocate_routing_plan"), (routing_plan, "fill_routing_plan"),
+            (routing_plan, "routing_keys"), (fp8_launch, "quantize_view"), (fp8_launch, "ws_fc1_unavailable"),
+            (fp8_launch, "ws_gemm_unavailable"), (fp8_launch, "fp8_fc1_swiglu_ws"),
+            (fp8_launch, "fp8_grouped_gemm_ws"), (fp8_ws_launch, "_descriptors"), (fp8_ws_launch, "_grid"),
+            (TensorDescriptor, "from_tensor"), (torch, "empty"),
+        ] + [(module, "launch") for module in LAUNCHING_MODULES]
     saved = [(obj, attr, getattr(obj, attr)) for obj, attr in targets]
     for obj, attr, fn in saved:
-        setattr(obj, attr, wrap(fn, attr))
+        label = f"{obj.__name__.rsplit('.', 1)[-1]}.launch" if attr == "launch" else attr
+        setattr(obj, attr, wrap(fn, label))
     try:
         began = time.perf_counter()
         step()
@@ -162,15 +183,18 @@ def main():
     p.add_argument("--grad", action="store_true", help="forward + backward instead of the no-grad forward")
     p.add_argument("--forward-grad", action="store_true", help="the forward with autograd alone (what the benchmark "
                    "subtracts from forward + backward)")
+    p.add_argument("--precision", default="bf16", help="the layer's precision (bf16, fp8, fp8_bwd, mxfp8)")
     p.add_argument("--profiler", action="store_true", help="torch.profiler timeline instead of launch events")
     p.add_argument("--host-sections", action="store_true", help="host time per step of the call, no CUDA events")
+    p.add_argument("--deep", action="store_true", help="with --host-sections: also the steps' pieces (each launch, "
+                   "allocation, descriptor, plan part)")
     p.add_argument("--repeat", type=int, default=1,
                    help="calls issued back to back per timeline (as the benchmark's --repeat); events only")
     p.add_argument("--out", default=None, help="write each rank's timeline to OUT.rankN.txt as well")
     args = p.parse_args()
     group = torchrun_group()
     rank = 0 if group is None else dist.get_rank(group)
-    work = make_workload(args.shape, args.tokens, "mega_moe", "bf16", group)
+    work = make_workload(args.shape, args.tokens, "mega_moe", args.precision, group)
     step = work.fwd_bwd if args.grad else work.fwd_grad if args.forward_grad else work.fwd
     for _ in range(3):
         step()
@@ -191,7 +215,7 @@ def main():
             torch.cuda.synchronize()
             if group is not None:
                 dist.barrier(group)
-            lines += [f"call {i}"] + (host_sections(step) if args.host_sections else event_timeline(step, args.repeat))
+            lines += [f"call {i}"] + (host_sections(step, args.deep) if args.host_sections else event_timeline(step, args.repeat))
     text = "\n".join(f"rank {rank} {line}" for line in lines)
     print(text, flush=True)
     if args.out:

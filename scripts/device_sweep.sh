@@ -15,6 +15,9 @@
 #   bash scripts/device_sweep.sh s15e       # the one-pass SwiGLU backward: tests, probe, the layer against ab_base/
 #   bash scripts/device_sweep.sh s15f       # the same after its copies became asynchronous (torch in the record)
 #   bash scripts/device_sweep.sh s15g       # the sorting placement kernel: GPU tests, the fp8 layer (profiled)
+#   bash scripts/device_sweep.sh s16a       # routing GPU test, fp8 one-call timelines, ncu on the backward's passes
+#   bash scripts/device_sweep.sh s16b       # the passes' configs timed alone, the fp8 forward's host pieces
+#   bash scripts/device_sweep.sh s16c       # pooled plans, new pass configs: GPU tests, the layer against ab_base/
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -294,6 +297,55 @@ case "${1:-}" in
     step fp8_sort_r5 60 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 \
       --backends mega_moe --repeat 5 --iters 5 --warmup 2 --out "$LOGS/fp8_sort_r5.json"
     tail -2 "$LOGS/fp8_sort_r5.log" ;;
+  s16a)  # the placement kernel's GPU test and the fp8 oracle tests; fp8 one-call timelines (launch events, host
+         # sections); Nsight Compute on the backward's memory passes (SwiGLU rows / columns, x^T, dy^T) and on dW1
+    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_sort 150 python -m pytest -q tests/test_mega_moe_kernels.py \
+      tests/test_fp8_experts.py -k "on_gpu or gpu_against_oracle" -rA
+    tail -2 "$LOGS/pytest_sort.log"
+    for what in fwd grad; do
+      flag=""; [ $what = grad ] && flag=--grad
+      step "timeline_$what" 90 python scripts/call_timeline.py --precision fp8 $flag --out "$LOGS/timeline_$what"
+      tail -4 "$LOGS/timeline_$what.log"
+      step "sections_$what" 90 python scripts/call_timeline.py --precision fp8 $flag --host-sections
+      tail -3 "$LOGS/sections_$what.log"
+    done
+    step ncu_passes 200 ncu --clock-control none --kernel-name regex:"swiglu_backward_quantize|gather_quantize_cols_t" \
+      --launch-skip 4 --launch-count 4 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section SchedulerStats --section Occupancy \
+      --section LaunchStats --section SourceCounters python scripts/call_timeline.py --precision fp8 --grad
+    grep -E "^  [a-z_]+kernel|Duration|DRAM Throughput|Memory Throughput|Warp Cycles Per Issued|Achieved Occ|Registers" \
+      "$LOGS/ncu_passes.log" | head -40
+    step ncu_wgrad 120 ncu --clock-control none --kernel-name regex:fp8_grouped_wgrad_ws --launch-skip 2 \
+      --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis python scripts/call_timeline.py \
+      --precision fp8 --grad
+    grep -E "Duration|Throughput|Warp Cycles|Issued|Eligible|Pipe" "$LOGS/ncu_wgrad.log" | head -20 ;;
+  s16b)  # the backward's memory passes in several configs (launches alone, CUDA events), then where one fp8
+         # forward's host time goes, piece by piece
+    step pass_probe 240 python scripts/fp8_pass_probe.py
+    tail -40 "$LOGS/pass_probe.log"
+    step sections_deep 90 python scripts/call_timeline.py --precision fp8 --host-sections --deep
+    grep -A80 "call 2" "$LOGS/sections_deep.log" | cut -c1-120 ;;
+  s16c)  # the pooled routing plans, the row quantiser launched without views, the passes' new configs: GPU tests
+         # (quantised precisions, the bf16 layer's, the one-pass SwiGLU kernel against the two launches), then the
+         # layer one call (fp8, fp8_bwd, bf16) alternating with ab_base/ (the session's starting code), back to back,
+         # and where one fp8 forward's host time goes
+    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_s16 300 python -m pytest -q tests/test_fp8_experts.py \
+      tests/test_swiglu_grad_fused.py tests/test_mega_moe_kernels.py -k "gpu or half_tile or tma or fused" -rA
+    tail -3 "$LOGS/pytest_s16.log"
+    for run in new base new2 base2; do
+      tree=.; [ "${run#base}" != "$run" ] && tree=ab_base
+      extra=(--backends mega_moe); [ $run = new ] && extra=(--backends mega_moe --profile-dir "$LOGS/prof_s16")
+      (cd $tree && PYTHONPATH=/tmp/site:$PWD step "layer_$run" 150 python -m prime_megamoe.bench \
+        --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd bf16 --iters 5 --warmup 2 "${extra[@]}" \
+        --out "$LOGS/layer_$run.json"
+       tail -4 "$LOGS/layer_$run.log")
+    done
+    step layer_r5 120 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd \
+      --backends mega_moe --repeat 5 --iters 5 --warmup 2 --out "$LOGS/layer_r5.json"
+    tail -3 "$LOGS/layer_r5.log"
+    step sections 90 python scripts/call_timeline.py --precision fp8 --host-sections --deep
+    grep -A40 "call 2" "$LOGS/sections.log" | cut -c1-100 ;;
   ncu_fc1)  # Nsight Compute on one FC1 + SwiGLU launch: the Triton kernel, then the warp-specialised one
     for kern in triton ws; do
       step "ncu_fc1_$kern" 80 ncu --clock-control none --kernel-name regex:fp8_fc1_swiglu --launch-skip 2 \

@@ -27,13 +27,11 @@ in sorted order, and the plan itself, leased from the transport's pool until the
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from ..comm.transport import PAIR_RESULTS, ROW_RESULTS, Transport
 from . import launch
-from .routing_plan import RoutingPlan, allocate_routing_plan, fill_routing_plan
+from .routing_plan import PlanLease, allocate_routing_plan, fill_routing_plan, take_plan
 
 
 def compute_order(transport: Transport):
@@ -53,34 +51,14 @@ def own_split(num_local: int) -> int:
     return num_local * 3 // 4
 
 
-class PlanLease:
-    """A forward routing plan taken from its transport's pool. The plan goes back to the pool when the lease is
-    dropped: at the end of a call that keeps nothing for a backward, or when the autograd graph holding the lease is
-    freed (after its backward, or unused). A plan is therefore never refilled while a backward may still read it
-    (also one run with ``retain_graph``), and a model's layers reuse the same few plans step after step: no per-call
-    copy of the plan, and the segment views each plan caches stay valid for its forward and backward."""
-
-    def __init__(self, pool: list, plan: RoutingPlan, stream):
-        self.plan = plan
-        weakref.finalize(self, pool.append, (plan, stream))  # holds the pool and the plan, not the lease
-
-
 def lease_forward_plan(transport: Transport, top_k: int, num_local: int, tile_m: int,
                        device: torch.device) -> PlanLease:
     """A forward plan for this transport's rounds at these sizes, emptied for a new fill: a free one from the
     transport's pool, else a new one. A plan last used on another stream is waited for (its stream) first."""
     pool = transport.reused.setdefault(("forward_plans", top_k, num_local, tile_m, device), [])
-    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-    if pool:
-        plan, last_stream = pool.pop()
-        if stream is not None and last_stream is not None and last_stream != stream:
-            stream.wait_stream(last_stream)
-        plan.counts.zero_()
-    else:
-        plan = allocate_routing_plan(transport.world * transport.capacity, top_k, num_local_experts=num_local,
-                                     tile_m=tile_m, device=device, num_segments=transport.world,
-                                     split_expert=own_split(num_local))
-    return PlanLease(pool, plan, stream)
+    return take_plan(pool, lambda: allocate_routing_plan(
+        transport.world * transport.capacity, top_k, num_local_experts=num_local, tile_m=tile_m, device=device,
+        num_segments=transport.world, split_expert=own_split(num_local)), device)
 
 
 class ExpertParallelExperts(torch.autograd.Function):

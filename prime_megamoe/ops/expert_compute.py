@@ -4,7 +4,8 @@ Forward:  FC1 (gather rows, SwiGLU epilogue) -> FC2 (top-k weight epilogue) -> c
 order). Backward: FC2 dgrad with the dSwiGLU and top-k weight gradient in its epilogue -> FC1 dgrad -> combine into
 dx; weight gradients as grouped GEMMs reducing over each expert's rows.
 
-What the forward saves: the source rows (the caller holds them anyway), the routing plan, and the FC1 output
+What the forward saves: the source rows (the caller holds them anyway), the routing plan (leased from a pool of plans
+of its sizes until the graph is freed: ``routing_plan.PlanLease``), and the FC1 output
 h = x W1^T ([P, 2I], P = rows * k). Saving h instead of recomputing FC1 costs P * 2I * 2 bytes in bf16: at the
 Qwen3-30B-A3B shape and T = 16384, 131072 * 1536 * 2 = 403 MB per layer (Qwen3-235B-A22B: 805 MB), and saves an FC1
 GEMM (a third of the forward FLOPs) in the backward. Trainers that checkpoint activations re-run the forward of one
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import launch
-from .routing_plan import RoutingPlan, build_routing_plan
+from .routing_plan import RoutingPlan, lease_routing_plan
 
 
 def unquantized_forward(rows, w1, w2, plan: RoutingPlan, save_h: bool):
@@ -45,14 +46,16 @@ class RoutedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, top_k_index, top_k_weights, w1, w2, expert_base: int, tile_m: int, grad_enabled: bool):
         rows = rows.contiguous()
-        plan = build_routing_plan(
+        # A pooled plan (routing_plan.PlanLease): no allocation on the host's path to the first GEMM.
+        lease = lease_routing_plan(
             top_k_index, top_k_weights, expert_base=expert_base, num_local_experts=w1.shape[0], tile_m=tile_m
         )
+        plan = lease.plan
         need_grad = grad_enabled and any(ctx.needs_input_grad[i] for i in (0, 2, 3, 4))
         out, h = unquantized_forward(rows, w1, w2, plan, save_h=need_grad)
         if need_grad:
             ctx.save_for_backward(rows, w1, w2, h)
-            ctx.plan = plan
+            ctx.plan, ctx.plan_lease = plan, lease  # the lease (and its plan) held until the graph is freed
         ctx.weights_dtype = top_k_weights.dtype
         return out
 

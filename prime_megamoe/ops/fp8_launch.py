@@ -42,15 +42,19 @@ from .routing_plan import RoutingPlan
 from .sizes import cdiv
 
 FP8_DTYPE = torch.float8_e4m3fn
-# The quantising SwiGLU backward pass in two launches: the row-scaled outputs from 16 x 128 blocks, then the column-
-# scaled ones from 128 x 64 blocks, 4 warps each. At Qwen3-30B-A3B, T = 16384 (fp8_probe_s11_pruned.txt): 0.664 ms,
-# against 0.767 for one launch over 128 x 128 blocks (8 warps), which holds too many fp32 tiles at once.
-DSWIGLU_ROWS_BLOCK = (16, 128, 4)  # (BLOCK_R, BLOCK_C, num_warps)
-DSWIGLU_COLS_BLOCK = (QTILE_M, 64, 4)
+# The quantising SwiGLU backward pass in two launches: the row-scaled outputs from 32 x 128 blocks (4 warps), then the
+# column-scaled ones from 128 x 16 blocks (2 warps). One launch over 128 x 128 blocks (8 warps) holds too many fp32
+# tiles at once (0.767 against 0.664 ms for two, fp8_probe_s11_pruned.txt). Block shapes and warps timed alone at
+# Qwen3-30B-A3B, T = 16384 (scripts/fp8_pass_probe.py, fp8_pass_probe_s16.txt): rows 0.211 ms against 0.219 for
+# 16 x 128; columns 0.434 against 0.460 for 128 x 64 with 4 warps (which takes 255 registers a thread, 12% occupancy,
+# yet no config reached 2.2 TB/s: the column pass's time is its instructions, not its occupancy).
+DSWIGLU_ROWS_BLOCK = (32, 128, 4)  # (BLOCK_R, BLOCK_C, num_warps)
+DSWIGLU_COLS_BLOCK = (QTILE_M, 16, 2)
 # The one-pass form (kernels/swiglu_grad_fused.py): RB-row chunks of a 128-row tile, num_warps.
 DSWIGLU_FUSED_BLOCK = (16, 8)
-# The x^T / dy^T gather-quantise pass: a 128-row tile x GATHER_COLS_T_BLOCK[0] columns per program, [1] warps.
-GATHER_COLS_T_BLOCK = (64, 4)
+# The x^T / dy^T gather-quantise pass: a 128-row tile x GATHER_COLS_T_BLOCK[0] columns per program, [1] warps (0.241
+# against 0.245 ms for 64 columns, 4 warps; fp8_pass_probe_s16.txt).
+GATHER_COLS_T_BLOCK = (32, 2)
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,15 @@ def _4d(t: torch.Tensor) -> torch.Tensor:
     while t.dim() < 4:
         t = t.unsqueeze(0)
     return t
+
+
+def _shape_strides_4d(t: torch.Tensor) -> tuple[list[int], list[int]]:
+    """``_4d(t)``'s shape and strides, computed without making the views (host time on the layer's path)."""
+    shape, strides = list(t.shape), list(t.stride())
+    while len(shape) < 4:
+        strides.insert(0, shape[0] * strides[0] if shape else 1)  # as unsqueeze(0) gives it
+        shape.insert(0, 1)
+    return shape, strides
 
 
 def _quant_tile(qm: int, qk: int) -> tuple[int, int]:
@@ -139,10 +152,13 @@ def quantize_rows(x: torch.Tensor, fmt: QFormat, *, segments: int = 1) -> QTenso
     ng = cdiv(seg, fmt.group)
     q = torch.empty(rows, k, dtype=FP8_DTYPE, device=x.device)
     s = torch.empty(rows, segments * ng, dtype=fmt.scale_dtype, device=x.device)
-    quantize_view(
-        x.unflatten(1, (segments, seg)).transpose(0, 1), q.view(rows, segments, seg).transpose(0, 1),
-        s.view(rows, segments, ng).transpose(0, 1), (1, fmt.group), pow2=fmt.pow2, e8m0=fmt.mx,
-    )
+    if segments == 1:  # (no views: host time on the layer's path to its first GEMM)
+        quantize_view(x, q, s, (1, fmt.group), pow2=fmt.pow2, e8m0=fmt.mx)
+    else:
+        quantize_view(
+            x.unflatten(1, (segments, seg)).transpose(0, 1), q.view(rows, segments, seg).transpose(0, 1),
+            s.view(rows, segments, ng).transpose(0, 1), (1, fmt.group), pow2=fmt.pow2, e8m0=fmt.mx,
+        )
     return QTensor(q, s)
 
 

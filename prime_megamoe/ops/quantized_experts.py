@@ -91,7 +91,7 @@ from ..kernels.fp8_gemm import QTILE_M
 from . import fp8_launch as fl
 from . import launch
 from .expert_compute import combine_with_pair_values, unquantized_forward
-from .routing_plan import RoutingPlan, build_routing_plan
+from .routing_plan import PlanLease, RoutingPlan, lease_routing_plan
 
 QUANTIZED_PRECISIONS = ("fp8", "fp8_bwd", "mxfp8")
 
@@ -222,8 +222,10 @@ def weight_cache_info() -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 # Autograd
 # ----------------------------------------------------------------------------------------------------------------
-def _plan(top_k_index, top_k_weights, num_local_experts: int, expert_base: int, tile_m: int) -> RoutingPlan:
-    return build_routing_plan(
+def _plan(top_k_index, top_k_weights, num_local_experts: int, expert_base: int, tile_m: int) -> PlanLease:
+    """The filled routing plan on a lease from the pool of plans of its sizes (no allocation on the host's path to the
+    first GEMM); whoever keeps the plan for the backward keeps the lease with it."""
+    return lease_routing_plan(
         top_k_index, top_k_weights, expert_base=expert_base, num_local_experts=num_local_experts, tile_m=tile_m
     )
 
@@ -242,13 +244,13 @@ class QuantizedRoutedExperts(torch.autograd.Function):
         if precision == "fp8_bwd":
             # bf16 forward: the bf16 kernels' own tile height, then (if it differs) the 128-row plan for the backward.
             # Both plans sort the rows identically, so h lines up with either.
-            fwd_plan = _plan(top_k_index, top_k_weights, num_local, expert_base, tile_m)
-            out, h = unquantized_forward(rows, w1, w2, fwd_plan, save_h=need_grad)
-            plan = fwd_plan
+            lease = _plan(top_k_index, top_k_weights, num_local, expert_base, tile_m)
+            out, h = unquantized_forward(rows, w1, w2, lease.plan, save_h=need_grad)
             if need_grad and tile_m != QTILE_M:
-                plan = _plan(top_k_index, top_k_weights, num_local, expert_base, QTILE_M)
+                lease = _plan(top_k_index, top_k_weights, num_local, expert_base, QTILE_M)
         else:
-            plan = _plan(top_k_index, top_k_weights, num_local, expert_base, QTILE_M)
+            lease = _plan(top_k_index, top_k_weights, num_local, expert_base, QTILE_M)
+            plan = lease.plan
             xq = fl.quantize_rows(rows, fmt)
             w1q = cached_weight_operand(w1, "w1_fwd", fmt)
             w2q = cached_weight_operand(w2, "w2_fwd", fmt)
@@ -259,7 +261,7 @@ class QuantizedRoutedExperts(torch.autograd.Function):
             out = launch.combine_rows(out_sorted, plan.pair_pos, rows.dtype)
         if need_grad:
             ctx.save_for_backward(rows, w1, w2, h)
-            ctx.plan = plan
+            ctx.plan, ctx.plan_lease = lease.plan, lease  # the lease (and its plan) held until the graph is freed
             ctx.fmt = fmt
         ctx.weights_dtype = top_k_weights.dtype
         return out

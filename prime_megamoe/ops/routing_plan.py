@@ -7,6 +7,8 @@ time issuing it, and the layer can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -261,3 +263,55 @@ def build_routing_plan(
     )
     fill_routing_plan(plan, top_k_index, top_k_weights, expert_base=expert_base)
     return plan
+
+
+class PlanLease:
+    """A routing plan taken from a pool of free plans of its sizes. The plan goes back to the pool when the lease is
+    dropped: at the end of a call that keeps nothing for a backward, or when the autograd graph holding the lease is
+    freed (after its backward, or unused). A plan is therefore never refilled while a backward may still read it
+    (also one run with ``retain_graph``), and a model's layers reuse the same few plans step after step: no per-call
+    allocation of the plan's dozen views, and the segment views each plan caches stay valid for its forward and
+    backward. A plan returned on one stream and taken on another is waited for first (``take_plan``)."""
+
+    def __init__(self, pool: list, plan: RoutingPlan, stream):
+        self.plan = plan
+        weakref.finalize(self, pool.append, (plan, stream))  # holds the pool and the plan, not the lease
+
+
+def take_plan(pool: list, allocate, device: torch.device) -> PlanLease:
+    """A lease on a free plan of ``pool``, its counts zeroed for a new fill, else on ``allocate()``."""
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    if pool:
+        plan, last_stream = pool.pop()
+        if stream is not None and last_stream is not None and last_stream != stream:
+            stream.wait_stream(last_stream)
+        plan.counts.zero_()
+    else:
+        plan = allocate()
+    return PlanLease(pool, plan, stream)
+
+
+# Free one-segment plans by (rows, top_k, local experts, tile_m, device), for the layer without expert parallelism.
+# Only the PLAN_POOL_SIZES most recently used sizes keep theirs: token counts that change from step to step must not
+# leave a plan behind for each count seen (a dropped pool's plans are freed as their leases end).
+_PLAN_POOLS: OrderedDict[tuple, list] = OrderedDict()
+PLAN_POOL_SIZES = 4
+
+
+def lease_routing_plan(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *, expert_base: int,
+                       num_local_experts: int, tile_m: int) -> PlanLease:
+    """``build_routing_plan``'s plan (one segment), filled, on a lease from the pool of plans of its sizes."""
+    rows, top_k = top_k_index.shape
+    device = top_k_index.device
+    key = (rows, top_k, num_local_experts, tile_m, device)
+    pool = _PLAN_POOLS.get(key)
+    if pool is None:
+        pool = _PLAN_POOLS[key] = []
+        while len(_PLAN_POOLS) > PLAN_POOL_SIZES:
+            _PLAN_POOLS.popitem(last=False)
+    else:
+        _PLAN_POOLS.move_to_end(key)
+    lease = take_plan(pool, lambda: allocate_routing_plan(rows, top_k, num_local_experts=num_local_experts,
+                                                          tile_m=tile_m, device=device), device)
+    fill_routing_plan(lease.plan, top_k_index, top_k_weights, expert_base=expert_base)
+    return lease
