@@ -215,7 +215,8 @@ def main():
             torch.cuda.synchronize()
             if group is not None:
                 dist.barrier(group)
-            lines += [f"call {i}"] + (host_sections(step, args.deep) if args.host_sections else event_timeline(step, args.repeat))
+            lines += [f"call {i}"] + (host_sections(step, args.deep) if args.host_sections
+                                      else event_timeline(step, args.repeat))
     text = "\n".join(f"rank {rank} {line}" for line in lines)
     print(text, flush=True)
     if args.out:

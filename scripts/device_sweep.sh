@@ -313,7 +313,7 @@ case "${1:-}" in
       --launch-skip 4 --launch-count 4 --section SpeedOfLight --section MemoryWorkloadAnalysis \
       --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section SchedulerStats --section Occupancy \
       --section LaunchStats --section SourceCounters python scripts/call_timeline.py --precision fp8 --grad
-    grep -E "^  [a-z_]+kernel|Duration|DRAM Throughput|Memory Throughput|Warp Cycles Per Issued|Achieved Occ|Registers" \
+    grep -E "^  [a-z_]+kernel|Duration|DRAM Throughput|Memory Throughput|Warp Cycles Per Issued|Achieved Occ" \
       "$LOGS/ncu_passes.log" | head -40
     step ncu_wgrad 120 ncu --clock-control none --kernel-name regex:fp8_grouped_wgrad_ws --launch-skip 2 \
       --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
