@@ -29,6 +29,7 @@ from prime_megamoe.ops.fp8_ws_launch import (
     ws_fc1_unavailable,
     ws_gemm_unavailable,
     ws_wgrad_unavailable,
+    weight_descriptor,
 )
 from prime_megamoe.ops.routing_plan import build_routing_plan
 from tests.oracle import ragged_routing, rel_err
@@ -80,6 +81,20 @@ def test_ws_applicability_says_why_not():
     a = torch.empty(256, 256, dtype=fl.FP8_DTYPE)
     b = torch.empty(2, 128, 256, dtype=fl.FP8_DTYPE)
     assert "CUDA GPU" in ws_gemm_unavailable(a, b, mx=False, gather=False, segments=1, k=256)
+
+
+def test_weight_descriptor_is_made_once_per_operand():
+    # A cached weight operand keeps its TMA descriptor (no descriptor per call); a new operand (the weight changed,
+    # so the cache quantised it again) gets its own, over its own data.
+    w = torch.randn(2, 256, 256)
+    first = fl.quantize_w2_fwd(w, fl.fp8_format())
+    desc = weight_descriptor(first)
+    assert weight_descriptor(first) is desc
+    assert desc.base.data_ptr() == first.data.data_ptr() and list(desc.block_shape) == [128, 128]
+    assert list(desc.shape) == [2 * 256, 256]
+    second = fl.quantize_w2_fwd(w * 2, fl.fp8_format())
+    assert weight_descriptor(second) is not desc
+    assert weight_descriptor(second).base.data_ptr() == second.data.data_ptr()
 
 
 def _quantised_problem(tokens, hidden, inter, experts, top_k, seed, device):

@@ -12,8 +12,11 @@ import gc
 import pytest
 import torch
 
+from prime_megamoe import fused_experts
 from prime_megamoe.ops import routing_plan as rp
 from prime_megamoe.ops.routing_plan import build_routing_plan, lease_routing_plan
+
+from .oracle import make_problem
 
 
 def make_routing(rows: int, top_k: int, num_experts: int, seed: int, *, crowd: int | None = None):
@@ -93,3 +96,30 @@ def test_only_the_most_recently_used_sizes_keep_their_free_plans():
     kept_rows = sorted(key[0] for key in rp._PLAN_POOLS)
     assert kept_rows == list(range(4 + 2 * (2 + 0), 4 + 2 * (rp.PLAN_POOL_SIZES + 2), 2))
     assert all(len(pool) == 1 for pool in rp._PLAN_POOLS.values())
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_the_layer_returns_its_plan_after_a_no_grad_forward_and_after_the_backward(precision):
+    # A forward without autograd (inference, the first forward under activation checkpointing) runs without the
+    # autograd function and gives its plan back at once; a forward with autograd holds it until its graph is freed.
+    # The two forwards give the same output.
+    x, index, weights, w1, w2, grad_out = make_problem(24, 64, 32, 4, 2, torch.float32, seed=5, routing="ragged")
+
+    def layer(*inputs):
+        return fused_experts(*inputs, dispatch="mega_moe", precision=precision)
+
+    def free_plans():
+        gc.collect()
+        return sum(len(pool) for pool in rp._PLAN_POOLS.values())
+
+    with torch.no_grad():
+        out_no_grad = layer(x, index, weights, w1, w2)
+    assert out_no_grad.grad_fn is None and free_plans() == 1
+    params = [t.clone().requires_grad_() for t in (x, weights, w1, w2)]
+    out = layer(params[0], index, *params[1:])
+    assert free_plans() == 0  # held by the graph
+    assert torch.equal(out.detach(), out_no_grad)
+    out.backward(grad_out)
+    del out
+    assert free_plans() == 1
+    assert all(p.grad is not None for p in params)

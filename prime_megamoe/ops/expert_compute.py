@@ -39,6 +39,16 @@ def combine_with_pair_values(dx_sorted, dw_row, plan: RoutingPlan, dx_dtype, wei
     return grad_rows, grad_weights
 
 
+def _forward(rows, top_k_index, top_k_weights, w1, w2, expert_base: int, tile_m: int, need_grad: bool):
+    """(out [R, H], the plan's lease, h or None): a pooled plan (``routing_plan.PlanLease``), so no allocation on the
+    host's path to the first GEMM."""
+    lease = lease_routing_plan(
+        top_k_index, top_k_weights, expert_base=expert_base, num_local_experts=w1.shape[0], tile_m=tile_m
+    )
+    out, h = unquantized_forward(rows.contiguous(), w1, w2, lease.plan, save_h=need_grad)
+    return out, lease, h
+
+
 class RoutedExperts(torch.autograd.Function):
     """rows [R, H], top_k_index [R, k] (global ids), top_k_weights [R, k], w1 [E_l, 2I, H], w2 [E_l, H, I]
     -> out [R, H]: for each row, the weighted sum over the slots whose expert lives here (zeros if none)."""
@@ -46,13 +56,9 @@ class RoutedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, top_k_index, top_k_weights, w1, w2, expert_base: int, tile_m: int, grad_enabled: bool):
         rows = rows.contiguous()
-        # A pooled plan (routing_plan.PlanLease): no allocation on the host's path to the first GEMM.
-        lease = lease_routing_plan(
-            top_k_index, top_k_weights, expert_base=expert_base, num_local_experts=w1.shape[0], tile_m=tile_m
-        )
-        plan = lease.plan
         need_grad = grad_enabled and any(ctx.needs_input_grad[i] for i in (0, 2, 3, 4))
-        out, h = unquantized_forward(rows, w1, w2, plan, save_h=need_grad)
+        out, lease, h = _forward(rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, need_grad)
+        plan = lease.plan
         if need_grad:
             ctx.save_for_backward(rows, w1, w2, h)
             ctx.plan, ctx.plan_lease = plan, lease  # the lease (and its plan) held until the graph is freed
@@ -81,4 +87,8 @@ class RoutedExperts(torch.autograd.Function):
 
 
 def routed_experts(rows, top_k_index, top_k_weights, w1, w2, *, expert_base: int, tile_m: int) -> torch.Tensor:
-    return RoutedExperts.apply(rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, torch.is_grad_enabled())
+    if not torch.is_grad_enabled():
+        # Nothing to record (inference, the first forward under activation checkpointing): the forward alone,
+        # without autograd's bookkeeping on the host's path to the first GEMM (single calls are host-bound).
+        return _forward(rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, need_grad=False)[0]
+    return RoutedExperts.apply(rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, True)

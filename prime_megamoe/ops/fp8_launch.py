@@ -20,7 +20,7 @@ The GEMM launchers read operands through TMA tensor descriptors where the GPU ha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -86,6 +86,9 @@ MX_FORMAT = QFormat("mx", 32, 1, True)
 class QTensor:
     data: torch.Tensor  # float8_e4m3fn
     scale: torch.Tensor  # fp32 (fp8 format) or uint8 e8m0 (mx format)
+    # TMA descriptors over ``data`` made so far, by box and layout: a cached weight operand keeps its own, so the
+    # launchers do not rebuild them on every call (``fp8_ws_launch.weight_descriptor``)
+    descriptors: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 def _4d(t: torch.Tensor) -> torch.Tensor:

@@ -134,15 +134,27 @@ def tma_store_applies(c: torch.Tensor) -> bool:
     return c.dtype in (torch.bfloat16, torch.float16) and tma_readable(c)
 
 
-def _descriptors(a_2d: torch.Tensor, b_2d: torch.Tensor, c_2d: torch.Tensor | None, config: WSConfig):
-    """TMA descriptors of A (boxes of one MMA partition's rows), the K-major B and, where the config stores by TMA
-    and ``c_2d`` (None: it cannot be viewed so) can take it, the output; A's stands in for an output not stored by
-    TMA (the kernel does not read it). Returns them and whether the output is stored by TMA."""
+def weight_descriptor(bq: QTensor):
+    """The TMA descriptor of a K-major operand viewed as [rows, K] in [WS_BLOCK_N, WS_BLOCK_K] boxes, made once per
+    QTensor (cached weight operands live until their weight changes: no descriptor per call)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    a_layout, b_layout = _layouts(config.a_rows)
-    a_desc = TensorDescriptor.from_tensor(a_2d, [config.a_rows, WS_BLOCK_K], a_layout)
-    b_desc = TensorDescriptor.from_tensor(b_2d, [WS_BLOCK_N, WS_BLOCK_K], b_layout)
+    layout = _layouts(WS_BLOCK_N)[1]
+    desc = bq.descriptors.get(layout)
+    if desc is None:
+        desc = bq.descriptors[layout] = TensorDescriptor.from_tensor(
+            bq.data.view(-1, bq.data.shape[-1]), [WS_BLOCK_N, WS_BLOCK_K], layout)
+    return desc
+
+
+def _descriptors(a_2d: torch.Tensor, b_desc, c_2d: torch.Tensor | None, config: WSConfig):
+    """TMA descriptors of A (boxes of one MMA partition's rows) and, where the config stores by TMA and ``c_2d``
+    (None: it cannot be viewed so) can take it, the output; A's stands in for an output not stored by TMA (the kernel
+    does not read it). Returns them with ``b_desc`` (``weight_descriptor``) and whether the output is stored by
+    TMA."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    a_desc = TensorDescriptor.from_tensor(a_2d, [config.a_rows, WS_BLOCK_K], _layouts(config.a_rows)[0])
     tma_store = config.tma_store and c_2d is not None and tma_store_applies(c_2d)
     c_desc = (TensorDescriptor.from_tensor(c_2d, [config.a_rows, WS_BLOCK_N], _out_layout(config.a_rows, c_2d.dtype))
               if tma_store else a_desc)
@@ -169,7 +181,7 @@ def fp8_grouped_gemm_ws(aq: QTensor, bq: QTensor, plan: RoutingPlan, c: torch.Te
     rows, n, k = plan.num_pairs, bq_data.shape[1], bq_data.shape[2] // segments
     if rows == 0 or aq_data.shape[0] == 0:  # no rows (a rank that receives nothing): no tiles, no descriptor
         return
-    a_desc, b_desc, c_desc, tma_store = _descriptors(aq_data, bq_data.view(-1, bq_data.shape[2]), c, config)
+    a_desc, b_desc, c_desc, tma_store = _descriptors(aq_data, weight_descriptor(bq), c, config)
     tiles = plan.max_tiles * (QTILE_M // config.block_m) * cdiv(n, WS_BLOCK_N)
     grid = _grid(config.programs_per_sm, c.device, tiles, programs)
     load_warps, load_regs, mma_regs = ((WS_GATHER_LOAD_WARPS, WS_GATHER_LOAD_REGS, WS_GATHER_MMA_REGS) if gather
@@ -206,7 +218,7 @@ def fp8_grouped_wgrad_ws(a_t: QTensor, b_t: QTensor, out: torch.Tensor, *, exper
     m, n, experts = a_t.data.shape[0], b_t.data.shape[0], out.shape[0]
     # Boxes of the output viewed as [E * M, N] must not reach the next expert's rows.
     out_2d = out.view(-1, n) if out.is_contiguous() and m % config.a_rows == 0 else None
-    a_desc, b_desc, c_desc, tma_store = _descriptors(a_t.data, b_t.data, out_2d, config)
+    a_desc, b_desc, c_desc, tma_store = _descriptors(a_t.data, weight_descriptor(b_t), out_2d, config)
     tiles = experts * cdiv(m, config.block_m) * cdiv(n, WS_BLOCK_N)
     grid = _grid(config.programs_per_sm, out.device, tiles, programs)
     launch(
@@ -243,8 +255,6 @@ def fp8_fc1_swiglu_ws(xq: QTensor, w1q: QTensor, plan: RoutingPlan, h: torch.Ten
     row scales a_scale [P, inter / 128], with ``kernels/fp8_fc1_ws.py`` (callers check ``ws_fc1_unavailable``
     first): xq [R, H] row-scaled source rows, w1q = quantize_w1_fwd(W1) [E, 2I, H]. ``programs``: at most that many
     persistent programs (tests give small problems several tiles a program this way)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from ..kernels.fp8_fc1_ws import fp8_fc1_swiglu_ws_kernel
 
     rows, hidden = plan.num_pairs, xq.data.shape[1]
@@ -253,8 +263,7 @@ def fp8_fc1_swiglu_ws(xq: QTensor, w1q: QTensor, plan: RoutingPlan, h: torch.Ten
     if w1q.scale.stride(2) != 1:
         raise ValueError("W1's block scales must be contiguous along K")
     # Boxes of 128 gate (or up) rows of W1: a step reads one of each.
-    b_desc = TensorDescriptor.from_tensor(w1q.data.view(-1, hidden), [WS_BLOCK_N, WS_BLOCK_K],
-                                          _layouts(WS_BLOCK_N)[1])
+    b_desc = weight_descriptor(w1q)
     grid = _grid(1, aq.device, plan.max_tiles * (inter // WS_BLOCK_N), programs)
     save_h = h is not None
     launch(

@@ -230,39 +230,48 @@ def _plan(top_k_index, top_k_weights, num_local_experts: int, expert_base: int, 
     )
 
 
+def _forward(rows, top_k_index, top_k_weights, w1, w2, expert_base: int, tile_m: int, precision: str,
+             pow2_scales: bool, need_grad: bool):
+    """The layer's forward: (out [R, H], and for the backward (None unless ``need_grad``): the plan's lease, h)."""
+    check_precision_supported(precision, rows.device)
+    rows = rows.contiguous()
+    num_local, inter = w1.shape[0], w1.shape[1] // 2
+    fmt = _format(precision, pow2_scales)
+    if precision == "fp8_bwd":
+        # bf16 forward: the bf16 kernels' own tile height, then (if it differs) the 128-row plan for the backward.
+        # Both plans sort the rows identically, so h lines up with either.
+        lease = _plan(top_k_index, top_k_weights, num_local, expert_base, tile_m)
+        out, h = unquantized_forward(rows, w1, w2, lease.plan, save_h=need_grad)
+        if need_grad and tile_m != QTILE_M:
+            lease = _plan(top_k_index, top_k_weights, num_local, expert_base, QTILE_M)
+    else:
+        lease = _plan(top_k_index, top_k_weights, num_local, expert_base, QTILE_M)
+        plan = lease.plan
+        xq = fl.quantize_rows(rows, fmt)
+        w1q = cached_weight_operand(w1, "w1_fwd", fmt)
+        w2q = cached_weight_operand(w2, "w2_fwd", fmt)
+        h, aq = fl.fp8_fc1_swiglu(xq, w1q, plan, fmt, inter=inter, h_dtype=rows.dtype if need_grad else None,
+                                  use_ws=None)
+        out_sorted = fl.fp8_grouped_gemm(aq, w2q, plan, fmt, out_dtype=rows.dtype, row_scale=plan.row_weight,
+                                         use_ws=None)
+        out = launch.combine_rows(out_sorted, plan.pair_pos, rows.dtype)
+    return (out, lease, h) if need_grad else (out, None, None)
+
+
 class QuantizedRoutedExperts(torch.autograd.Function):
     """Like ``expert_compute.RoutedExperts`` with fp8 / MXFP8 GEMMs; ``precision`` in QUANTIZED_PRECISIONS."""
 
     @staticmethod
     def forward(ctx, rows, top_k_index, top_k_weights, w1, w2, expert_base: int, tile_m: int, precision: str,
                 pow2_scales: bool, grad_enabled: bool):
-        check_precision_supported(precision, rows.device)
-        rows = rows.contiguous()
-        num_local, inter = w1.shape[0], w1.shape[1] // 2
         need_grad = grad_enabled and any(ctx.needs_input_grad[i] for i in (0, 2, 3, 4))
-        fmt = _format(precision, pow2_scales)
-        if precision == "fp8_bwd":
-            # bf16 forward: the bf16 kernels' own tile height, then (if it differs) the 128-row plan for the backward.
-            # Both plans sort the rows identically, so h lines up with either.
-            lease = _plan(top_k_index, top_k_weights, num_local, expert_base, tile_m)
-            out, h = unquantized_forward(rows, w1, w2, lease.plan, save_h=need_grad)
-            if need_grad and tile_m != QTILE_M:
-                lease = _plan(top_k_index, top_k_weights, num_local, expert_base, QTILE_M)
-        else:
-            lease = _plan(top_k_index, top_k_weights, num_local, expert_base, QTILE_M)
-            plan = lease.plan
-            xq = fl.quantize_rows(rows, fmt)
-            w1q = cached_weight_operand(w1, "w1_fwd", fmt)
-            w2q = cached_weight_operand(w2, "w2_fwd", fmt)
-            h, aq = fl.fp8_fc1_swiglu(xq, w1q, plan, fmt, inter=inter, h_dtype=rows.dtype if need_grad else None,
-                                      use_ws=None)
-            out_sorted = fl.fp8_grouped_gemm(aq, w2q, plan, fmt, out_dtype=rows.dtype, row_scale=plan.row_weight,
-                                             use_ws=None)
-            out = launch.combine_rows(out_sorted, plan.pair_pos, rows.dtype)
+        rows = rows.contiguous()
+        out, lease, h = _forward(rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, precision,
+                                 pow2_scales, need_grad)
         if need_grad:
             ctx.save_for_backward(rows, w1, w2, h)
             ctx.plan, ctx.plan_lease = lease.plan, lease  # the lease (and its plan) held until the graph is freed
-            ctx.fmt = fmt
+            ctx.fmt = _format(precision, pow2_scales)
         ctx.weights_dtype = top_k_weights.dtype
         return out
 
@@ -321,7 +330,11 @@ def routed_experts_quantized(rows, top_k_index, top_k_weights, w1, w2, *, expert
     tile_m is the row tile of the bf16 kernels (the fp8_bwd forward); the quantised GEMMs always use 128-row tiles.
     """
     _require_quantized(precision)
+    if not torch.is_grad_enabled():
+        # Nothing to record (inference, the first forward under activation checkpointing): the forward alone,
+        # without autograd's bookkeeping on the host's path to the first GEMM (single calls are host-bound).
+        return _forward(rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, precision,
+                        bool(pow2_scales), need_grad=False)[0]
     return QuantizedRoutedExperts.apply(
-        rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, precision, bool(pow2_scales),
-        torch.is_grad_enabled(),
+        rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, precision, bool(pow2_scales), True,
     )
