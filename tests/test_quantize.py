@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from prime_megamoe.ops import fp8_launch as fl
-from prime_megamoe.ops.routing_plan import build_routing_plan
+from prime_megamoe.ops.routing_plan import allocate_routing_plan, build_routing_plan, fill_routing_plan
 from tests.oracle import ragged_routing
 
 FP8 = torch.float8_e4m3fn
@@ -104,6 +104,28 @@ def test_rows_scales_and_rounding_match_reference(fmt):
     assert ((y - x).abs()[big] <= x.abs()[big] * 2.0**-4 + 1e-30).all()
     if fmt.pow2 and not fmt.mx:
         assert (torch.frexp(qt.scale)[0] == 0.5).all()
+
+
+@pytest.mark.parametrize("fmt", [fl.fp8_format(), fl.fp8_format(pow2=True), fl.MX_FORMAT], ids=["fp32", "pow2", "mx"])
+def test_rows_quantised_by_the_routing_launch_match_quantize_rows(fmt):
+    """The quantised forward's x, quantised by the routing plan's first launch (``fl.row_quantization``), gives
+    ``quantize_rows``' bits and scales; the plan is the one a plain fill makes. Ragged: 37 rows (not a multiple of
+    the 64-row tile), 300 columns (not a multiple of the group), an expert with no rows, one with most."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(37, 300, generator=gen) * torch.exp2(torch.randint(-8, 8, (37, 1), generator=gen).float())
+    x[5] = 0.0
+    index, weights = ragged_routing(37, 6, 2, seed=5)
+    want = fl.quantize_rows(x, fmt)
+    plain = build_routing_plan(index, weights, expert_base=0, num_local_experts=6, tile_m=128)
+    got, request = fl.row_quantization(x, fmt)
+    plan = allocate_routing_plan(37, 2, num_local_experts=6, tile_m=128, device=x.device)
+    fill_routing_plan(plan, index, weights, expert_base=0, quantize=request)
+    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(got.scale, want.scale)
+    for part in ("counts", "expert_offsets", "pair_pos", "num_tiles"):
+        assert torch.equal(getattr(plan, part), getattr(plain, part)), part
+    with pytest.raises(ValueError, match="contiguous rows"):
+        fl.row_quantization(x.t(), fmt)
 
 
 def test_rows_segments_are_blocked_separately():

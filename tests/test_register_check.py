@@ -48,8 +48,14 @@ def test_kernel_compiles_for_hopper_without_spills(kernel, constexprs, extra):
 ROUTING = {"TOP_K": 8, "NUM_LOCAL": 64, "EXPERT_BLOCK": 64, "TILE_M": 128, "BLOCK": 1024, "TILE_BLOCK": 32, "HIST_BLOCK": 16}
 COMPILES = [
     ("prime_megamoe.kernels.routing:routing_keys_kernel",
-     {"NUM_LOCAL": 64, "NUM_BINS": 128, "SKIP": 64, "BLOCK": 1024, "COPY_ROUTING": True},
+     {"NUM_LOCAL": 64, "NUM_BINS": 128, "SKIP": 64, "BLOCK": 1024, "COPY_ROUTING": True, "QUANT_ROWS": False, "QK": 1,
+      "BM": 1, "BK": 1, "POW2": False, "E8M0": False},
      ["--types", '{"index_ptr": "*i64", "hist_ptr": "*i32", "weights_ptr": "*bf16"}']),
+    ("prime_megamoe.kernels.routing:routing_keys_kernel",  # with the forward's rows quantised in the same launch
+     {"NUM_LOCAL": 128, "NUM_BINS": 256, "SKIP": 128, "BLOCK": 1024, "COPY_ROUTING": False, "QUANT_ROWS": True,
+      "QK": 128, "BM": 64, "BK": 128, "POW2": False, "E8M0": False},
+     ["--types", '{"index_ptr": "*i64", "hist_ptr": "*i32", "x_ptr": "*bf16", "q_ptr": "*fp8e4nv", '
+      '"s_ptr": "*fp32"}']),
     ("prime_megamoe.kernels.routing:routing_place_kernel", {**ROUTING, "NUM_BINS": 128, "SKIP": 64, "HALVES": True},
      ["--types", '{"weights_ptr": "*bf16", "row_weight_ptr": "*fp32", "hist_ptr": "*i32"}']),
     ("prime_megamoe.kernels.routing:routing_place_kernel", {**ROUTING, "NUM_BINS": 256, "SKIP": 128, "HALVES": False},
@@ -79,7 +85,7 @@ COMPILES = [
 
 
 @pytest.mark.parametrize("kernel, constexprs, extra", COMPILES,
-                         ids=["routing_keys", "routing_place_halves", "routing_place", "expert_ids", "combine_pairs",
+                         ids=["routing_keys", "routing_keys_quant_rows", "routing_place_halves", "routing_place", "expert_ids", "combine_pairs",
                               "fc1_one_dot", "gemm_tma_both", "gemm_tma_weights", "wgrad_tma",
                               "wgrad_pointers"])
 def test_kernel_compiles_for_hopper(kernel, constexprs, extra):

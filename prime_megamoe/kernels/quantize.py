@@ -173,21 +173,13 @@ def gather_quantize_cols_t_kernel(
 # weight copies, and writes the layout each GEMM wants.
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
-def quantize_blocks_kernel(
-    x_ptr, q_ptr, s_ptr,
-    B2, M, K,
-    sx0, sx1, sx2, sx3,
-    sq0, sq1, sq2, sq3,
-    ss0, ss1, ss2, ss3,
-    QM: tl.constexpr, QK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, POW2: tl.constexpr,
-    E8M0: tl.constexpr,
+def quantize_tile(
+    x_ptr, q_ptr, s_ptr, b1, b2, pid_m, pid_k, M, K,
+    sx0, sx1, sx2, sx3, sq0, sq1, sq2, sq3, ss0, ss1, ss2, ss3,
+    QM: tl.constexpr, QK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, POW2: tl.constexpr, E8M0: tl.constexpr,
 ):
-    """One program quantises a BM x BK tile: (BM / QM) x (BK / QK) blocks."""
-    pid_b = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    b1 = (pid_b // B2).to(tl.int64)
-    b2 = (pid_b % B2).to(tl.int64)
+    """Tile (pid_m, pid_k) of BM x BK elements of matrix (b1, b2) (int64): (BM / QM) x (BK / QK) blocks. Also run by
+    ``routing.routing_keys_kernel``'s programs that quantise the forward's rows."""
     rows = pid_m * BM + tl.arange(0, BM)
     cols = pid_k * BK + tl.arange(0, BK)
     mask = (rows < M)[:, None] & (cols < K)[None, :]
@@ -210,6 +202,23 @@ def quantize_blocks_kernel(
         tl.store(s_ptrs, e8m0_from_scale(s), mask=s_mask)
     else:
         tl.store(s_ptrs, s, mask=s_mask)
+
+
+@triton.jit
+def quantize_blocks_kernel(
+    x_ptr, q_ptr, s_ptr,
+    B2, M, K,
+    sx0, sx1, sx2, sx3,
+    sq0, sq1, sq2, sq3,
+    ss0, ss1, ss2, ss3,
+    QM: tl.constexpr, QK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, POW2: tl.constexpr,
+    E8M0: tl.constexpr,
+):
+    """One program quantises a BM x BK tile: (BM / QM) x (BK / QK) blocks."""
+    pid_b = tl.program_id(0)
+    quantize_tile(x_ptr, q_ptr, s_ptr, (pid_b // B2).to(tl.int64), (pid_b % B2).to(tl.int64), tl.program_id(1),
+                  tl.program_id(2), M, K, sx0, sx1, sx2, sx3, sq0, sq1, sq2, sq3, ss0, ss1, ss2, ss3,
+                  QM, QK, BM, BK, POW2, E8M0)
 
 
 @triton.jit

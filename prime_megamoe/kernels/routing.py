@@ -11,13 +11,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .quantize import quantize_tile
+
 
 @triton.jit
 def routing_keys_kernel(
     index_ptr, key_ptr, counts_ptr, hist_ptr, num_pairs, pairs_per_segment, expert_base,
     weights_ptr, out_index_ptr, out_weights_ptr,
+    x_ptr, q_ptr, s_ptr, x_rows, x_cols, stride_xm, stride_qm, stride_sm, key_programs, x_col_tiles,
     NUM_LOCAL: tl.constexpr, NUM_BINS: tl.constexpr, SKIP: tl.constexpr, BLOCK: tl.constexpr,
-    COPY_ROUTING: tl.constexpr,
+    COPY_ROUTING: tl.constexpr, QUANT_ROWS: tl.constexpr, QK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    POW2: tl.constexpr, E8M0: tl.constexpr,
 ):
     """key = segment * NUM_LOCAL + local expert id of each (row, slot) pair, or SKIP (= segments * NUM_LOCAL) where
     the expert lives elsewhere; counts[key] += 1 for local keys. Segments count from the first one this launch
@@ -28,8 +32,19 @@ def routing_keys_kernel(
 
     COPY_ROUTING: also write the ids as int32 to out_index and the weights (weights_ptr) as fp32 to out_weights, the
     form peers read a published routing in: the copy rides on this launch instead of taking kernels of its own on
-    the side stream, where they would wait for a free SM behind the GEMMs and hold back the publish."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    the side stream, where they would wait for a free SM behind the GEMMs and hold back the publish.
+
+    QUANT_ROWS: programs from ``key_programs`` on quantise x [x_rows, x_cols] per row in 1 x QK blocks into q and
+    scales s (``quantize.quantize_tile``, BM x BK tiles, ``x_col_tiles`` a row): the quantised forward's rows ride
+    on this launch, one launch fewer on the host's path to the first GEMM. Otherwise the x arguments are unused."""
+    pid = tl.program_id(0)
+    if QUANT_ROWS:
+        if pid >= key_programs:
+            tile = pid - key_programs
+            quantize_tile(x_ptr, q_ptr, s_ptr, 0, 0, tile // x_col_tiles, tile % x_col_tiles, x_rows, x_cols,
+                          0, 0, stride_xm, 1, 0, 0, stride_qm, 1, 0, 0, stride_sm, 1, 1, QK, BM, BK, POW2, E8M0)
+            return
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_pairs
     ids = tl.load(index_ptr + offs, mask=mask, other=-1).to(tl.int32)
     if COPY_ROUTING:
@@ -41,7 +56,7 @@ def routing_keys_kernel(
     tl.store(key_ptr + offs, key, mask=mask)
     hist = tl.histogram(tl.where(mask, key, NUM_BINS - 1), NUM_BINS)
     bins = tl.arange(0, NUM_BINS)
-    tl.store(hist_ptr + tl.program_id(0) * NUM_BINS + bins, hist)
+    tl.store(hist_ptr + pid * NUM_BINS + bins, hist)
     tl.atomic_add(counts_ptr + bins, hist, mask=(bins < SKIP) & (hist > 0))
 
 

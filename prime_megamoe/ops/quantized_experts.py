@@ -222,11 +222,14 @@ def weight_cache_info() -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 # Autograd
 # ----------------------------------------------------------------------------------------------------------------
-def _plan(top_k_index, top_k_weights, num_local_experts: int, expert_base: int, tile_m: int) -> PlanLease:
+def _plan(top_k_index, top_k_weights, num_local_experts: int, expert_base: int, tile_m: int,
+          quantize=None) -> PlanLease:
     """The filled routing plan on a lease from the pool of plans of its sizes (no allocation on the host's path to the
-    first GEMM); whoever keeps the plan for the backward keeps the lease with it."""
+    first GEMM); whoever keeps the plan for the backward keeps the lease with it. ``quantize``: rows the fill's first
+    launch also quantises (``fp8_launch.row_quantization``)."""
     return lease_routing_plan(
-        top_k_index, top_k_weights, expert_base=expert_base, num_local_experts=num_local_experts, tile_m=tile_m
+        top_k_index, top_k_weights, expert_base=expert_base, num_local_experts=num_local_experts, tile_m=tile_m,
+        quantize=quantize,
     )
 
 
@@ -245,9 +248,10 @@ def _forward(rows, top_k_index, top_k_weights, w1, w2, expert_base: int, tile_m:
         if need_grad and tile_m != QTILE_M:
             lease = _plan(top_k_index, top_k_weights, num_local, expert_base, QTILE_M)
     else:
-        lease = _plan(top_k_index, top_k_weights, num_local, expert_base, QTILE_M)
+        # x quantised per row by the plan's first launch (the same bits as fl.quantize_rows, one launch fewer).
+        xq, x_quantization = fl.row_quantization(rows, fmt)
+        lease = _plan(top_k_index, top_k_weights, num_local, expert_base, QTILE_M, quantize=x_quantization)
         plan = lease.plan
-        xq = fl.quantize_rows(rows, fmt)
         w1q = cached_weight_operand(w1, "w1_fwd", fmt)
         w2q = cached_weight_operand(w2, "w2_fwd", fmt)
         h, aq = fl.fp8_fc1_swiglu(xq, w1q, plan, fmt, inter=inter, h_dtype=rows.dtype if need_grad else None,

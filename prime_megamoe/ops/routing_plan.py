@@ -10,6 +10,7 @@ from __future__ import annotations
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -176,15 +177,32 @@ def _plan_layout(num_rows, top_k, num_local, tile_m, num_segments, split_expert)
 ROUTING_CHUNK = 1024  # pairs per program of the routing kernels
 
 
+class RowQuantization(NamedTuple):
+    """Rows the plan's first launch also quantises (``routing_keys_kernel``'s QUANT_ROWS): x [R, K] (contiguous
+    rows) into q (fp8, same shape) and scale [R, cdiv(K, group)], one scale per row and ``group`` columns, in tiles of
+    block_rows x block_cols; ``fp8_launch.row_quantization`` makes it. One launch fewer on the host's path to the
+    quantised forward's first GEMM."""
+
+    x: torch.Tensor
+    q: torch.Tensor
+    scale: torch.Tensor
+    group: int
+    block_rows: int
+    block_cols: int
+    pow2: bool
+    e8m0: bool
+
+
 def routing_keys(top_k_index: torch.Tensor, counts: torch.Tensor, *, segment_pairs: int, expert_base: int,
-                 num_local_experts: int, chunk: int = ROUTING_CHUNK, scratch=None,
-                 copy_routing=None) -> tuple[torch.Tensor, torch.Tensor, int]:
+                 num_local_experts: int, chunk: int = ROUTING_CHUNK, scratch=None, copy_routing=None,
+                 quantize: RowQuantization | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(keys, hist, bins) of the (row, slot) pairs of ``top_k_index`` [n * R_s, k]: keys [n * R_s * k] int32, key =
     segment * E_local + local expert, or n * E_local where the expert is elsewhere; hist [chunks, bins] int32, each
     chunk's pairs per key (``bins`` a power of two > n * E_local + 1). ``counts`` [n * E_local] int32, zeroed: gets
     each local key's pairs added. ``scratch(size)``: where keys and hist go (a new tensor when None).
     ``copy_routing`` (weights, ids out int32, weights out fp32: contiguous, each with top_k_index's element count; an
-    internal call, unchecked): the same launch also writes the ids and weights there."""
+    internal call, unchecked): the same launch also writes the ids and weights there. ``quantize``: the same launch
+    also quantises those rows."""
     num_pairs = top_k_index.numel()
     chunks = max(cdiv(num_pairs, chunk), 1)
     num_bins = next_power_of_2(counts.numel() + 2)  # keys 0..n*E_l (the last: elsewhere), one for padding
@@ -195,24 +213,37 @@ def routing_keys(top_k_index: torch.Tensor, counts: torch.Tensor, *, segment_pai
         scratch = scratch(size)
     keys, hist = scratch[:num_pairs], scratch[num_pairs:]
     weights, out_index, out_weights = copy_routing if copy_routing is not None else (None, None, None)
+    if quantize is None:
+        programs, x_args = chunks, (None, None, None, 0, 0, 0, 0, 0, chunks, 1)
+        quant = {"QUANT_ROWS": False, "QK": 1, "BM": 1, "BK": 1, "POW2": False, "E8M0": False}
+    else:
+        x_rows, x_cols = quantize.x.shape
+        col_tiles = cdiv(x_cols, quantize.block_cols)
+        programs = chunks + cdiv(x_rows, quantize.block_rows) * col_tiles
+        x_args = (quantize.x, quantize.q, quantize.scale, x_rows, x_cols, quantize.x.stride(0), quantize.q.stride(0),
+                  quantize.scale.stride(0), chunks, col_tiles)
+        quant = {"QUANT_ROWS": True, "QK": quantize.group, "BM": quantize.block_rows, "BK": quantize.block_cols,
+                 "POW2": quantize.pow2, "E8M0": quantize.e8m0}
     launch(
-        routing_keys_kernel, (chunks,), top_k_index.reshape(-1), keys, counts, hist, num_pairs, max(segment_pairs, 1),
-        expert_base, weights, out_index, out_weights,
+        routing_keys_kernel, (programs,), top_k_index.reshape(-1), keys, counts, hist, num_pairs,
+        max(segment_pairs, 1), expert_base, weights, out_index, out_weights, *x_args,
         NUM_LOCAL=num_local_experts, NUM_BINS=num_bins, SKIP=counts.numel(), BLOCK=chunk,
-        COPY_ROUTING=copy_routing is not None,
+        COPY_ROUTING=copy_routing is not None, **quant,
     )
     return keys, hist, num_bins
 
 
 def fill_routing_plan(plan: RoutingPlan, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
                       expert_base: int, first_segment: int = 0, chunk: int = ROUTING_CHUNK,
-                      copy_to: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                      copy_to: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      quantize: RowQuantization | None = None) -> None:
     """Plan segments [first_segment, first_segment + n) from their source rows' global expert ids ``top_k_index``
     [n * R_s, k] (ids outside [expert_base, expert_base + E_local), including -1 for padding rows, are other ranks'
     and skipped) and weights. Segments filled in separate calls do not touch each other's parts of the plan. Two
     launches: keys and counts, then the sort that writes the plan (``kernels.routing``), ``chunk`` pairs a program.
     ``copy_to`` (ids int32, weights fp32, both [n * R_s, k] contiguous): the first launch also copies the routing
-    there, converted (a rank's published routing, ``Transport.routing_sink``)."""
+    there, converted (a rank's published routing, ``Transport.routing_sink``). ``quantize``: the first launch also
+    quantises those rows (``RowQuantization``)."""
     seg_rows = plan.num_rows // plan.num_segments
     rows, top_k = top_k_index.shape
     num_segments = rows // seg_rows if seg_rows else plan.num_segments  # no rows: every segment is empty
@@ -228,7 +259,7 @@ def fill_routing_plan(plan: RoutingPlan, top_k_index: torch.Tensor, top_k_weight
     keys, hist, num_bins = routing_keys(top_k_index, counts, segment_pairs=seg_pairs, expert_base=expert_base,
                                         num_local_experts=experts, chunk=chunk, scratch=plan.scratch,
                                         copy_routing=None if copy_to is None else (top_k_weights.reshape(-1),
-                                                                                   *copy_to))
+                                                                                   *copy_to), quantize=quantize)
     halves = plan.split_expert is not None
     skip = num_segments * experts
     launch(
@@ -299,8 +330,9 @@ PLAN_POOL_SIZES = 4
 
 
 def lease_routing_plan(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *, expert_base: int,
-                       num_local_experts: int, tile_m: int) -> PlanLease:
-    """``build_routing_plan``'s plan (one segment), filled, on a lease from the pool of plans of its sizes."""
+                       num_local_experts: int, tile_m: int, quantize: RowQuantization | None = None) -> PlanLease:
+    """``build_routing_plan``'s plan (one segment), filled, on a lease from the pool of plans of its sizes;
+    ``quantize``: the fill's first launch also quantises those rows (``RowQuantization``)."""
     rows, top_k = top_k_index.shape
     device = top_k_index.device
     key = (rows, top_k, num_local_experts, tile_m, device)
@@ -313,5 +345,5 @@ def lease_routing_plan(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *
         _PLAN_POOLS.move_to_end(key)
     lease = take_plan(pool, lambda: allocate_routing_plan(rows, top_k, num_local_experts=num_local_experts,
                                                           tile_m=tile_m, device=device), device)
-    fill_routing_plan(lease.plan, top_k_index, top_k_weights, expert_base=expert_base)
+    fill_routing_plan(lease.plan, top_k_index, top_k_weights, expert_base=expert_base, quantize=quantize)
     return lease
