@@ -18,6 +18,7 @@
 #   bash scripts/device_sweep.sh s16a       # routing GPU test, fp8 one-call timelines, ncu on the backward's passes
 #   bash scripts/device_sweep.sh s16b       # the passes' configs timed alone, the fp8 forward's host pieces
 #   bash scripts/device_sweep.sh s16c       # pooled plans, new pass configs: GPU tests, the layer against ab_base/
+#   bash scripts/device_sweep.sh s16d       # + no-grad bypass, kept descriptors, x quantised by the routing launch
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -340,6 +341,25 @@ case "${1:-}" in
         --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd bf16 --iters 5 --warmup 2 "${extra[@]}" \
         --out "$LOGS/layer_$run.json"
        tail -4 "$LOGS/layer_$run.log")
+    done
+    step layer_r5 120 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd \
+      --backends mega_moe --repeat 5 --iters 5 --warmup 2 --out "$LOGS/layer_r5.json"
+    tail -3 "$LOGS/layer_r5.log"
+    step sections 90 python scripts/call_timeline.py --precision fp8 --host-sections --deep
+    grep -A40 "call 2" "$LOGS/sections.log" | cut -c1-100 ;;
+  s16d)  # no-grad forwards without the autograd function, weight descriptors kept, x quantised by the routing launch:
+         # GPU tests (quantised precisions, ws kernels, the bf16 layer's), the layer one call (fp8, fp8_bwd, bf16; the
+         # first run with torch, profiled) alternating with ab_base/, back to back, the forward's host sections
+    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_s16d 300 python -m pytest -q tests/test_fp8_experts.py \
+      tests/test_fp8_gemm_ws.py tests/test_mega_moe_gpu.py tests/test_mega_moe_kernels.py -k "gpu or half_tile" -rA
+    tail -3 "$LOGS/pytest_s16d.log"
+    for run in new base new2 base2; do
+      tree=.; [ "${run#base}" != "$run" ] && tree=ab_base
+      extra=(--backends mega_moe); [ $run = new ] && extra=(--backends torch mega_moe --profile-dir "$LOGS/prof_s16d")
+      (cd $tree && PYTHONPATH=/tmp/site:$PWD step "layer_$run" 150 python -m prime_megamoe.bench \
+        --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd bf16 --iters 5 --warmup 2 "${extra[@]}" \
+        --out "$LOGS/layer_$run.json"
+       tail -5 "$LOGS/layer_$run.log")
     done
     step layer_r5 120 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd \
       --backends mega_moe --repeat 5 --iters 5 --warmup 2 --out "$LOGS/layer_r5.json"
