@@ -143,7 +143,8 @@ def host_sections(step, deep: bool = False) -> list[str]:
         (SymmetricMemoryTransport, "finish"), (RoutingPlan, "segment"),
         (quantized_experts, "check_precision_supported"), (quantized_experts, "_plan"),
         (quantized_experts, "cached_weight_operand"), (quantized_experts, "combine_with_pair_values"),
-        (fp8_launch, "quantize_rows"), (fp8_launch, "fp8_fc1_swiglu"), (fp8_launch, "fp8_grouped_gemm"),
+        (fp8_launch, "quantize_rows"), (fp8_launch, "row_quantization"), (fp8_launch, "fp8_fc1_swiglu"),
+        (fp8_launch, "fp8_grouped_gemm"),
         (fp8_launch, "fp8_fc2_dgrad_dswiglu"), (fp8_launch, "quantize_sorted_cols_t"),
         (fp8_launch, "fp8_grouped_wgrad"), (fp8_launch, "expert_tile_offsets"),
     ]
