@@ -19,6 +19,7 @@
 #   bash scripts/device_sweep.sh s16b       # the passes' configs timed alone, the fp8 forward's host pieces
 #   bash scripts/device_sweep.sh s16c       # pooled plans, new pass configs: GPU tests, the layer against ab_base/
 #   bash scripts/device_sweep.sh s16d       # + no-grad bypass, kept descriptors, x quantised by the routing launch
+#   bash scripts/device_sweep.sh s16e       # more one-call samples: the layer against ab_base/, three times each
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -366,6 +367,14 @@ case "${1:-}" in
     tail -3 "$LOGS/layer_r5.log"
     step sections 90 python scripts/call_timeline.py --precision fp8 --host-sections --deep
     grep -A40 "call 2" "$LOGS/sections.log" | cut -c1-100 ;;
+  s16e)  # more one-call samples of the final layer against ab_base/ (fp8, fp8_bwd), alternating, three times each
+    for run in new base new2 base2 new3 base3; do
+      tree=.; [ "${run#base}" != "$run" ] && tree=ab_base
+      (cd $tree && PYTHONPATH=/tmp/site:$PWD step "layer_$run" 100 python -m prime_megamoe.bench \
+        --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd --backends mega_moe --iters 5 --warmup 2 \
+        --out "$LOGS/layer_$run.json"
+       tail -3 "$LOGS/layer_$run.log")
+    done ;;
   ncu_fc1)  # Nsight Compute on one FC1 + SwiGLU launch: the Triton kernel, then the warp-specialised one
     for kern in triton ws; do
       step "ncu_fc1_$kern" 80 ncu --clock-control none --kernel-name regex:fp8_fc1_swiglu --launch-skip 2 \
