@@ -19,7 +19,8 @@ What each GEMM quantises, and the scale layout its operands need (scales always 
 
 - FC1 + SwiGLU epilogue (reduction H): A = x [T, H], row-scaled 1x128 / 1x32 along H, quantised once per token (by
   the routing plan's first launch: ``fp8_launch.row_quantization``) and gathered per sorted row; B = W1 [E, 2I, H]
-  in 128x128 blocks / 1x32 along H (gate and up halves blocked apart). The epilogue stores h (input dtype, for the backward) and a = silu(g) * u in fp8 with 1x128 / 1x32 row scales.
+  in 128x128 blocks / 1x32 along H (gate and up halves blocked apart). The epilogue stores h (input dtype, for the
+  backward) and a = silu(g) * u in fp8 with 1x128 / 1x32 row scales.
 - FC2 + top-k weight epilogue (reduction I): A = a [P, I] from FC1's epilogue (no extra pass); B = W2 [E, H, I] in
   128x128 blocks / 1x32 along I. Output in the input dtype, then the deterministic combine. On Hopper (fp8) it runs
   the warp-specialised kernel of ``kernels/fp8_gemm_ws.py``.
