@@ -85,9 +85,9 @@ COMPILES = [
 
 
 @pytest.mark.parametrize("kernel, constexprs, extra", COMPILES,
-                         ids=["routing_keys", "routing_keys_quant_rows", "routing_place_halves", "routing_place", "expert_ids", "combine_pairs",
-                              "fc1_one_dot", "gemm_tma_both", "gemm_tma_weights", "wgrad_tma",
-                              "wgrad_pointers"])
+                         ids=["routing_keys", "routing_keys_quant_rows", "routing_place_halves", "routing_place",
+                              "expert_ids", "combine_pairs", "fc1_one_dot", "gemm_tma_both", "gemm_tma_weights",
+                              "wgrad_tma", "wgrad_pointers"])
 def test_kernel_compiles_for_hopper(kernel, constexprs, extra):
     rows = compile_for_hopper(kernel, constexprs, extra)
     assert all(0 < int(registers) <= 255 for _, registers, *_ in rows), rows
