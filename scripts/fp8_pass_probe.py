@@ -1,8 +1,9 @@
 """The fp8 backward's memory-bound passes, each in several block shapes and warp counts, checked and timed at a
 layer's shape (one GPU, EP = 1):
     python scripts/fp8_pass_probe.py [--shape qwen3-30b-a3b] [--tokens 16384]
-The passes: the quantising SwiGLU backward's row outputs (``dswiglu_rows``) and column outputs (``dswiglu_cols_t``),
-and the x^T gather-quantise pass (``quantize_sorted_cols_t``). Each config's outputs are compared bitwise with the
+The passes: the quantising SwiGLU backward's row outputs (``dswiglu_rows``) and column outputs (``dswiglu_cols_t``:
+the Triton launch, and on a GPU its Gluon form, compared with the Triton launch), and the x^T gather-quantise pass
+(``quantize_sorted_cols_t``). Each config's outputs are compared bitwise with the
 default config's (a block shape changes no sum: same bits expected) and its time turned into GB/s of bytes read and
 written. The table ends with the best config per pass.
 
@@ -28,6 +29,8 @@ ROWS_CONFIGS = [(16, 128, 4), (16, 128, 2), (32, 128, 4), (32, 128, 8), (8, 128,
 COLS_CONFIGS = [(128, 64, 4), (128, 64, 8), (128, 64, 16), (128, 32, 4), (128, 32, 8), (128, 16, 4), (128, 16, 2),
                 (128, 8, 4), (128, 128, 16)]
 GATHER_CONFIGS = [(64, 4), (64, 8), (32, 4), (32, 2), (16, 4), (128, 8), (128, 16)]
+# (BC, CPT, warps) of the column pass's Gluon form (kernels/swiglu_grad_cols.py), compared with the Triton launch.
+GLUON_COLS_CONFIGS = [(16, 1, 4), (32, 1, 8), (32, 2, 4)]
 
 
 def time_ms(fn, iters: int = 20) -> float:
@@ -69,21 +72,31 @@ def main():
     def cols_t(*operands):
         return [t for q in operands for t in snapshot(fl.QTensor(q.data[:, :written], q.scale[:written // fmt.group]))]
 
-    # (pass, knob, configs, launch (timed), its outputs as compared copies, bytes read)
+    def cols_triton():
+        return fl.dswiglu_cols_t(g_a, h, plan, fmt, gluon=False)
+
+    def cols_gluon():
+        return fl.dswiglu_cols_t(g_a, h, plan, fmt, gluon=True)
+
+    # (pass, knob, configs, launch (timed), its outputs as compared copies, bytes read, the reference launch: the
+    # first config's where None). The column pass's Gluon form is compared with the Triton launch.
     cases = [
         ("SwiGLU rows", "DSWIGLU_ROWS_BLOCK", ROWS_CONFIGS, lambda: fl.dswiglu_rows(g_a, h, plan, fmt), snapshot,
-         nbytes([g_a, h])),
-        ("SwiGLU cols", "DSWIGLU_COLS_BLOCK", COLS_CONFIGS, lambda: fl.dswiglu_cols_t(g_a, h, plan, fmt),
-         lambda out: cols_t(*out), nbytes([g_a, h])),
+         nbytes([g_a, h]), None),
+        ("SwiGLU cols", "DSWIGLU_COLS_BLOCK", COLS_CONFIGS, cols_triton, lambda out: cols_t(*out), nbytes([g_a, h]),
+         None),
         ("x^T gather", "GATHER_COLS_T_BLOCK", GATHER_CONFIGS, lambda: fl.quantize_sorted_cols_t(x, plan, fmt), cols_t,
-         plan.num_pairs * hidden * 2),
+         plan.num_pairs * hidden * 2, None),
     ]
+    if fl.gluon_cols_unavailable(g_a, h, fmt) is None:
+        cases.insert(2, ("cols Gluon", "DSWIGLU_COLS_GLUON_BLOCK", GLUON_COLS_CONFIGS, cols_gluon,
+                         lambda out: cols_t(*out), nbytes([g_a, h]), cols_triton))
     print(f"{args.shape}, T = {args.tokens}, {plan.num_pairs} rows, H = {hidden}, I = {inter}")
     print(f"{'pass':12s} {'config':14s} {'ms':>7s} {'GB/s':>6s} same")
     best = {}
-    for name, knob, configs, run, outputs, read in cases:
+    for name, knob, configs, run, outputs, read, reference in cases:
         default = getattr(fl, knob)
-        ref = outputs(run())
+        ref = outputs((reference or run)())
         written_bytes = nbytes(ref)
         for cfg in configs:
             setattr(fl, knob, cfg)

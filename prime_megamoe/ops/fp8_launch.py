@@ -50,6 +50,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 # yet no config reached 2.2 TB/s: the column pass's time is its instructions, not its occupancy).
 DSWIGLU_ROWS_BLOCK = (32, 128, 4)  # (BLOCK_R, BLOCK_C, num_warps)
 DSWIGLU_COLS_BLOCK = (QTILE_M, 16, 2)
+# The column launch's Gluon form (kernels/swiglu_grad_cols.py): BC columns, CPT columns a thread, num_warps.
+DSWIGLU_COLS_GLUON_BLOCK = (16, 1, 4)
 # The one-pass form (kernels/swiglu_grad_fused.py): RB-row chunks of a 128-row tile, num_warps.
 DSWIGLU_FUSED_BLOCK = (16, 8)
 # The x^T / dy^T gather-quantise pass: a 128-row tile x GATHER_COLS_T_BLOCK[0] columns per program, [1] warps (0.241
@@ -459,13 +461,40 @@ def dswiglu_rows(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan,
     return dh_rows, dw_partial.sum(0)
 
 
-def dswiglu_cols_t(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFormat) -> tuple[QTensor, QTensor]:
+def gluon_cols_unavailable(g_a: torch.Tensor, h: torch.Tensor, fmt: QFormat) -> str | None:
+    """Why the column launch's Gluon form (``kernels/swiglu_grad_cols.py``) cannot run, or None when it can."""
+    if g_a.device.type != "cuda":
+        return "it runs on a CUDA GPU only (Gluon kernels have no interpreter)"
+    if fmt.mx or fmt.group != QTILE_M:
+        return f"it takes the fp8 format ({QTILE_M}-row column groups, fp32 scales), not mx"
+    if g_a.stride(1) != 1 or h.stride(1) != 1:
+        return "g_a's and h's rows must be contiguous"
+    return None
+
+
+def dswiglu_cols_t(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFormat, *,
+                   gluon: bool | None = None) -> tuple[QTensor, QTensor]:
     """The same pass's column outputs (COLS_OUT): dh^T [2I, max_tiles * 128] and (w * a)^T [I, ..] in the cols_t
-    layout, the K-major operands of the two weight gradients."""
+    layout, the K-major operands of the two weight gradients. ``gluon`` None: the Gluon form
+    (``kernels/swiglu_grad_cols.py``, the same bits) where ``gluon_cols_unavailable`` says it applies, else the
+    Triton launch; True: the Gluon form or an error saying why not; False: the Triton launch."""
     _check_tile_space_plan(plan)
     inter, device = g_a.shape[1], g_a.device
     dh_t = empty_cols_t(2 * inter, plan, fmt, device)
     aw_t = empty_cols_t(inter, plan, fmt, device)
+    why_not = gluon_cols_unavailable(g_a, h, fmt) if gluon is not False else "not asked for"
+    if why_not is None:
+        from ..kernels.swiglu_grad_cols import swiglu_backward_cols_kernel
+
+        bc, cpt, warps = DSWIGLU_COLS_GLUON_BLOCK
+        launch(swiglu_backward_cols_kernel, (cdiv(inter, bc), plan.max_tiles),
+            g_a, h, plan.row_weight, dh_t.data, dh_t.scale, aw_t.data, aw_t.scale, *_tile_args(plan),
+            inter, g_a.stride(0), h.stride(0), dh_t.data.stride(0), dh_t.scale.stride(0), aw_t.data.stride(0),
+            aw_t.scale.stride(0), POW2=fmt.pow2, TILE_M=QTILE_M, BC=bc, CPT=cpt, num_warps=warps,
+        )
+        return dh_t, aw_t
+    if gluon:
+        raise ValueError(f"gluon=True: the Gluon column pass cannot run here: {why_not}")
     unused_dw = torch.empty(1, 1, dtype=torch.float32, device=device)  # (the row outputs are not written here)
     _dswiglu_launch(g_a, h, plan, fmt, rows_out=False, dh_rows=dh_t, dh_t=dh_t, aw_t=aw_t, dw_partial=unused_dw)
     return dh_t, aw_t
@@ -487,8 +516,8 @@ def fused_dswiglu_unavailable(g_a: torch.Tensor, h: torch.Tensor, fmt: QFormat) 
 def fp8_dswiglu(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFormat, *,
                 fused: bool | None = False) -> DSwiGLUOut:
     """The quantising SwiGLU backward from g_a [P, I] (``fp8_fc2_dgrad``) and h = [g | u] [P, 2I]: every output of
-    ``DSwiGLUOut``. ``fused=False`` (the layer's choice): the two Triton launches (``dswiglu_rows``, then
-    ``dswiglu_cols_t``); True: the one-pass Gluon kernel (``kernels/swiglu_grad_fused.py``, g_a and h read once, the
+    ``DSwiGLUOut``. ``fused=False`` (the layer's choice): two launches, ``dswiglu_rows`` then ``dswiglu_cols_t``
+    (its Gluon form where it applies); True: the one-pass Gluon kernel (``kernels/swiglu_grad_fused.py``, g_a and h read once, the
     same bits but for dw's last bits) or an error saying why not (``fused_dswiglu_unavailable``); None: that kernel
     where it applies. It is slower so far: 0.797 against 0.673 ms in ``scripts/fp8_pass_probe.py``, layer backward
     4.62 against 4.40 ms (Qwen3-30B-A3B, T = 16384, one H200; benchmarks/results/fp8_pass_probe_s15.txt)."""

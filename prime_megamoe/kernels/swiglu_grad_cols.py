@@ -1,0 +1,83 @@
+"""The quantising SwiGLU backward's column outputs (``swiglu_grad.swiglu_backward_quantize_kernel`` with COLS_OUT) in
+a layout made for them (Gluon).
+
+Same outputs and bits as the Triton launch for the fp8 format (128-row column groups = the routing tile): from g_a
+[P, I] and h = [g | u] [P, 2I] it writes dh^T = [dg | du]^T and (w * a)^T column-scaled in the cols_t layout, with
+their scales.
+
+Why a second kernel: the Triton launch loads its block with 8 consecutive columns a thread (the loads' contiguous
+dim), so each column's max over the tile's 128 rows crosses threads, and its fp8 values go through shared memory,
+a byte at a time, to be stored transposed. Nsight Compute found that launch issuing an instruction every ~4.5
+cycles a warp (busy, not waiting on memory), at ~2.2 TB/s, and ~74 SASS instructions a thread per element
+(benchmarks/results/ncu_fp8_passes_s16.txt). Here each thread holds 16 consecutive rows of one column from the
+load on:
+
+- the loads are scalar, but a warp's load covers two rows of 16 columns: whole 32-byte sectors;
+- the column max is a max over the thread's 16 rows, then one shuffle and one reduction over the warps;
+- the transposed store is 16 consecutive bytes a thread (one vector store), with no layout conversion.
+
+The arithmetic is the Triton pass's, in its order (``swiglu_grad_fused._dswiglu_chunk``, ``_quantise``,
+``fp8_fc1_ws._scale_from_amax``), so the outputs are the same bits; rows past the tile's expert load zeros, which
+is what the cols_t layout stores there. Gluon kernels have no interpreter: this one is tested on the GPU against the
+Triton launch and compiled for sm_90 on the CPU.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from .fp8_fc1_ws import _scale_from_amax
+from .swiglu_grad_fused import _dswiglu_chunk, _quantise
+
+
+@gluon.jit
+def _store_cols(q_ptr, s_ptr, x, t, col, cols, col_ok, pos, stride_q, stride_s, POW2: gl.constexpr):
+    """x [TILE, BC] fp32 (tile t, columns col + cols) quantised per column over the tile's rows: values at
+    q[col + j, pos[r]] (16 consecutive bytes a thread), scales at s[t, col + j]; columns where col_ok is False are
+    not stored."""
+    scale = _scale_from_amax(gl.max(gl.abs(x), axis=0), POW2)
+    q = _quantise(x, (1.0 / scale)[None, :])
+    gl.store(q_ptr + (col + cols).to(gl.int64)[None, :] * stride_q + pos[:, None], q, mask=col_ok[None, :])
+    gl.store(s_ptr + t.to(gl.int64) * stride_s + col + cols, scale, mask=col_ok)
+
+
+@gluon.jit
+def swiglu_backward_cols_kernel(
+    ga_ptr, h_ptr, row_weight_ptr, dhtq_ptr, dhts_ptr, awtq_ptr, awts_ptr,
+    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
+    I, stride_gam, stride_hm, stride_dhtk, stride_dhtsr, stride_awtk, stride_awtsr,
+    POW2: gl.constexpr, TILE_M: gl.constexpr, BC: gl.constexpr, CPT: gl.constexpr, num_warps: gl.constexpr,
+):
+    """Program (c, t): routing tile t (past the device-side tile count: nothing) by gate columns [c * BC, c * BC +
+    BC) of I (those below I) and the same up columns, I further. A thread holds 16 rows of CPT adjacent columns; a
+    warp TILE_M // num_warps rows of all BC columns. (CPT = 1, the launcher's: each thread's 16 rows of a column are
+    then contiguous in its registers as in the cols_t layout, so the stores are 16-byte vectors; with CPT > 1 the
+    loads are CPT elements wide but the stores single bytes.)"""
+    ROW_THREADS: gl.constexpr = TILE_M // (16 * num_warps)
+    gl.static_assert(ROW_THREADS * (BC // CPT) == 32, "a warp must cover TILE_M // num_warps rows of BC columns")
+    layout: gl.constexpr = gl.BlockedLayout([16, CPT], [ROW_THREADS, BC // CPT], [num_warps, 1], [0, 1])
+    t = gl.program_id(1)
+    if t < gl.load(num_tiles_ptr):
+        expert = gl.load(tile_expert_ptr + t)
+        row0 = gl.load(tile_row_ptr + t)
+        row_end = gl.load(expert_offsets_ptr + expert + 1)
+        col = gl.program_id(0) * BC
+        r = gl.arange(0, TILE_M, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, BC, layout=gl.SliceLayout(0, layout))
+        col_ok = (col + cols) < I
+        rows = row0 + r
+        ok = rows < row_end
+        rows64 = rows.to(gl.int64)
+        w = gl.load(row_weight_ptr + rows, mask=ok, other=0.0).to(gl.float32)
+        mask = ok[:, None] & col_ok[None, :]
+        ga = gl.load(ga_ptr + rows64[:, None] * stride_gam + (col + cols)[None, :], mask=mask,
+                     other=0.0).to(gl.float32)
+        h_ptrs = h_ptr + rows64[:, None] * stride_hm + (col + cols)[None, :]
+        g = gl.load(h_ptrs, mask=mask, other=0.0).to(gl.float32)
+        u = gl.load(h_ptrs + I, mask=mask, other=0.0).to(gl.float32)
+        dg, du, aw, _ = _dswiglu_chunk(ga, g, u, w)
+        pos = t.to(gl.int64) * TILE_M + r
+        _store_cols(dhtq_ptr, dhts_ptr, dg, t, col, cols, col_ok, pos, stride_dhtk, stride_dhtsr, POW2)
+        _store_cols(dhtq_ptr, dhts_ptr, du, t, I + col, cols, col_ok, pos, stride_dhtk, stride_dhtsr, POW2)
+        _store_cols(awtq_ptr, awts_ptr, aw, t, col, cols, col_ok, pos, stride_awtk, stride_awtsr, POW2)

@@ -1,0 +1,82 @@
+"""The column pass of the quantising SwiGLU backward in Gluon (``kernels/swiglu_grad_cols.py``): compiled for sm_90 on
+the CPU, and on a GPU checked bitwise against the Triton launch it stands in for (``swiglu_grad.py``, COLS_OUT)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prime_megamoe.kernels.fp8_gemm import QTILE_M
+from prime_megamoe.ops import fp8_launch as fl
+from prime_megamoe.ops.routing_plan import build_routing_plan
+from tests.oracle import ragged_routing
+from tests.test_register_check import compile_for_hopper
+from tests.test_swiglu_grad_fused import _cols_t_written
+
+TYPES = ('{"ga_ptr": "*bf16", "h_ptr": "*bf16", "row_weight_ptr": "*fp32", "dhtq_ptr": "*fp8e4nv", "dhts_ptr": "*fp32",'
+         ' "awtq_ptr": "*fp8e4nv", "awts_ptr": "*fp32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32",'
+         ' "num_tiles_ptr": "*i32", "expert_offsets_ptr": "*i32"}')
+
+
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scales", "pow2"])
+def test_gluon_cols_compiles_for_hopper(pow2):
+    """As the launcher launches it (DSWIGLU_COLS_GLUON_BLOCK): no spill, few registers (many programs an SM), and
+    almost no shared memory (only the column maxima cross warps)."""
+    bc, cpt, warps = fl.DSWIGLU_COLS_GLUON_BLOCK
+    (_, registers, spill, smem, *_), = compile_for_hopper(
+        "prime_megamoe.kernels.swiglu_grad_cols:swiglu_backward_cols_kernel",
+        {"POW2": pow2, "TILE_M": QTILE_M, "BC": bc, "CPT": cpt}, ["--warps", str(warps), "--types", TYPES])
+    assert int(spill) == 0 and int(registers) <= 128
+    assert int(smem) <= 4096
+
+
+def test_gluon_cols_applicability_says_why_not():
+    g_a, h = torch.empty(8, 256, dtype=torch.bfloat16), torch.empty(8, 512, dtype=torch.bfloat16)
+    assert "CUDA GPU" in fl.gluon_cols_unavailable(g_a, h, fl.fp8_format())
+    if torch.cuda.is_available():
+        assert "not mx" in fl.gluon_cols_unavailable(g_a.cuda(), h.cuda(), fl.MX_FORMAT)
+        assert "contiguous" in fl.gluon_cols_unavailable(g_a.cuda().t(), h.cuda(), fl.fp8_format())
+    index, weights = ragged_routing(8, 4, 2, seed=1)
+    plan = build_routing_plan(index, weights, expert_base=0, num_local_experts=4, tile_m=QTILE_M)
+    with pytest.raises(ValueError, match="gluon=True: the Gluon column pass cannot run here: it runs on a CUDA"):
+        fl.dswiglu_cols_t(g_a, h, plan, fl.fp8_format(), gluon=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,inter,pow2", [(300, 256, False), (700, 384, True), (64, 200, False)],
+                         ids=["two_groups", "three_groups_pow2", "ragged_columns"])
+def test_gluon_cols_matches_the_triton_launch(tokens, inter, pow2):
+    """Ragged routing (an empty expert, one taking most rows, tiles ending mid-way) and an intermediate size that is
+    not a multiple of the column block: the same bits as the Triton launch for dh^T and (w * a)^T and their scales."""
+    device = "cuda"
+    index, weights = ragged_routing(tokens, 4, 2, seed=tokens, hot_fraction=0.8)
+    plan = build_routing_plan(index.to(device), weights.to(device), expert_base=0, num_local_experts=4,
+                              tile_m=QTILE_M)
+    gen = torch.Generator().manual_seed(tokens)
+    g_a = torch.randn(plan.num_pairs, inter, generator=gen).bfloat16().to(device)
+    h = (2 * torch.randn(plan.num_pairs, 2 * inter, generator=gen)).bfloat16().to(device)
+    fmt = fl.fp8_format(pow2)
+    ref = fl.dswiglu_cols_t(g_a, h, plan, fmt, gluon=False)
+    got = fl.dswiglu_cols_t(g_a, h, plan, fmt, gluon=True)
+    for name, a_q, b_q in zip(("dh_t", "aw_t"), got, ref):
+        for a, b in zip(_cols_t_written(a_q, plan), _cols_t_written(b_q, plan)):
+            assert torch.equal(a, b), name
+    # The layer's default (gluon=None) takes the Gluon form here.
+    default = fl.dswiglu_cols_t(g_a, h, plan, fmt)
+    assert torch.equal(_cols_t_written(default[0], plan)[0], _cols_t_written(got[0], plan)[0])
+
+
+@pytest.mark.gpu
+def test_gluon_cols_on_a_rank_that_receives_nothing():
+    """Every token routed to other ranks' experts: rows but no tiles; the launch finishes (each program returns at
+    the tile count) and gives outputs of the plan's shapes."""
+    device = "cuda"
+    index, weights = ragged_routing(64, 8, 2, seed=3, empty_expert=None, hot_expert=None, forbid=range(0, 4))
+    plan = build_routing_plan(index.to(device), weights.to(device), expert_base=0, num_local_experts=4,
+                              tile_m=QTILE_M)
+    assert int(plan.num_tiles[0]) == 0 and plan.num_pairs > 0
+    g_a = torch.randn(plan.num_pairs, 128, device=device).bfloat16()
+    h = torch.randn(plan.num_pairs, 256, device=device).bfloat16()
+    dh_t, aw_t = fl.dswiglu_cols_t(g_a, h, plan, fl.fp8_format(), gluon=True)
+    torch.cuda.synchronize()
+    assert dh_t.data.shape == (256, plan.max_tiles * QTILE_M) and aw_t.data.shape == (128, plan.max_tiles * QTILE_M)
