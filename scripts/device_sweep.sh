@@ -20,6 +20,7 @@
 #   bash scripts/device_sweep.sh s16c       # pooled plans, new pass configs: GPU tests, the layer against ab_base/
 #   bash scripts/device_sweep.sh s16d       # + no-grad bypass, kept descriptors, x quantised by the routing launch
 #   bash scripts/device_sweep.sh s16e       # more one-call samples: the layer against ab_base/, three times each
+#   bash scripts/device_sweep.sh s16f       # the Gluon column pass: GPU tests, pass probe, the layer against ab_base/
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -372,6 +373,22 @@ case "${1:-}" in
       tree=.; [ "${run#base}" != "$run" ] && tree=ab_base
       (cd $tree && PYTHONPATH=/tmp/site:$PWD step "layer_$run" 100 python -m prime_megamoe.bench \
         --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd --backends mega_moe --iters 5 --warmup 2 \
+        --out "$LOGS/layer_$run.json"
+       tail -3 "$LOGS/layer_$run.log")
+    done ;;
+  s16f)  # the SwiGLU backward's column pass in Gluon: its GPU tests and the quantised oracle tests, the pass probe
+         # (against the Triton launch), the fp8 layer one call (profiled) against ab_base/ (the Triton launch),
+         # alternating
+    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_cols 200 python -m pytest -q tests/test_swiglu_grad_cols.py \
+      tests/test_fp8_experts.py -k "gpu or cols" -rA
+    tail -3 "$LOGS/pytest_cols.log"
+    step pass_probe 150 python scripts/fp8_pass_probe.py
+    grep -E "cols|best" "$LOGS/pass_probe.log" | head -20
+    for run in new base new2 base2; do
+      tree=.; [ "${run#base}" != "$run" ] && tree=ab_base
+      extra=(--backends mega_moe); [ $run = new ] && extra=(--backends mega_moe --profile-dir "$LOGS/prof_s16f")
+      (cd $tree && PYTHONPATH=/tmp/site:$PWD step "layer_$run" 100 python -m prime_megamoe.bench \
+        --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd --iters 5 --warmup 2 "${extra[@]}" \
         --out "$LOGS/layer_$run.json"
        tail -3 "$LOGS/layer_$run.log")
     done ;;
