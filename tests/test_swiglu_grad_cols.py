@@ -36,10 +36,9 @@ def test_gluon_cols_applicability_says_why_not():
     if torch.cuda.is_available():
         assert "not mx" in fl.gluon_cols_unavailable(g_a.cuda(), h.cuda(), fl.MX_FORMAT)
         assert "contiguous" in fl.gluon_cols_unavailable(g_a.cuda().t(), h.cuda(), fl.fp8_format())
-    index, weights = ragged_routing(8, 4, 2, seed=1)
-    plan = build_routing_plan(index, weights, expert_base=0, num_local_experts=4, tile_m=QTILE_M)
+    # (The error comes before the routing plan is read: none is needed here.)
     with pytest.raises(ValueError, match="gluon=True: the Gluon column pass cannot run here: it runs on a CUDA"):
-        fl.dswiglu_cols_t(g_a, h, plan, fl.fp8_format(), gluon=True)
+        fl.dswiglu_cols_t(g_a, h, None, fl.fp8_format(), gluon=True)
 
 
 @pytest.mark.gpu

@@ -50,7 +50,10 @@ FP8_DTYPE = torch.float8_e4m3fn
 # yet no config reached 2.2 TB/s: the column pass's time is its instructions, not its occupancy).
 DSWIGLU_ROWS_BLOCK = (32, 128, 4)  # (BLOCK_R, BLOCK_C, num_warps)
 DSWIGLU_COLS_BLOCK = (QTILE_M, 16, 2)
-# The column launch's Gluon form (kernels/swiglu_grad_cols.py): BC columns, CPT columns a thread, num_warps.
+# The column launch's Gluon form (kernels/swiglu_grad_cols.py), the layer's on GPUs: BC columns, CPT columns a
+# thread, num_warps. 0.370 ms against 0.445 for the Triton launch's best blocks, the same bits (Qwen3-30B-A3B,
+# T = 16384, one H200, scripts/fp8_pass_probe.py; 0.362 against 0.434-0.439 in the layer's profile:
+# benchmarks/results/fp8_pass_probe_s16.txt, fp8_profile_s16.txt).
 DSWIGLU_COLS_GLUON_BLOCK = (16, 1, 4)
 # The one-pass form (kernels/swiglu_grad_fused.py): RB-row chunks of a 128-row tile, num_warps.
 DSWIGLU_FUSED_BLOCK = (16, 8)
@@ -478,11 +481,13 @@ def dswiglu_cols_t(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: Q
     layout, the K-major operands of the two weight gradients. ``gluon`` None: the Gluon form
     (``kernels/swiglu_grad_cols.py``, the same bits) where ``gluon_cols_unavailable`` says it applies, else the
     Triton launch; True: the Gluon form or an error saying why not; False: the Triton launch."""
+    why_not = gluon_cols_unavailable(g_a, h, fmt) if gluon is not False else "not asked for"
+    if gluon and why_not is not None:
+        raise ValueError(f"gluon=True: the Gluon column pass cannot run here: {why_not}")
     _check_tile_space_plan(plan)
     inter, device = g_a.shape[1], g_a.device
     dh_t = empty_cols_t(2 * inter, plan, fmt, device)
     aw_t = empty_cols_t(inter, plan, fmt, device)
-    why_not = gluon_cols_unavailable(g_a, h, fmt) if gluon is not False else "not asked for"
     if why_not is None:
         from ..kernels.swiglu_grad_cols import swiglu_backward_cols_kernel
 
@@ -493,8 +498,6 @@ def dswiglu_cols_t(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: Q
             aw_t.scale.stride(0), POW2=fmt.pow2, TILE_M=QTILE_M, BC=bc, CPT=cpt, num_warps=warps,
         )
         return dh_t, aw_t
-    if gluon:
-        raise ValueError(f"gluon=True: the Gluon column pass cannot run here: {why_not}")
     unused_dw = torch.empty(1, 1, dtype=torch.float32, device=device)  # (the row outputs are not written here)
     _dswiglu_launch(g_a, h, plan, fmt, rows_out=False, dh_rows=dh_t, dh_t=dh_t, aw_t=aw_t, dw_partial=unused_dw)
     return dh_t, aw_t

@@ -26,10 +26,11 @@ What each GEMM quantises, and the scale layout its operands need (scales always 
   the warp-specialised kernel of ``kernels/fp8_gemm_ws.py``.
 - FC2 dgrad (reduction H): A = dy [T, H] row-scaled along H, gathered; B = the transposed copy W2^T [E, I, H]
   (K-major, as Hopper's fp8 wgmma wants), blocks / groups along H. Output g_a [P, I] in the input dtype. Then the
-  SwiGLU backward pass (``kernels.swiglu_grad``) reads g_a and h once and emits dh = [dg | du] twice in fp8:
+  SwiGLU backward pass (``kernels.swiglu_grad``) reads g_a and h and emits dh = [dg | du] twice in fp8:
   row-scaled per half [P, 2I] (for the FC1 dgrad) and column-scaled, stored transposed as dh^T (for the W1 wgrad),
-  plus (w * a)^T column-scaled (for the W2 wgrad) and the top-k weight gradient <dy W2, a>. (In the GEMM's epilogue
-  these outputs made that kernel take 2.56 ms at the shape below; the GEMM and the pass take 0.53 + 0.67 ms.)
+  plus (w * a)^T column-scaled (for the W2 wgrad) and the top-k weight gradient <dy W2, a>: a row launch, then a
+  column launch (on GPUs in Gluon, ``kernels/swiglu_grad_cols.py``, the same bits). (In the GEMM's epilogue these
+  outputs made that kernel take 2.56 ms at the shape below; the GEMM and the pass now take 0.48 + 0.20 + 0.36 ms.)
 - FC1 dgrad (reduction 2I, two halves): A = dh [P, 2I] row-scaled per half; B = the copy W1^T [E, H, 2I]. On
   Hopper (fp8, each half a multiple of 128) it runs the warp-specialised kernel of ``kernels/fp8_gemm_ws.py``.
 - W1 wgrad, dW1[e] = dh^T x (reduction over the expert's rows): A = dh^T from that pass; B = x^T: the source rows
