@@ -204,6 +204,13 @@ def check_plan(ids, weights, base, num_local, tile_m):
         assert (start - lo) % tile_m == 0
         covered[start:min(start + tile_m, hi)] += 1
     assert (covered == 1).all(), "some sorted row is in no tile or in two"
+    # Each expert's tiles (what the weight gradients walk): [expert_tiles[e], expert_tiles[e + 1]) of the list.
+    tiles_per_expert = (counts + tile_m - 1) // tile_m
+    expected_tiles = torch.cat([torch.zeros(1, dtype=torch.long), tiles_per_expert.cumsum(0)])
+    assert torch.equal(plan.expert_tiles.long(), expected_tiles)
+    for e_i in range(num_local):
+        lo, hi = int(plan.expert_tiles[e_i]), int(plan.expert_tiles[e_i + 1])
+        assert (tile_exp[lo:hi] == e_i).all()
     # Unused tile slots still name a valid expert (kernels may read them before checking num_tiles).
     assert ((plan.tile_expert >= 0) & (plan.tile_expert < num_local)).all()
     return plan
@@ -282,10 +289,13 @@ def test_counting_sort_matches_stable_sort(rows, k, num_local, segments, base, c
     assert torch.equal(plan.row_src.long()[expected_pos[placed]], pairs[placed] // k)
     assert torch.equal(plan.row_weight[expected_pos[placed]], weights.reshape(-1)[placed].float())
     offsets = plan.expert_offsets.long().view(segments, num_local + 1)
+    expert_tiles = plan.expert_tiles.long().view(segments, num_local + 1)
     for s in range(segments):
         expected = s * seg_pairs + torch.cat([torch.zeros(1, dtype=torch.long),
                                               counts.view(segments, num_local)[s].cumsum(0)])
         assert torch.equal(offsets[s], expected)
+        tiles = (counts.view(segments, num_local)[s] + plan.tile_m - 1) // plan.tile_m
+        assert torch.equal(expert_tiles[s], torch.cat([torch.zeros(1, dtype=torch.long), tiles.cumsum(0)]))
 
 
 @pytest.mark.gpu
@@ -322,6 +332,9 @@ def test_counting_sort_matches_stable_sort_on_gpu(segments, num_local, base):
     placed = expected_pos >= 0
     assert torch.equal(plan.row_src.long()[expected_pos[placed]], torch.arange(rows * k, device="cuda")[placed] // k)
     assert torch.equal(plan.row_weight[expected_pos[placed]], weights.reshape(-1)[placed].float())
+    tiles = (counts.view(segments, num_local) + 127) // 128
+    expected_tiles = torch.cat([tiles.new_zeros(segments, 1), tiles.cumsum(1)], 1)
+    assert torch.equal(plan.expert_tiles.long().view(segments, num_local + 1), expected_tiles)
 
 
 @pytest.mark.parametrize("tile_m", [1, 4, 16])

@@ -64,7 +64,7 @@ def routing_keys_kernel(
 def routing_place_kernel(
     key_ptr, hist_ptr, weights_ptr, counts_ptr,
     row_src_ptr, row_weight_ptr, pair_pos_ptr, expert_offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
-    half_tile_expert_ptr, half_tile_row_ptr, half_num_tiles_ptr,
+    expert_tiles_ptr, half_tile_expert_ptr, half_tile_row_ptr, half_num_tiles_ptr,
     num_pairs, first_segment, pairs_per_segment, tiles_per_segment, split_expert,
     TOP_K: tl.constexpr, NUM_LOCAL: tl.constexpr, EXPERT_BLOCK: tl.constexpr, NUM_BINS: tl.constexpr,
     SKIP: tl.constexpr, TILE_M: tl.constexpr, BLOCK: tl.constexpr, TILE_BLOCK: tl.constexpr, HALVES: tl.constexpr,
@@ -82,8 +82,9 @@ def routing_place_kernel(
       (``hist``) and the chunk's earlier pairs of its key; each pair is written by exactly one program, at a place
       fixed by the keys alone.
     - expert offsets [s * (NUM_LOCAL + 1), (s + 1) * (NUM_LOCAL + 1)): expert e's rows are [off[e], off[e + 1]);
-    - tile slots [s * tiles_per_segment, (s + 1) * tiles_per_segment), of which num_tiles[s] are in use: programs
-      (1 + s, c), from the counts alone.
+    - tile slots [s * tiles_per_segment, (s + 1) * tiles_per_segment), of which num_tiles[s] are in use, and each
+      expert's tiles within them, expert_tiles [s * (NUM_LOCAL + 1), ...): expert e's tiles are the segment's
+      [et[e], et[e + 1]) (what the weight gradients walk): programs (1 + s, c), from the counts alone.
 
     HALVES: also split each segment's tiles at expert ``split_expert``: the lower experts' tiles are the first
     half_num_tiles[s, 0] of the segment's list; the upper experts' half_num_tiles[s, 1] tiles are copied, from slot
@@ -140,6 +141,9 @@ def routing_place_kernel(
             tl.store(offsets + experts + 1, (seg_base + row_end).to(tl.int32), mask=e_mask)
             tl.store(offsets, seg_base.to(tl.int32))
             tl.store(num_tiles_ptr + plan_seg, tl.sum(tiles, 0).to(tl.int32))
+            expert_tiles = expert_tiles_ptr + plan_seg * (NUM_LOCAL + 1)
+            tl.store(expert_tiles + experts + 1, tile_end.to(tl.int32), mask=e_mask)
+            tl.store(expert_tiles, 0)
             if HALVES:
                 tl.store(half_num_tiles_ptr + 2 * plan_seg, lower.to(tl.int32))
                 tl.store(half_num_tiles_ptr + 2 * plan_seg + 1, (tl.sum(tiles, 0) - lower).to(tl.int32))

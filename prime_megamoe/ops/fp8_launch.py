@@ -561,12 +561,11 @@ def fp8_fc2_dgrad_dswiglu(dyq: QTensor, w2q_bwd: QTensor, h: torch.Tensor, plan:
 
 
 def expert_tile_offsets(plan: RoutingPlan) -> torch.Tensor:
-    """[E + 1] int32: expert e owns row tiles [out[e], out[e+1]) of the plan (on the device, no sync)."""
-    counts = (plan.expert_offsets[1:] - plan.expert_offsets[:-1]).to(torch.int64)
-    tiles = (counts + plan.tile_m - 1) // plan.tile_m
-    out = torch.zeros(plan.num_local_experts + 1, dtype=torch.int64, device=counts.device)
-    torch.cumsum(tiles, 0, out=out[1:])
-    return out.to(torch.int32)
+    """[E + 1] int32: expert e owns row tiles [out[e], out[e+1]) of a one-segment plan (written by the plan's fill,
+    ``RoutingPlan.expert_tiles``: no launch here)."""
+    if plan.num_segments != 1 or plan.expert_tiles is None:
+        raise ValueError("expert_tile_offsets: a one-segment plan (or a segment's view) is needed")
+    return plan.expert_tiles
 
 
 def fp8_grouped_wgrad(a_t: QTensor, b_t: QTensor, plan: RoutingPlan, fmt: QFormat, out: torch.Tensor, *,

@@ -42,6 +42,8 @@ class RoutingPlan:
     tile_expert: torch.Tensor  # [S * tiles per segment] int32: local expert of each row tile
     tile_row: torch.Tensor  # [S * tiles per segment] int32: first sorted row of each tile
     num_tiles: torch.Tensor  # [S] int32: tiles in use per segment
+    # [S * (E_local + 1)] int32: (segment s, expert e) owns the segment's tiles [et[s*(E_local+1) + e], ... + e + 1])
+    expert_tiles: torch.Tensor | None = None
     num_segments: int = 1
     sorted_rows: int = -1  # rows of every sorted-order buffer (all segments' pairs); num_pairs when -1
     # Expert halves (``build_routing_plan(split_expert=...)``): the upper experts' tiles of each segment, compacted
@@ -92,6 +94,8 @@ class RoutingPlan:
         return RoutingPlan(
             num_rows=rows, top_k=self.top_k, num_local_experts=experts, tile_m=self.tile_m,
             expert_offsets=self.expert_offsets[s * (experts + 1) : (s + 1) * (experts + 1)],
+            # (a half's tile list is compacted apart: the whole segment's expert tiles do not index it)
+            expert_tiles=None if half is not None else self.expert_tiles[s * (experts + 1) : (s + 1) * (experts + 1)],
             row_src=self.row_src, row_weight=self.row_weight,
             pair_pos=self.pair_pos[s * rows : (s + 1) * rows],
             tile_expert=tile_expert[s * tiles : (s + 1) * tiles],
@@ -142,7 +146,7 @@ def allocate_routing_plan(
         expert_offsets=part("expert_offsets"), row_src=part("row_src"),
         row_weight=part("row_weight").view(torch.float32), pair_pos=part("pair_pos").view(num_rows, top_k),
         tile_expert=part("tile_expert"), tile_row=part("tile_row"), num_tiles=part("num_tiles"),
-        num_segments=num_segments, counts=part("counts"),
+        expert_tiles=part("expert_tiles"), num_segments=num_segments, counts=part("counts"),
     )
     if split_expert is not None:
         plan.split_expert = split_expert
@@ -163,7 +167,7 @@ def _plan_layout(num_rows, top_k, num_local, tile_m, num_segments, split_expert)
     sizes = {  # row_weight's fp32 has int32's size
         "counts": num_segments * num_local, "expert_offsets": num_segments * (num_local + 1), "row_src": num_pairs,
         "row_weight": num_pairs, "pair_pos": num_pairs, "tile_expert": tiles, "tile_row": tiles,
-        "num_tiles": num_segments,
+        "num_tiles": num_segments, "expert_tiles": num_segments * (num_local + 1),
     }
     if split_expert is not None:
         sizes.update(half_tile_expert=tiles, half_tile_row=tiles, half_num_tiles=2 * num_segments)
@@ -266,7 +270,7 @@ def fill_routing_plan(plan: RoutingPlan, top_k_index: torch.Tensor, top_k_weight
         routing_place_kernel, (1 + num_segments, hist.numel() // num_bins),
         keys, hist, top_k_weights.reshape(-1), counts,
         plan.row_src, plan.row_weight, plan.pair_pos, plan.expert_offsets, plan.tile_expert, plan.tile_row,
-        plan.num_tiles,
+        plan.num_tiles, plan.expert_tiles,
         plan.half_tile_expert if halves else plan.tile_expert, plan.half_tile_row if halves else plan.tile_row,
         plan.half_num_tiles if halves else plan.num_tiles,
         keys.numel(), first_segment, max(seg_pairs, 1), plan.max_tiles // plan.num_segments,
