@@ -21,6 +21,7 @@
 #   bash scripts/device_sweep.sh s16d       # + no-grad bypass, kept descriptors, x quantised by the routing launch
 #   bash scripts/device_sweep.sh s16e       # more one-call samples: the layer against ab_base/, three times each
 #   bash scripts/device_sweep.sh s16f       # the Gluon column pass: GPU tests, pass probe, the layer against ab_base/
+#   bash scripts/device_sweep.sh s16g       # the plan's expert tile ranges: GPU tests, the fp8 layer (profiled)
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -392,6 +393,19 @@ case "${1:-}" in
         --out "$LOGS/layer_$run.json"
        tail -3 "$LOGS/layer_$run.log")
     done ;;
+  s16g)  # the plan's expert tile ranges (no tile-offset kernels in the backward): GPU tests (the placement at the
+         # layer's scale, the quantised oracle tests, the ws weight gradient, the column pass's), then the layer
+         # (fp8, fp8_bwd) one call (profiled) and fp8 back to back
+    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_s16g 150 python -m pytest -q tests/test_mega_moe_kernels.py \
+      tests/test_fp8_experts.py tests/test_fp8_gemm_ws.py tests/test_swiglu_grad_cols.py \
+      -k "on_gpu or gpu_against_oracle or wgrad_matches or cols" -rA
+    tail -3 "$LOGS/pytest_s16g.log"
+    step layer_g 90 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd \
+      --backends mega_moe --iters 5 --warmup 2 --profile-dir "$LOGS/prof_s16g" --out "$LOGS/layer_g.json"
+    tail -3 "$LOGS/layer_g.log"
+    step layer_g_r5 60 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 \
+      --backends mega_moe --repeat 5 --iters 5 --warmup 2 --out "$LOGS/layer_g_r5.json"
+    tail -2 "$LOGS/layer_g_r5.log" ;;
   ncu_fc1)  # Nsight Compute on one FC1 + SwiGLU launch: the Triton kernel, then the warp-specialised one
     for kern in triton ws; do
       step "ncu_fc1_$kern" 80 ncu --clock-control none --kernel-name regex:fp8_fc1_swiglu --launch-skip 2 \
