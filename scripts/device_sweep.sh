@@ -58,6 +58,21 @@ ncu_ws_fc2() {  # ncu_ws_fc2 LIMIT: Nsight Compute on one ws FC2 launch: summary
     --print-source sass --csv python scripts/fp8_gemm_once.py --gemm fc2 --kernel ws
   wc -l "$LOGS/ncu_ws_sass.log"
 }
+layer_ab() {  # layer_ab LIMIT "PRECISIONS" "NEW_EXTRA" RUN...: the Qwen3-30B-A3B layer (T=16384, one GPU) one call
+              # per RUN, from ab_base/ when RUN starts with "base", else this tree; NEW_EXTRA (more backends, a
+              # profile directory) goes to the run named "new"
+  local limit=$1 precisions=$2 new_extra=$3 run tree extra
+  shift 3
+  for run in "$@"; do
+    tree=.; [ "${run#base}" != "$run" ] && tree=ab_base
+    extra=""; [ "$run" = new ] && extra=$new_extra
+    # shellcheck disable=SC2086  # (precisions and extra are word lists)
+    (cd $tree && PYTHONPATH=/tmp/site:$PWD step "layer_$run" "$limit" python -m prime_megamoe.bench \
+      --shape qwen3-30b-a3b --tokens 16384 --precisions $precisions --iters 5 --warmup 2 --backends mega_moe \
+      $extra --out "$LOGS/layer_$run.json"
+     tail -4 "$LOGS/layer_$run.log")
+  done
+}
 fp8_tests_and_layer() {  # the quantised precisions' GPU tests, then the fp8 layer (with torch), one call and back to back
   PRIME_MEGAMOE_AUTOTUNE=0 step pytest_fp8 240 python -m pytest -q tests/test_fp8_experts.py \
     -k "gpu or half_tile or tma" -rA
@@ -337,14 +352,7 @@ case "${1:-}" in
     PRIME_MEGAMOE_AUTOTUNE=0 step pytest_s16 300 python -m pytest -q tests/test_fp8_experts.py \
       tests/test_swiglu_grad_fused.py tests/test_mega_moe_kernels.py -k "gpu or half_tile or tma or fused" -rA
     tail -3 "$LOGS/pytest_s16.log"
-    for run in new base new2 base2; do
-      tree=.; [ "${run#base}" != "$run" ] && tree=ab_base
-      extra=(--backends mega_moe); [ $run = new ] && extra=(--backends mega_moe --profile-dir "$LOGS/prof_s16")
-      (cd $tree && PYTHONPATH=/tmp/site:$PWD step "layer_$run" 150 python -m prime_megamoe.bench \
-        --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd bf16 --iters 5 --warmup 2 "${extra[@]}" \
-        --out "$LOGS/layer_$run.json"
-       tail -4 "$LOGS/layer_$run.log")
-    done
+    layer_ab 150 "fp8 fp8_bwd bf16" "--profile-dir $LOGS/prof_s16" new base new2 base2
     step layer_r5 120 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd \
       --backends mega_moe --repeat 5 --iters 5 --warmup 2 --out "$LOGS/layer_r5.json"
     tail -3 "$LOGS/layer_r5.log"
@@ -356,27 +364,14 @@ case "${1:-}" in
     PRIME_MEGAMOE_AUTOTUNE=0 step pytest_s16d 300 python -m pytest -q tests/test_fp8_experts.py \
       tests/test_fp8_gemm_ws.py tests/test_mega_moe_gpu.py tests/test_mega_moe_kernels.py -k "gpu or half_tile" -rA
     tail -3 "$LOGS/pytest_s16d.log"
-    for run in new base new2 base2; do
-      tree=.; [ "${run#base}" != "$run" ] && tree=ab_base
-      extra=(--backends mega_moe); [ $run = new ] && extra=(--backends torch mega_moe --profile-dir "$LOGS/prof_s16d")
-      (cd $tree && PYTHONPATH=/tmp/site:$PWD step "layer_$run" 150 python -m prime_megamoe.bench \
-        --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd bf16 --iters 5 --warmup 2 "${extra[@]}" \
-        --out "$LOGS/layer_$run.json"
-       tail -5 "$LOGS/layer_$run.log")
-    done
+    layer_ab 150 "fp8 fp8_bwd bf16" "--backends torch mega_moe --profile-dir $LOGS/prof_s16d" new base new2 base2
     step layer_r5 120 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd \
       --backends mega_moe --repeat 5 --iters 5 --warmup 2 --out "$LOGS/layer_r5.json"
     tail -3 "$LOGS/layer_r5.log"
     step sections 90 python scripts/call_timeline.py --precision fp8 --host-sections --deep
     grep -A40 "call 2" "$LOGS/sections.log" | cut -c1-100 ;;
   s16e)  # more one-call samples of the final layer against ab_base/ (fp8, fp8_bwd), alternating, three times each
-    for run in new base new2 base2 new3 base3; do
-      tree=.; [ "${run#base}" != "$run" ] && tree=ab_base
-      (cd $tree && PYTHONPATH=/tmp/site:$PWD step "layer_$run" 100 python -m prime_megamoe.bench \
-        --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd --backends mega_moe --iters 5 --warmup 2 \
-        --out "$LOGS/layer_$run.json"
-       tail -3 "$LOGS/layer_$run.log")
-    done ;;
+    layer_ab 100 "fp8 fp8_bwd" "" new base new2 base2 new3 base3 ;;
   s16f)  # the SwiGLU backward's column pass in Gluon: its GPU tests and the quantised oracle tests, the pass probe
          # (against the Triton launch), the fp8 layer one call (profiled) against ab_base/ (the Triton launch),
          # alternating
@@ -385,14 +380,7 @@ case "${1:-}" in
     tail -3 "$LOGS/pytest_cols.log"
     step pass_probe 150 python scripts/fp8_pass_probe.py
     grep -E "cols|best" "$LOGS/pass_probe.log" | head -20
-    for run in new base new2 base2; do
-      tree=.; [ "${run#base}" != "$run" ] && tree=ab_base
-      extra=(--backends mega_moe); [ $run = new ] && extra=(--backends mega_moe --profile-dir "$LOGS/prof_s16f")
-      (cd $tree && PYTHONPATH=/tmp/site:$PWD step "layer_$run" 100 python -m prime_megamoe.bench \
-        --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd --iters 5 --warmup 2 "${extra[@]}" \
-        --out "$LOGS/layer_$run.json"
-       tail -3 "$LOGS/layer_$run.log")
-    done ;;
+    layer_ab 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s16f" new base new2 base2 ;;
   s16g)  # the plan's expert tile ranges (no tile-offset kernels in the backward): GPU tests (the placement at the
          # layer's scale, the quantised oracle tests, the ws weight gradient, the column pass's), then the layer
          # (fp8, fp8_bwd) one call (profiled) and fp8 back to back

@@ -8,10 +8,8 @@ import torch
 
 from prime_megamoe.kernels.fp8_gemm import QTILE_M
 from prime_megamoe.ops import fp8_launch as fl
-from prime_megamoe.ops.routing_plan import build_routing_plan
-from tests.oracle import ragged_routing
 from tests.test_register_check import compile_for_hopper
-from tests.test_swiglu_grad_fused import _cols_t_written
+from tests.test_swiglu_grad_fused import _cols_t_written, ragged_swiglu_backward_inputs, rank_that_receives_nothing
 
 TYPES = ('{"ga_ptr": "*bf16", "h_ptr": "*bf16", "row_weight_ptr": "*fp32", "dhtq_ptr": "*fp8e4nv", "dhts_ptr": "*fp32",'
          ' "awtq_ptr": "*fp8e4nv", "awts_ptr": "*fp32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32",'
@@ -47,13 +45,7 @@ def test_gluon_cols_applicability_says_why_not():
 def test_gluon_cols_matches_the_triton_launch(tokens, inter, pow2):
     """Ragged routing (an empty expert, one taking most rows, tiles ending mid-way) and an intermediate size that is
     not a multiple of the column block: the same bits as the Triton launch for dh^T and (w * a)^T and their scales."""
-    device = "cuda"
-    index, weights = ragged_routing(tokens, 4, 2, seed=tokens, hot_fraction=0.8)
-    plan = build_routing_plan(index.to(device), weights.to(device), expert_base=0, num_local_experts=4,
-                              tile_m=QTILE_M)
-    gen = torch.Generator().manual_seed(tokens)
-    g_a = torch.randn(plan.num_pairs, inter, generator=gen).bfloat16().to(device)
-    h = (2 * torch.randn(plan.num_pairs, 2 * inter, generator=gen)).bfloat16().to(device)
+    plan, g_a, h = ragged_swiglu_backward_inputs(tokens, inter)
     fmt = fl.fp8_format(pow2)
     ref = fl.dswiglu_cols_t(g_a, h, plan, fmt, gluon=False)
     got = fl.dswiglu_cols_t(g_a, h, plan, fmt, gluon=True)
@@ -69,13 +61,7 @@ def test_gluon_cols_matches_the_triton_launch(tokens, inter, pow2):
 def test_gluon_cols_on_a_rank_that_receives_nothing():
     """Every token routed to other ranks' experts: rows but no tiles; the launch finishes (each program returns at
     the tile count) and gives outputs of the plan's shapes."""
-    device = "cuda"
-    index, weights = ragged_routing(64, 8, 2, seed=3, empty_expert=None, hot_expert=None, forbid=range(0, 4))
-    plan = build_routing_plan(index.to(device), weights.to(device), expert_base=0, num_local_experts=4,
-                              tile_m=QTILE_M)
-    assert int(plan.num_tiles[0]) == 0 and plan.num_pairs > 0
-    g_a = torch.randn(plan.num_pairs, 128, device=device).bfloat16()
-    h = torch.randn(plan.num_pairs, 256, device=device).bfloat16()
+    plan, g_a, h = rank_that_receives_nothing()
     dh_t, aw_t = fl.dswiglu_cols_t(g_a, h, plan, fl.fp8_format(), gluon=True)
     torch.cuda.synchronize()
     assert dh_t.data.shape == (256, plan.max_tiles * QTILE_M) and aw_t.data.shape == (128, plan.max_tiles * QTILE_M)

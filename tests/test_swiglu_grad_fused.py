@@ -57,13 +57,7 @@ def test_fused_dswiglu_matches_the_two_launch_pass(tokens, inter, pow2):
     """Ragged routing (an empty expert, one taking most rows, tiles ending mid-way): the same bits as the Triton
     pass for dh (row-scaled), dh^T and (w * a)^T (column-scaled) and their scales; dw per row to fp32 rounding
     (its 128-column sums run in another order)."""
-    device = "cuda"
-    index, weights = ragged_routing(tokens, 4, 2, seed=tokens, hot_fraction=0.8)
-    plan = build_routing_plan(index.to(device), weights.to(device), expert_base=0, num_local_experts=4,
-                              tile_m=QTILE_M)
-    gen = torch.Generator().manual_seed(tokens)
-    g_a = torch.randn(plan.num_pairs, inter, generator=gen).bfloat16().to(device)
-    h = (2 * torch.randn(plan.num_pairs, 2 * inter, generator=gen)).bfloat16().to(device)
+    plan, g_a, h = ragged_swiglu_backward_inputs(tokens, inter)
     fmt = fl.fp8_format(pow2)
     ref = fl.fp8_dswiglu(g_a, h, plan, fmt, fused=False)
     got = fl.fp8_dswiglu(g_a, h, plan, fmt, fused=True)
@@ -75,17 +69,34 @@ def test_fused_dswiglu_matches_the_two_launch_pass(tokens, inter, pow2):
     torch.testing.assert_close(got.dw_row, ref.dw_row, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.gpu
-def test_fused_dswiglu_on_a_rank_that_receives_nothing():
-    """Every token routed to other ranks' experts: rows but no tiles; the launch finishes (each program returns at
-    the tile count) and gives outputs of the plan's shapes."""
-    device = "cuda"
+def ragged_swiglu_backward_inputs(tokens, inter, device="cuda"):
+    """(plan, g_a [P, inter], h [P, 2 inter]) in bf16 for ragged routing over 4 experts (one empty, one with most
+    rows, tiles ending mid-way), seeded by ``tokens``."""
+    index, weights = ragged_routing(tokens, 4, 2, seed=tokens, hot_fraction=0.8)
+    plan = build_routing_plan(index.to(device), weights.to(device), expert_base=0, num_local_experts=4,
+                              tile_m=QTILE_M)
+    gen = torch.Generator().manual_seed(tokens)
+    g_a = torch.randn(plan.num_pairs, inter, generator=gen).bfloat16().to(device)
+    h = (2 * torch.randn(plan.num_pairs, 2 * inter, generator=gen)).bfloat16().to(device)
+    return plan, g_a, h
+
+
+def rank_that_receives_nothing(device="cuda"):
+    """(plan, g_a [P, 128], h [P, 256]) where every token went to other ranks' experts: rows but no tiles."""
     index, weights = ragged_routing(64, 8, 2, seed=3, empty_expert=None, hot_expert=None, forbid=range(0, 4))
     plan = build_routing_plan(index.to(device), weights.to(device), expert_base=0, num_local_experts=4,
                               tile_m=QTILE_M)
     assert int(plan.num_tiles[0]) == 0 and plan.num_pairs > 0
     g_a = torch.randn(plan.num_pairs, 128, device=device).bfloat16()
     h = torch.randn(plan.num_pairs, 256, device=device).bfloat16()
+    return plan, g_a, h
+
+
+@pytest.mark.gpu
+def test_fused_dswiglu_on_a_rank_that_receives_nothing():
+    """Every token routed to other ranks' experts: rows but no tiles; the launch finishes (each program returns at
+    the tile count) and gives outputs of the plan's shapes."""
+    plan, g_a, h = rank_that_receives_nothing()
     out = fl.fp8_dswiglu(g_a, h, plan, fl.fp8_format(), fused=True)
     torch.cuda.synchronize()
     assert out.dh_rows.data.shape == (plan.num_pairs, 256) and out.dw_row.shape == (plan.num_pairs,)
