@@ -102,15 +102,6 @@ def _4d(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _shape_strides_4d(t: torch.Tensor) -> tuple[list[int], list[int]]:
-    """``_4d(t)``'s shape and strides, computed without making the views (host time on the layer's path)."""
-    shape, strides = list(t.shape), list(t.stride())
-    while len(shape) < 4:
-        strides.insert(0, shape[0] * strides[0] if shape else 1)  # as unsqueeze(0) gives it
-        shape.insert(0, 1)
-    return shape, strides
-
-
 def _quant_tile(qm: int, qk: int) -> tuple[int, int]:
     """Tile of one quantiser program: whole blocks, about 8K elements."""
     return max(qm, 64), max(qk, 128)
@@ -160,13 +151,10 @@ def quantize_rows(x: torch.Tensor, fmt: QFormat, *, segments: int = 1) -> QTenso
     ng = cdiv(seg, fmt.group)
     q = torch.empty(rows, k, dtype=FP8_DTYPE, device=x.device)
     s = torch.empty(rows, segments * ng, dtype=fmt.scale_dtype, device=x.device)
-    if segments == 1:  # (no views: host time on the layer's path to its first GEMM)
-        quantize_view(x, q, s, (1, fmt.group), pow2=fmt.pow2, e8m0=fmt.mx)
-    else:
-        quantize_view(
-            x.unflatten(1, (segments, seg)).transpose(0, 1), q.view(rows, segments, seg).transpose(0, 1),
-            s.view(rows, segments, ng).transpose(0, 1), (1, fmt.group), pow2=fmt.pow2, e8m0=fmt.mx,
-        )
+    quantize_view(
+        x.unflatten(1, (segments, seg)).transpose(0, 1), q.view(rows, segments, seg).transpose(0, 1),
+        s.view(rows, segments, ng).transpose(0, 1), (1, fmt.group), pow2=fmt.pow2, e8m0=fmt.mx,
+    )
     return QTensor(q, s)
 
 
