@@ -22,7 +22,6 @@
 #   bash scripts/device_sweep.sh s16e       # more one-call samples: the layer against ab_base/, three times each
 #   bash scripts/device_sweep.sh s16f       # the Gluon column pass: GPU tests, pass probe, the layer against ab_base/
 #   bash scripts/device_sweep.sh s16g       # the plan's expert tile ranges: GPU tests, the fp8 layer (profiled)
-#   bash scripts/device_sweep.sh s17a       # x^T / dy^T from the fp8 rows: GPU tests, pass probe, layer vs ab_base/
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -395,17 +394,6 @@ case "${1:-}" in
     step layer_g_r5 60 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 \
       --backends mega_moe --repeat 5 --iters 5 --warmup 2 --out "$LOGS/layer_g_r5.json"
     tail -2 "$LOGS/layer_g_r5.log" ;;
-  s17a)  # the wgrads' x^T / dy^T from the row-quantised x and dy: GPU tests (those two, the quantised oracle tests,
-         # the SwiGLU backward's), the pass probe, then the layer (fp8, fp8_bwd) against ab_base/, alternating
-    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_s17a 300 python -m pytest -q tests/test_fp8_experts.py \
-      tests/test_swiglu_grad_fused.py tests/test_swiglu_grad_cols.py -k "gpu or cols or fused" -rA
-    tail -3 "$LOGS/pytest_s17a.log"
-    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_s17a_q 120 python -m pytest -q tests/test_quantize.py \
-      -k "row_quantized and cuda" -rA
-    tail -2 "$LOGS/pytest_s17a_q.log"
-    step probe_s17a 150 python scripts/fp8_pass_probe.py
-    tail -12 "$LOGS/probe_s17a.log"
-    layer_ab 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s17a" base new base2 new2 ;;
   ncu_fc1)  # Nsight Compute on one FC1 + SwiGLU launch: the Triton kernel, then the warp-specialised one
     for kern in triton ws; do
       step "ncu_fc1_$kern" 80 ncu --clock-control none --kernel-name regex:fp8_fc1_swiglu --launch-skip 2 \

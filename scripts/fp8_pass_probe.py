@@ -3,7 +3,7 @@ layer's shape (one GPU, EP = 1):
     python scripts/fp8_pass_probe.py [--shape qwen3-30b-a3b] [--tokens 16384]
 The passes: the quantising SwiGLU backward's row outputs (``dswiglu_rows``) and column outputs (``dswiglu_cols_t``:
 the Triton launch, and on a GPU its Gluon form, compared with the Triton launch), and the x^T gather-quantise pass
-(``quantize_sorted_cols_t``) from the bf16 rows and from their row-quantised fp8 copy. Each config's outputs are compared bitwise with the
+(``quantize_sorted_cols_t``). Each config's outputs are compared bitwise with the
 default config's (a block shape changes no sum: same bits expected) and its time turned into GB/s of bytes read and
 written. The table ends with the best config per pass.
 
@@ -29,8 +29,6 @@ ROWS_CONFIGS = [(16, 128, 4), (16, 128, 2), (32, 128, 4), (32, 128, 8), (8, 128,
 COLS_CONFIGS = [(128, 64, 4), (128, 64, 8), (128, 64, 16), (128, 32, 4), (128, 32, 8), (128, 16, 4), (128, 16, 2),
                 (128, 8, 4), (128, 128, 16)]
 GATHER_CONFIGS = [(64, 4), (64, 8), (32, 4), (32, 2), (16, 4), (128, 8), (128, 16)]
-# (columns, warps) of the same pass reading the row-quantised fp8 rows (as the layer's backward does).
-GATHER_Q_CONFIGS = [(64, 4), (64, 2), (128, 4), (128, 8), (32, 2), (32, 4), (256, 8)]
 # (BC, CPT, warps) of the column pass's Gluon form (kernels/swiglu_grad_cols.py), compared with the Triton launch.
 GLUON_COLS_CONFIGS = [(16, 1, 4), (32, 1, 8), (32, 2, 4)]
 
@@ -89,8 +87,6 @@ def main():
          None),
         ("x^T gather", "GATHER_COLS_T_BLOCK", GATHER_CONFIGS, lambda: fl.quantize_sorted_cols_t(x, plan, fmt), cols_t,
          plan.num_pairs * hidden * 2, None),
-        ("x^T from fp8", "GATHER_COLS_T_Q_BLOCK", GATHER_Q_CONFIGS, lambda: fl.quantize_sorted_cols_t(xq, plan, fmt),
-         cols_t, plan.num_pairs * (hidden + xq.scale.shape[1] * 4), None),
     ]
     if fl.gluon_cols_unavailable(g_a, h, fmt) is None:
         cases.insert(2, ("cols Gluon", "DSWIGLU_COLS_GLUON_BLOCK", GLUON_COLS_CONFIGS, cols_gluon,

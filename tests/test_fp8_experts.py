@@ -108,15 +108,12 @@ def _emulate(precision, x, index, weights, w1, w2, grad_out, *, pow2=False, tile
     d_weights[order] = (g_a * a).sum(1)
     d_w1 = torch.zeros(w1.shape, dtype=torch.float64)
     d_w2 = torch.zeros(w2.shape, dtype=torch.float64)
-    # wgrads: scales along the rows of each 128-row tile of the expert; x and dy come from their row-quantised copies
-    # (the forward's FC1 operand, the FC2 dgrad's), rounded a second time along the rows.
-    x_rows, dy_rows = fq(x), fq(grad_out)
-    for e in range(num_experts):
+    for e in range(num_experts):  # wgrads: scales along the rows of each 128-row tile of the expert
         for t0 in range(offsets[e], offsets[e + 1], tile):
             r = slice(t0, min(t0 + tile, offsets[e + 1]))
             col = lambda t: fq(t.T.contiguous()).T  # noqa: E731  (blocks of g_k rows x 1 column)
-            d_w1[e] += col(dh[r]).T @ col(x_rows[src[r]])
-            d_w2[e] += col(dy_rows[src[r]]).T @ col(aw[r])
+            d_w1[e] += col(dh[r]).T @ col(x.double()[src[r]])
+            d_w2[e] += col(grad_out.double()[src[r]]).T @ col(aw[r])
     return [out, d_rows, d_weights.view(tokens, top_k), d_w1, d_w2]
 
 

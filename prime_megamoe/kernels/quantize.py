@@ -143,17 +143,14 @@ def store_cols_t(q_ptr, s_ptr, x, t, cols, col_mask, stride_qk, stride_sr, POW2:
 
 @triton.jit
 def gather_quantize_cols_t_kernel(
-    x_ptr, xs_ptr, row_src_ptr, q_ptr, s_ptr,
+    x_ptr, row_src_ptr, q_ptr, s_ptr,
     tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
-    K, stride_xm, stride_xsm, stride_qk, stride_sr,
+    K, stride_xm, stride_qk, stride_sr,
     POW2: tl.constexpr, E8M0: tl.constexpr, GROUP_R: tl.constexpr, TILE: tl.constexpr, BK: tl.constexpr,
-    SRC_GROUP: tl.constexpr, SRC_E8M0: tl.constexpr,
 ):
     """Program (pid_k, t): the sorted rows of tile t gathered from the source rows (x[row_src[r]], x [R, K] with
     contiguous rows), columns [pid_k * BK, +BK), quantised into the cols_t layout. Written once, read by every
-    wgrad program of the tile's expert. Tiles past the device-side tile count are left alone (nothing reads them).
-    SRC_GROUP > 0: x is row-quantised (e4m3, one scale per row and SRC_GROUP columns at ``xs_ptr``, fp32 or with
-    SRC_E8M0 e8m0), dequantised in fp32 as it is read; SRC_GROUP = 0: x is read as it is (xs_ptr unused)."""
+    wgrad program of the tile's expert. Tiles past the device-side tile count are left alone (nothing reads them)."""
     pid_k = tl.program_id(0)
     t = tl.program_id(1)
     if t >= tl.load(num_tiles_ptr):
@@ -165,16 +162,8 @@ def gather_quantize_cols_t_kernel(
     src = tl.load(row_src_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     cols = (pid_k * BK + tl.arange(0, BK)).to(tl.int64)
     col_mask = cols < K
-    mask = row_mask[:, None] & col_mask[None, :]
-    x = tl.load(x_ptr + src[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if SRC_GROUP > 0:
-        if SRC_GROUP % BK == 0:  # the program's columns in one scale group: one scale per row
-            xs = tl.load(xs_ptr + src * stride_xsm + (pid_k * BK) // SRC_GROUP, mask=row_mask, other=0)[:, None]
-        else:
-            xs = tl.load(xs_ptr + src[:, None] * stride_xsm + (cols // SRC_GROUP)[None, :], mask=mask, other=0)
-        if SRC_E8M0:
-            xs = (xs.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        x = x * xs
+    x = tl.load(x_ptr + src[:, None] * stride_xm + cols[None, :], mask=row_mask[:, None] & col_mask[None, :],
+                other=0.0).to(tl.float32)
     store_cols_t(q_ptr, s_ptr, x, t, cols, col_mask, stride_qk, stride_sr, POW2, E8M0, TILE, BK, GROUP_R)
 
 

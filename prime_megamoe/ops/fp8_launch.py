@@ -60,8 +60,6 @@ DSWIGLU_FUSED_BLOCK = (16, 8)
 # The x^T / dy^T gather-quantise pass: a 128-row tile x GATHER_COLS_T_BLOCK[0] columns per program, [1] warps (0.241
 # against 0.245 ms for 64 columns, 4 warps; fp8_pass_probe_s16.txt).
 GATHER_COLS_T_BLOCK = (32, 2)
-# The same pass reading row-quantised fp8 rows (1 byte a value): columns, warps (not yet probed on a GPU).
-GATHER_COLS_T_Q_BLOCK = (64, 4)
 
 
 @dataclass(frozen=True)
@@ -288,39 +286,21 @@ def empty_cols_t(n: int, plan: RoutingPlan, fmt: QFormat, device) -> QTensor:
     )
 
 
-def quantize_sorted_cols_t(x: torch.Tensor | QTensor, plan: RoutingPlan, fmt: QFormat) -> QTensor:
+def quantize_sorted_cols_t(x: torch.Tensor, plan: RoutingPlan, fmt: QFormat) -> QTensor:
     """Source rows x [R, K] -> the wgrad operand of the sorted rows x[row_src] in the cols_t layout (K-major
     [K, max_tiles * 128], one scale per column for every ``fmt.group`` rows of each 128-row tile): gathered and
-    quantised in one pass, with exactly the numerics of the in-epilogue column quantiser.
-
-    x may be the row-quantised rows (``quantize_rows(x, fmt)``: a QTensor with ``fmt``'s row scales): each value is
-    dequantised in fp32 as it is read (the same bits as quantising ``dequantize_rows(x, fmt)``), so the operand is
-    a second rounding of those rows. Reading 1 byte a value from a copy that mostly stays in L2 (34 MB at
-    T = 16384, H = 2048) instead of 2 from HBM is what the layer's backward does for x and dy."""
+    quantised in one pass, with exactly the numerics of the in-epilogue column quantiser."""
     _check_tile_space_plan(plan)
-    quantized = isinstance(x, QTensor)
-    data = x.data if quantized else x
-    if data.dim() != 2 or data.shape[0] != plan.num_rows:
-        raise ValueError(f"x must be [{plan.num_rows}, K] (the plan's source rows), got {list(data.shape)}")
-    k = data.shape[1]
-    if quantized:
-        want = (plan.num_rows, cdiv(k, fmt.group))
-        if data.stride(1) != 1 or x.scale.stride(1) != 1 or tuple(x.scale.shape) != want \
-                or x.scale.dtype != fmt.scale_dtype:
-            raise ValueError(f"a quantised x must be quantize_rows(x, fmt)'s output: contiguous rows, scales "
-                             f"{list(want)} {fmt.scale_dtype}; got scales {list(x.scale.shape)} {x.scale.dtype}")
-        scale, scale_stride, src_group = x.scale, x.scale.stride(0), fmt.group
-        block_k, warps = GATHER_COLS_T_Q_BLOCK
-    else:
-        data = data.contiguous()
-        scale, scale_stride, src_group = data, 0, 0  # (no scales: the pointer is not read)
-        block_k, warps = GATHER_COLS_T_BLOCK
-    out = empty_cols_t(k, plan, fmt, data.device)
+    if x.dim() != 2 or x.shape[0] != plan.num_rows:
+        raise ValueError(f"x must be [{plan.num_rows}, K] (the plan's source rows), got {list(x.shape)}")
+    x = x.contiguous()
+    k = x.shape[1]
+    out = empty_cols_t(k, plan, fmt, x.device)
+    block_k, warps = GATHER_COLS_T_BLOCK
     launch(gather_quantize_cols_t_kernel, (cdiv(k, block_k), plan.max_tiles),
-        data, scale, plan.row_src, out.data, out.scale, *_tile_args(plan),
-        k, data.stride(0), scale_stride, out.data.stride(0), out.scale.stride(0),
-        POW2=fmt.pow2, E8M0=fmt.mx, GROUP_R=fmt.group, TILE=QTILE_M, BK=block_k, SRC_GROUP=src_group,
-        SRC_E8M0=quantized and fmt.mx, num_warps=warps,
+        x, plan.row_src, out.data, out.scale, *_tile_args(plan),
+        k, x.stride(0), out.data.stride(0), out.scale.stride(0),
+        POW2=fmt.pow2, E8M0=fmt.mx, GROUP_R=fmt.group, TILE=QTILE_M, BK=block_k, num_warps=warps,
     )
     return out
 

@@ -33,17 +33,11 @@ What each GEMM quantises, and the scale layout its operands need (scales always 
   outputs made that kernel take 2.56 ms at the shape below; the GEMM and the pass now take 0.48 + 0.20 + 0.36 ms.)
 - FC1 dgrad (reduction 2I, two halves): A = dh [P, 2I] row-scaled per half; B = the copy W1^T [E, H, 2I]. On
   Hopper (fp8, each half a multiple of 128) it runs the warp-specialised kernel of ``kernels/fp8_gemm_ws.py``.
-- W1 wgrad, dW1[e] = dh^T x (reduction over the expert's rows): A = dh^T from that pass; B = x^T: the row-quantised
-  x (the forward's FC1 operand, saved; fp8_bwd quantises x's rows in the backward) gathered in sorted order,
-  dequantised and quantised again per tile and column by one pass (``fl.quantize_sorted_cols_t``), written once and
-  read by every output tile of the expert.
-- W2 wgrad, dW2[e] = dy^T (w * a): A = dy^T, from dy's row-quantised copy (the FC2 dgrad's operand) by the same
-  pass; B = (w * a)^T from the SwiGLU backward pass.
-
-x^T and dy^T are thus second roundings (along the tokens) of values already rounded along H, the DeepSeek-V3
-way of getting the transposed operands. The pass reads 1 byte a value from a copy that mostly stays in L2 (34 MB
-at the shape below) where the bf16 rows meant 2 bytes a value from HBM (each token is read k times, in expert
-order): 0.24 ms a pass at the shape below from bf16.
+- W1 wgrad, dW1[e] = dh^T x (reduction over the expert's rows): A = dh^T from that pass; B = x^T: the source rows
+  gathered in sorted order and quantised per tile and column by one pass (``fl.quantize_sorted_cols_t``), written
+  once and read by every output tile of the expert.
+- W2 wgrad, dW2[e] = dy^T (w * a): A = dy^T, gathered and quantised by the same pass; B = (w * a)^T from the
+  SwiGLU backward pass.
 
 The wgrads reduce over tokens, so their operands carry scales along the token dim: one per column for every block
 of 128 (fp8) or 32 (mx) rows of a 128-row tile. Tiles start at each expert's first row (the routing plan's tile
@@ -62,30 +56,28 @@ every optimizer step. The cache holds 2 bytes per expert parameter (plus scales:
 1/32 for mx): as much as a bf16 copy of the weights.
 
 What the forward saves: the source rows (the caller holds them anyway), W1 and W2 (references), the routing plan and h
-in the input dtype (bf16 in training) for the SwiGLU backward, as the bf16 path does, and (fp8, mxfp8) FC1's
-row-quantised x for the W1 wgrad. At T = 16384, H = 2048, I = 768, k = 8 (P = 131072): h = P * 2I * 2 B = 402.7 MB
-per layer, x in fp8 34 MB, the plan ~1.6 MB; nothing else. Cheaper choices, not taken: h in fp8 with 1x128 scales
-(208 MB, but the SwiGLU derivative then sees e4m3 noise in g and u), or only the fp8 copy of x and an FC1 recompute in
-the backward (+1/3 of the forward's FLOPs). Trainers checkpoint activations, which keeps
+in the input dtype (bf16 in training) for the SwiGLU backward, as the bf16 path does. At T = 16384, H = 2048, I = 768,
+k = 8 (P = 131072): h = P * 2I * 2 B = 402.7 MB per layer, the plan ~1.6 MB; nothing else. Cheaper choices, not taken: h
+in fp8 with 1x128 scales (208 MB, but the SwiGLU derivative then sees e4m3 noise in g and u), or only the 34 MB fp8 copy
+of x and an FC1 recompute in the backward (+1/3 of the forward's FLOPs). Trainers checkpoint activations, which keeps
 one layer's h alive at a time. Transients at that shape: forward x fp8 34 MB, a fp8 101 MB (+3 MB scales), the FC2
 output before the combine 537 MB (as in bf16); backward (max_tiles * 128 = 147456 tile-space rows) dy fp8 34 MB (freed
-at the end), g_a 201 MB (freed after the SwiGLU backward pass), dh row-scaled 201 MB (freed after the FC1
+after the FC2 dgrad), g_a 201 MB (freed after the SwiGLU backward pass), dh row-scaled 201 MB (freed after the FC1
 dgrad), dh^T 226 MB (freed after dW1), (w * a)^T 113 MB, the K-major copies x^T then dy^T 302 MB each (one at a time,
 each freed after its wgrad), scales ~27 MB, the FC1 dgrad output before the combine 537 MB.
 
 Expert parallelism (``ops.ep_exchange``, over collectives): fp8 and mxfp8 send each rank's tokens as the rows FC1 reads,
 fp8 with their row scales, about half the bytes of bf16; the receivers dequantise them, and FC1's own quantisation maps
-those rows back onto the values sent (to within an fp32 rounding of a scale), so the layer computes what it would at
-EP = 1 up to that rounding. fp8_bwd sends bf16 tokens (its forward is bf16).
+those rows back onto the values sent (to within an fp32 rounding of a scale). The W1 weight gradient then reads these
+rounded tokens instead of the originals (its column-scaled operand is a second rounding of them), the one numerical
+difference from EP = 1. fp8_bwd sends bf16 tokens (its forward is bf16).
 
 ``fp8_bwd`` runs the bf16 forward kernels (``ops.launch``) and the same fp8 backward as ``fp8``.
 
 Accuracy (CPU interpreter, tests/test_fp8_experts.py, H = 192, I = 96, ragged routing): against the float64
-transformers oracle the output and the four gradients are 6-7.5% off (relative norm) for fp8 and mxfp8 and 3-5.5%
+transformers oracle the output and the four gradients are 6-7.5% off (relative norm) for fp8 and mxfp8 and 3-5%
 for the fp8_bwd gradients; that is e4m3's own rounding (3 mantissa bits, ~2.6% rms per quantised operand, two GEMMs
-in a chain). The wgrads' second rounding of x and dy adds about half a point to the weight gradients (seed 1, fp8:
-dW1 6.4 -> 7.0%, dW2 6.2 -> 6.7%; fp8_bwd: 4.9 -> 5.5%, 3.0 -> 3.9%; with power-of-two scales, and for mxfp8,
-the same figures as before). Against a torch emulation of this exact recipe (same blocks, scales and roundings, float64 GEMMs) they
+in a chain). Against a torch emulation of this exact recipe (same blocks, scales and roundings, float64 GEMMs) they
 agree to ~1e-7, so the kernels add nothing beyond the recipe. The top-k weight gradient is the noisiest (a dot
 product over I of two noisy factors, with cancellation): over random seeds it averages 6.6% and reaches 8%.
 """
@@ -245,13 +237,11 @@ def _plan(top_k_index, top_k_weights, num_local_experts: int, expert_base: int, 
 
 def _forward(rows, top_k_index, top_k_weights, w1, w2, expert_base: int, tile_m: int, precision: str,
              pow2_scales: bool, need_grad: bool):
-    """The layer's forward: (out [R, H], and for the backward (None unless ``need_grad``): the plan's lease, h, the
-    row-quantised x (None for fp8_bwd, whose forward does not quantise x))."""
+    """The layer's forward: (out [R, H], and for the backward (None unless ``need_grad``): the plan's lease, h)."""
     check_precision_supported(precision, rows.device)
     rows = rows.contiguous()
     num_local, inter = w1.shape[0], w1.shape[1] // 2
     fmt = _format(precision, pow2_scales)
-    xq = None
     if precision == "fp8_bwd":
         # bf16 forward: the bf16 kernels' own tile height, then (if it differs) the 128-row plan for the backward.
         # Both plans sort the rows identically, so h lines up with either.
@@ -271,7 +261,7 @@ def _forward(rows, top_k_index, top_k_weights, w1, w2, expert_base: int, tile_m:
         out_sorted = fl.fp8_grouped_gemm(aq, w2q, plan, fmt, out_dtype=rows.dtype, row_scale=plan.row_weight,
                                          use_ws=None)
         out = launch.combine_rows(out_sorted, plan.pair_pos, rows.dtype)
-    return (out, lease, h, xq) if need_grad else (out, None, None, None)
+    return (out, lease, h) if need_grad else (out, None, None)
 
 
 class QuantizedRoutedExperts(torch.autograd.Function):
@@ -282,10 +272,10 @@ class QuantizedRoutedExperts(torch.autograd.Function):
                 pow2_scales: bool, grad_enabled: bool):
         need_grad = grad_enabled and any(ctx.needs_input_grad[i] for i in (0, 2, 3, 4))
         rows = rows.contiguous()
-        out, lease, h, xq = _forward(rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, precision,
-                                     pow2_scales, need_grad)
+        out, lease, h = _forward(rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, precision,
+                                 pow2_scales, need_grad)
         if need_grad:
-            ctx.save_for_backward(rows, w1, w2, h, *((xq.data, xq.scale) if xq is not None else (None, None)))
+            ctx.save_for_backward(rows, w1, w2, h)
             ctx.plan, ctx.plan_lease = lease.plan, lease  # the lease (and its plan) held until the graph is freed
             ctx.fmt = _format(precision, pow2_scales)
         ctx.weights_dtype = top_k_weights.dtype
@@ -293,13 +283,14 @@ class QuantizedRoutedExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        rows, w1, w2, h, xq_data, xq_scale = ctx.saved_tensors
+        rows, w1, w2, h = ctx.saved_tensors
         plan: RoutingPlan = ctx.plan
         fmt: fl.QFormat = ctx.fmt
         grad_out = grad_out.contiguous().to(rows.dtype)
         dyq = fl.quantize_rows(grad_out, fmt)
         w2q = cached_weight_operand(w2, "w2_bwd", fmt)
         d = fl.fp8_fc2_dgrad_dswiglu(dyq, w2q, h, plan, fmt)
+        del dyq
 
         grad_rows = grad_weights = grad_w1 = grad_w2 = None
         if ctx.needs_input_grad[0]:
@@ -314,22 +305,18 @@ class QuantizedRoutedExperts(torch.autograd.Function):
             grad_weights = plan.pair_values(d.dw_row, ctx.weights_dtype)
         d.dh_rows = None
         # Weight gradients from K-major fp8 operands; the gathered [H, tiles * 128] copies of x and dy are made one
-        # at a time, each freed after its GEMM, from the row-quantised x and dy (1 byte a value, mostly read from
-        # L2; the bf16 rows, 2 bytes from HBM, took 0.24 ms a pass). The warp-specialised Hopper kernel where it
-        # applies: dW1 1.001 and dW2 0.536 ms against 1.244 and 0.693 for the Triton kernel
-        # (benchmarks/results/fp8_probe_s14.txt).
+        # at a time, each freed after its GEMM. The warp-specialised Hopper kernel where it applies: dW1 1.001 and
+        # dW2 0.536 ms against 1.244 and 0.693 for the Triton kernel (benchmarks/results/fp8_probe_s14.txt).
         if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
             tiles = fl.expert_tile_offsets(plan)
             if ctx.needs_input_grad[3]:
-                xq = fl.QTensor(xq_data, xq_scale) if xq_data is not None else fl.quantize_rows(rows, fmt)
-                x_t = fl.quantize_sorted_cols_t(xq, plan, fmt)
-                del xq
+                x_t = fl.quantize_sorted_cols_t(rows, plan, fmt)
                 grad_w1 = fl.fp8_grouped_wgrad(d.dh_t, x_t, plan, fmt, torch.empty_like(w1), expert_tiles=tiles,
                                                use_ws=None)
                 del x_t
             d.dh_t = None
             if ctx.needs_input_grad[4]:
-                dy_t = fl.quantize_sorted_cols_t(dyq, plan, fmt)
+                dy_t = fl.quantize_sorted_cols_t(grad_out, plan, fmt)
                 grad_w2 = fl.fp8_grouped_wgrad(dy_t, d.aw_t, plan, fmt, torch.empty_like(w2), expert_tiles=tiles,
                                                use_ws=None)
         return grad_rows, None, grad_weights, grad_w1, grad_w2, None, None, None, None, None
