@@ -22,7 +22,6 @@
 #   bash scripts/device_sweep.sh s16e       # more one-call samples: the layer against ab_base/, three times each
 #   bash scripts/device_sweep.sh s16f       # the Gluon column pass: GPU tests, pass probe, the layer against ab_base/
 #   bash scripts/device_sweep.sh s16g       # the plan's expert tile ranges: GPU tests, the fp8 layer (profiled)
-#   bash scripts/device_sweep.sh s18a       # the Gluon gather pass: GPU tests, pass probe, layer vs ab_base/ (profiled)
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -382,19 +381,6 @@ case "${1:-}" in
     step pass_probe 150 python scripts/fp8_pass_probe.py
     grep -E "cols|best" "$LOGS/pass_probe.log" | head -20
     layer_ab 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s16f" new base new2 base2 ;;
-  s18a)  # the wgrads' gather pass in Gluon: GPU tests (it, the quantised oracle tests), the pass probe, the layer
-         # (fp8, fp8_bwd) against ab_base/ alternating, both profiled once; the s17 tree's probe (ab_s17/) last
-    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_s18a 240 python -m pytest -q tests/test_gather_cols_t.py \
-      tests/test_fp8_experts.py -k "gpu" -rA
-    tail -3 "$LOGS/pytest_s18a.log"
-    step probe_s18a 150 python scripts/fp8_pass_probe.py
-    tail -12 "$LOGS/probe_s18a.log"
-    layer_ab 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s18a_new" base new base2 new2
-    (cd ab_base && PYTHONPATH=/tmp/site:$PWD step prof_base 100 python -m prime_megamoe.bench \
-      --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 --iters 5 --warmup 2 --backends mega_moe \
-      --profile-dir "$LOGS/prof_s18a_base" --out "$LOGS/prof_base.json")
-    [ -d ab_s17 ] && (cd ab_s17 && PYTHONPATH=/tmp/site:$PWD step probe_s17 150 python scripts/fp8_pass_probe.py)
-    grep -E "x\^T" "$LOGS/probe_s17.log" | tail -12 ;;
   s16g)  # the plan's expert tile ranges (no tile-offset kernels in the backward): GPU tests (the placement at the
          # layer's scale, the quantised oracle tests, the ws weight gradient, the column pass's), then the layer
          # (fp8, fp8_bwd) one call (profiled) and fp8 back to back
