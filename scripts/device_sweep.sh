@@ -22,7 +22,6 @@
 #   bash scripts/device_sweep.sh s16e       # more one-call samples: the layer against ab_base/, three times each
 #   bash scripts/device_sweep.sh s16f       # the Gluon column pass: GPU tests, pass probe, the layer against ab_base/
 #   bash scripts/device_sweep.sh s16g       # the plan's expert tile ranges: GPU tests, the fp8 layer (profiled)
-#   bash scripts/device_sweep.sh s18b       # the weight gradient on 192-row tiles (three MMA partitions): tests, probe
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -382,12 +381,6 @@ case "${1:-}" in
     step pass_probe 150 python scripts/fp8_pass_probe.py
     grep -E "cols|best" "$LOGS/pass_probe.log" | head -20
     layer_ab 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s16f" new base new2 base2 ;;
-  s18b)  # the weight gradient with three MMA partitions on 192-row tiles: its GPU tests (every config against the
-         # Triton kernel), then dW1 / dW2 timed per config (fp8_probe --ws-only)
-    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_s18b 200 python -m pytest -q tests/test_fp8_gemm_ws.py -k "wgrad" -rA
-    tail -3 "$LOGS/pytest_s18b.log"
-    step probe_s18b 200 python scripts/fp8_probe.py --ws-only --gemms dW1 dW2
-    tail -14 "$LOGS/probe_s18b.log" ;;
   s16g)  # the plan's expert tile ranges (no tile-offset kernels in the backward): GPU tests (the placement at the
          # layer's scale, the quantised oracle tests, the ws weight gradient, the column pass's), then the layer
          # (fp8, fp8_bwd) one call (profiled) and fp8 back to back
