@@ -32,7 +32,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .fp8_gemm_ws import _cp_async, _stage_barriers, _store_by_tma, _tma_load
+from .fp8_gemm_ws import _allocate_stages, _cp_async, _store_by_tma, _tma_load
 
 
 @gluon.jit
@@ -60,16 +60,14 @@ def _wgrad_load_partition(a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, read
         expert, m0, n0 = _wgrad_tile_of(t, m_tiles, n_tiles, TILE_ROWS, BLOCK_N)
         t_begin = gl.load(expert_tiles_ptr + expert)
         t_end = gl.load(expert_tiles_ptr + expert + 1)
-        rows = m0 + gl.arange(0, BLOCK_M, layout=vec_layout)  # one partition's rows (HALVES = 3: 192 is no arange)
+        rows = m0 + gl.arange(0, TILE_ROWS, layout=vec_layout)
         cols = n0 + gl.arange(0, BLOCK_N, layout=vec_layout)
         for kt in range(t_begin, t_end):
             s = it % STAGES
             # A buffer is free once the MMAs that read it are done; a fresh mbarrier counts as phase 1 done.
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             bar = ready.index(s)
-            for h in gl.static_range(HALVES):
-                _cp_async(sa_bufs.index(HALVES * s + h), as_ptr + kt * stride_asr + h * BLOCK_M + rows,
-                          mask=rows + h * BLOCK_M < M)
+            _cp_async(sa_bufs.index(s), as_ptr + kt * stride_asr + rows, mask=rows < M)
             _cp_async(sb_bufs.index(s), bs_ptr + kt * stride_bsr + cols, mask=cols < N)
             async_copy.mbarrier_arrive(bar)  # the barrier's phase also waits for this lane's copies
             mbarrier.expect(bar, HALVES * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
@@ -90,7 +88,7 @@ def _wgrad_mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma
     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
     tile = warpgroup_mma(a_bufs.index(HALVES * s + HALF), b_bufs.index(s).permute((1, 0)),
                          gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout), use_acc=False, is_async=True)
-    sa = sa_bufs.index(HALVES * s + HALF).load(gl.SliceLayout(1, mma_layout))
+    sa = sa_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(gl.SliceLayout(1, mma_layout))
     sb = sb_bufs.index(s).load(gl.SliceLayout(0, mma_layout))
     done = warpgroup_mma_wait(num_outstanding=0, deps=(tile, ))
     mbarrier.arrive(empty.index(s), count=1)
@@ -156,23 +154,12 @@ def fp8_grouped_wgrad_ws_kernel(
     STAGES: gl.constexpr, HALVES: gl.constexpr, TMA_STORE: gl.constexpr, LOAD_REGS: gl.constexpr,
     MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """HALVES = 1: one MMA partition of ``num_warps`` warps; HALVES = 2 or 3: that many 4-warp partitions (the
-    default one and workers with MMA_REGS registers) on the 64-row parts of each output tile, from the same B
-    buffers. Without TMA_STORE ``c_desc`` is not read (any descriptor will do)."""
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-    # The ring: per stage HALVES A boxes and their row scales (one buffer per partition), one B box and its column
-    # scales; with TMA_STORE one output box per partition (else A's buffers stand in, unused).
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [HALVES * STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    vec_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    sa_bufs = gl.allocate_shared_memory(gl.float32, [HALVES * STAGES, BLOCK_M], vec_smem)
-    sb_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], vec_smem)
-    ready, empty = _stage_barriers(STAGES, HALVES)
-    if TMA_STORE:
-        c_bufs = gl.allocate_shared_memory(c_desc.dtype, [HALVES] + c_desc.block_type.shape, c_desc.layout)
-    else:
-        c_bufs = a_bufs
+    """HALVES = 1: one MMA partition of ``num_warps`` warps; HALVES = 2: two 4-warp partitions (the default one and
+    a worker with MMA_REGS registers) on the two 64-row halves of each output tile, from the same B buffers. Without
+    TMA_STORE ``c_desc`` is not read (any descriptor will do)."""
+    # The B scales: one per output column of the tile.
+    a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_bufs = _allocate_stages(
+        a_desc, b_desc, c_desc, STAGES, HALVES, b_desc.block_type.shape[0], TMA_STORE)
     # (Argument tuples written out in the call: a tuple bound to a name first loses its constexprs.)
     if HALVES == 1:
         gl.warp_specialize([
@@ -182,7 +169,7 @@ def fp8_grouped_wgrad_ws_kernel(
             (_wgrad_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, as_ptr, bs_ptr,
                                      expert_tiles_ptr, M, N, E, stride_asr, stride_bsr, HALVES)),
         ], [1], [LOAD_REGS])
-    elif HALVES == 2:
+    else:
         gl.warp_specialize([
             (_wgrad_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
                                     expert_tiles_ptr, M, N, E, stride_ce, stride_cm, stride_cn, 0, HALVES,
@@ -193,18 +180,3 @@ def fp8_grouped_wgrad_ws_kernel(
             (_wgrad_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, as_ptr, bs_ptr,
                                      expert_tiles_ptr, M, N, E, stride_asr, stride_bsr, HALVES)),
         ], [4, 1], [MMA_REGS, LOAD_REGS])
-    else:
-        gl.static_assert(HALVES == 3, "HALVES is 1, 2 or 3")
-        gl.warp_specialize([
-            (_wgrad_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
-                                    expert_tiles_ptr, M, N, E, stride_ce, stride_cm, stride_cn, 0, HALVES,
-                                    TMA_STORE)),
-            (_wgrad_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(1), c_ptr,
-                                    expert_tiles_ptr, M, N, E, stride_ce, stride_cm, stride_cn, 1, HALVES,
-                                    TMA_STORE)),
-            (_wgrad_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(2), c_ptr,
-                                    expert_tiles_ptr, M, N, E, stride_ce, stride_cm, stride_cn, 2, HALVES,
-                                    TMA_STORE)),
-            (_wgrad_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, as_ptr, bs_ptr,
-                                     expert_tiles_ptr, M, N, E, stride_asr, stride_bsr, HALVES)),
-        ], [4, 4, 1], [MMA_REGS, MMA_REGS, LOAD_REGS])

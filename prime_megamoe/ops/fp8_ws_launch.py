@@ -48,10 +48,7 @@ class WSConfig:
     stages: buffers of A (block_m x 128) and B (128 x 128) fp8. tma_store: tile parts holding only their expert's
     rows are stored by TMA, for outputs of 2-byte elements that TMA can write (a 4-byte output's buffers would not
     fit beside the ring; other outputs are stored from registers, the same values). scales_first: each step reads
-    its scales before issuing its wgmma (see ``_mma_step``): no faster (fp8_probe_s14.txt), so not the default.
-    block_m = 192, halves = 3 (the weight gradient only: the row-tiled GEMM's tiles are the plan's 128 rows): three
-    4-warp MMA partitions, 16 warps at launch (128 registers), then 32 for the producer and 160 for each MMA
-    partition (Triton's setmaxnreg split gives the default partition what the workers leave)."""
+    its scales before issuing its wgmma (see ``_mma_step``): no faster (fp8_probe_s14.txt), so not the default."""
 
     block_m: int = 128
     stages: int = 4
@@ -69,19 +66,11 @@ class WSConfig:
 
     @property
     def maxnreg(self) -> int:
-        return 168 if self.programs_per_sm == 1 and self.halves < 3 else 128
-
-    @property
-    def mma_regs(self) -> int:  # of each worker MMA partition (halves >= 2)
-        return WS_MMA_REGS if self.halves < 3 else 160
-
-    @property
-    def load_regs(self) -> int:  # of the producer warp
-        return WS_LOAD_REGS if self.halves < 3 else 32
+        return 168 if self.programs_per_sm == 1 else 128
 
     @property
     def programs_per_sm(self) -> int:
-        return max(1, 128 // self.block_m)
+        return 128 // self.block_m
 
 
 WS_MMA_REGS = 232  # the second MMA partition's registers (halves = 2)
@@ -96,8 +85,6 @@ WS_CONFIGS = (
     WSConfig(64, 4),
 )
 WS_DEFAULT = WS_CONFIGS[0]
-# The weight gradient's candidates: the default, and three partitions on 192-row tiles (4 and 3 stages).
-WS_WGRAD_CONFIGS = (WS_DEFAULT, WSConfig(192, 4, halves=3, tma_store=True), WSConfig(192, 3, halves=3, tma_store=True))
 
 
 def _hopper_fp8_unavailable(data: torch.Tensor, mx: bool) -> str | None:
@@ -190,9 +177,6 @@ def fp8_grouped_gemm_ws(aq: QTensor, bq: QTensor, plan: RoutingPlan, c: torch.Te
     several tiles a program this way)."""
     from ..kernels.fp8_gemm_ws import fp8_grouped_gemm_ws_kernel
 
-    if config.halves > 2:
-        raise ValueError(f"{config}: halves = {config.halves} is for the weight gradient only (the row-tiled GEMM's "
-                         f"tiles are the routing plan's {QTILE_M} rows); use halves 1 or 2")
     aq_data, aq_scale, bq_data, bq_scale = aq.data, aq.scale, bq.data, bq.scale
     rows, n, k = plan.num_pairs, bq_data.shape[1], bq_data.shape[2] // segments
     if rows == 0 or aq_data.shape[0] == 0:  # no rows (a rank that receives nothing): no tiles, no descriptor
@@ -240,8 +224,8 @@ def fp8_grouped_wgrad_ws(a_t: QTensor, b_t: QTensor, out: torch.Tensor, *, exper
     launch(
         fp8_grouped_wgrad_ws_kernel, grid, a_desc, b_desc, c_desc, a_t.scale, b_t.scale, out, expert_tiles, m, n,
         experts, a_t.scale.stride(0), b_t.scale.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        STAGES=config.stages, HALVES=config.halves, TMA_STORE=tma_store, LOAD_REGS=config.load_regs,
-        MMA_REGS=config.mma_regs, num_warps=config.num_warps, maxnreg=config.maxnreg,
+        STAGES=config.stages, HALVES=config.halves, TMA_STORE=tma_store, LOAD_REGS=WS_LOAD_REGS,
+        MMA_REGS=WS_MMA_REGS, num_warps=config.num_warps, maxnreg=config.maxnreg,
     )
 
 
