@@ -22,7 +22,6 @@
 #   bash scripts/device_sweep.sh s16e       # more one-call samples: the layer against ab_base/, three times each
 #   bash scripts/device_sweep.sh s16f       # the Gluon column pass: GPU tests, pass probe, the layer against ab_base/
 #   bash scripts/device_sweep.sh s16g       # the plan's expert tile ranges: GPU tests, the fp8 layer (profiled)
-#   bash scripts/device_sweep.sh s18c       # the weight gradient's stores under the next tile's first wgmma: tests, A/B
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -382,18 +381,6 @@ case "${1:-}" in
     step pass_probe 150 python scripts/fp8_pass_probe.py
     grep -E "cols|best" "$LOGS/pass_probe.log" | head -20
     layer_ab 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s16f" new base new2 base2 ;;
-  s18c)  # the weight gradient storing each tile while the next tile's first wgmma runs: its GPU tests and the
-         # layer's oracle tests, dW1 / dW2 alternating with ab_base/ (fp8_probe --ws-only), the layer against it
-    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_s18c 240 python -m pytest -q tests/test_fp8_gemm_ws.py \
-      tests/test_fp8_experts.py -k "wgrad or gpu" -rA
-    tail -3 "$LOGS/pytest_s18c.log"
-    for run in new base new2 base2; do
-      tree=.; [ "${run#base}" != "$run" ] && tree=ab_base
-      (cd $tree && PYTHONPATH=/tmp/site:$PWD step "probe_$run" 120 python "$OLDPWD/scripts/fp8_probe.py" \
-        --ws-only --gemms dW1 dW2)
-      grep -E "^  dW" "$LOGS/probe_$run.log"
-    done
-    layer_ab 100 "fp8 fp8_bwd" "" base new ;;
   s16g)  # the plan's expert tile ranges (no tile-offset kernels in the backward): GPU tests (the placement at the
          # layer's scale, the quantised oracle tests, the ws weight gradient, the column pass's), then the layer
          # (fp8, fp8_bwd) one call (profiled) and fp8 back to back

@@ -78,42 +78,35 @@ def _wgrad_load_partition(a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, read
 
 
 @gluon.jit
-def _wgrad_store(out, expert, row_s0, n0, c_desc, c_smem, c_ptr, M, N, stride_ce, stride_cm, stride_cn,
-                 TMA_STORE: gl.constexpr):
-    """One partition's part of an output tile (rows row_s0.. of expert's output, columns n0..); nothing where
-    row_s0 >= M (past M, or no tile pending)."""
-    BLOCK_M: gl.constexpr = out.type.shape[0]
-    BLOCK_N: gl.constexpr = out.type.shape[1]
-    store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [gl.num_warps(), 1],
-                                                  [1, 0])
-    if row_s0 < M:
-        if TMA_STORE:  # (M is a multiple of BLOCK_M here: a box never reaches the next expert's rows)
-            _store_by_tma(out, c_desc, c_smem, expert * M + row_s0, n0)
-        else:
-            out_rows = gl.convert_layout(out, store_layout)
-            rows_s = row_s0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))
-            cols_s = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
-            c_ptrs = (c_ptr + expert.to(gl.int64) * stride_ce + rows_s.to(gl.int64)[:, None] * stride_cm
-                      + cols_s[None, :] * stride_cn)
-            gl.store(c_ptrs, out_rows, mask=(rows_s < M)[:, None] & (cols_s < N)[None, :])
+def _wgrad_mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout: gl.constexpr,
+                    HALF: gl.constexpr, HALVES: gl.constexpr):
+    """One row tile of the reduction for the rows of half HALF: fresh wgmma tile, scaled by row and column."""
+    STAGES: gl.constexpr = b_bufs.type.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    s = it % STAGES
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    tile = warpgroup_mma(a_bufs.index(HALVES * s + HALF), b_bufs.index(s).permute((1, 0)),
+                         gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout), use_acc=False, is_async=True)
+    sa = sa_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(gl.SliceLayout(1, mma_layout))
+    sb = sb_bufs.index(s).load(gl.SliceLayout(0, mma_layout))
+    done = warpgroup_mma_wait(num_outstanding=0, deps=(tile, ))
+    mbarrier.arrive(empty.index(s), count=1)
+    return acc + done * (sa[:, None] * sb[None, :])
 
 
 @gluon.jit
 def _wgrad_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_smem, c_ptr, expert_tiles_ptr,
                          M, N, E, stride_ce, stride_cm, stride_cn, HALF: gl.constexpr, HALVES: gl.constexpr,
                          TMA_STORE: gl.constexpr):
-    """Rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of every output tile of this program. Each row tile of the
-    reduction: a fresh wgmma tile, scaled by row and column and added. A tile's output is stored while the next
-    tile's first wgmma runs where it is stored by TMA (the MMA partitions reach a tile's end together: storing there
-    left the tensor cores idle), or, where the next tile has no steps, once that tile ends; stores from registers (their
-    layout conversion needs more registers than a held tile leaves) follow the tile's last step."""
+    """Rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of every output tile of this program."""
     num_warps: gl.constexpr = gl.num_warps()
-    STAGES: gl.constexpr = b_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     TILE_ROWS: gl.constexpr = HALVES * BLOCK_M
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
+    store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [num_warps, 1], [1, 0])
     m_tiles = gl.cdiv(M, TILE_ROWS)
     n_tiles = gl.cdiv(N, BLOCK_N)
     total = E * m_tiles * n_tiles
@@ -123,11 +116,6 @@ def _wgrad_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc,
     expert, m0, n0 = _wgrad_tile_of(gl.minimum(gl.program_id(0), total - 1), m_tiles, n_tiles, TILE_ROWS, BLOCK_N)
     steps = (gl.load(expert_tiles_ptr + expert + 1, mask=total > 0, other=0)
              - gl.load(expert_tiles_ptr + expert, mask=total > 0, other=0))
-    # The pending output (row M: none).
-    pending = gl.zeros([BLOCK_M, BLOCK_N], c_ptr.dtype.element_ty, mma_layout)
-    p_expert = 0
-    p_row = M
-    p_col = 0
     it = 0
     for t in range(gl.program_id(0), total, programs):
         expert_n, m0_n, n0_n = _wgrad_tile_of(gl.minimum(t + programs, total - 1), m_tiles, n_tiles, TILE_ROWS,
@@ -139,38 +127,23 @@ def _wgrad_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc,
         # wrong sums, or a hang when the counts differ in total; scripts/fp8_ws_smoke.py found it).
         j = 0
         while j < steps:
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            tile = warpgroup_mma(a_bufs.index(HALVES * s + HALF), b_bufs.index(s).permute((1, 0)),
-                                 gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout), use_acc=False, is_async=True)
-            if TMA_STORE:
-                if j == 0:
-                    _wgrad_store(pending, p_expert, p_row, p_col, c_desc, c_smem, c_ptr, M, N, stride_ce, stride_cm,
-                                 stride_cn, TMA_STORE)
-                    p_row = M
-            sa = sa_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(gl.SliceLayout(1, mma_layout))
-            sb = sb_bufs.index(s).load(gl.SliceLayout(0, mma_layout))
-            done = warpgroup_mma_wait(num_outstanding=0, deps=(tile, ))
-            mbarrier.arrive(empty.index(s), count=1)
-            acc = acc + done * (sa[:, None] * sb[None, :])
+            acc = _wgrad_mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout, HALF, HALVES)
             it += 1
             j += 1
         out = acc.to(c_ptr.dtype.element_ty)
+        row_s0 = m0 + HALF * BLOCK_M
         if TMA_STORE:
-            # A tile without steps (its expert has no rows): the one before it is still pending.
-            _wgrad_store(pending, p_expert, p_row, p_col, c_desc, c_smem, c_ptr, M, N, stride_ce, stride_cm,
-                         stride_cn, TMA_STORE)
-            pending = out
-            p_expert = expert
-            p_row = m0 + HALF * BLOCK_M
-            p_col = n0
+            if row_s0 < M:  # (M is a multiple of BLOCK_M here: a box never reaches the next expert's rows)
+                _store_by_tma(out, c_desc, c_smem, expert * M + row_s0, n0)
         else:
-            _wgrad_store(out, expert, m0 + HALF * BLOCK_M, n0, c_desc, c_smem, c_ptr, M, N, stride_ce, stride_cm,
-                         stride_cn, TMA_STORE)
+            out_rows = gl.convert_layout(out, store_layout)
+            rows_s = row_s0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))
+            cols_s = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
+            c_ptrs = (c_ptr + expert.to(gl.int64) * stride_ce + rows_s.to(gl.int64)[:, None] * stride_cm
+                      + cols_s[None, :] * stride_cn)
+            gl.store(c_ptrs, out_rows, mask=(rows_s < M)[:, None] & (cols_s < N)[None, :])
         expert, m0, n0, steps = expert_n, m0_n, n0_n, steps_n
     if TMA_STORE:
-        _wgrad_store(pending, p_expert, p_row, p_col, c_desc, c_smem, c_ptr, M, N, stride_ce, stride_cm, stride_cn,
-                     TMA_STORE)
         tma.store_wait(0)
 
 
