@@ -52,7 +52,7 @@ def _ep_body(rank, world, cases):
         first = _run(*args)
         again = _run(*args)
         results[(case.name, dtype_name)] = (first, all(torch.equal(a, b) for a, b in zip(first, again)))
-        if (case, dtype_name) == cases[0]:
+        if (case, dtype_name) == cases[0] and world == 2:  # (layer-level checks: EP = 2 is enough)
             results["interleaved"] = _interleaved_layers_match(args, first, case.experts)
             results["plan_pool"] = _plan_pool_checks(args, case.experts)
     return results
@@ -111,27 +111,29 @@ def _interleaved_layers_match(args, single, num_experts) -> bool:
     return all(torch.equal(a, b) for a, b in zip(single, (out.detach(), *(t.grad for t in first))))
 
 
+# EP = 2 runs every case in every dtype, with the layer-level checks (two layers interleaved, the plan pool); EP = 4
+# (four processes on CI's two cores, the suite's slowest test) each case once: ragged in fp32, starved in bf16.
+EP_RUNS = {2: [(c, d) for c in CASES for d in DTYPES], 4: [(CASES[0], "fp32"), (CASES[1], "bf16")]}
 _RESULTS: dict[int, list] = {}
 
 
 def results_for(world: int) -> list:
     if world not in _RESULTS:
-        cases = [(c, d) for c in CASES for d in DTYPES]
-        _RESULTS[world] = run_on_ranks(_ep_body, world, cases)
+        _RESULTS[world] = run_on_ranks(_ep_body, world, EP_RUNS[world])
     return _RESULTS[world]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("world,case,dtype_name", [(w, c, d) for w, runs in EP_RUNS.items() for c, d in runs],
+                         ids=lambda v: getattr(v, "name", str(v)))
 def test_expert_parallel_mega_moe_matches_oracle(world, case, dtype_name):
     dtype = DTYPES[dtype_name]
     x, w, w1, w2, g, idx = make_problem(case, world, dtype, _seed(case, world, dtype_name))
     got = [r[(case.name, dtype_name)] for r in results_for(world)]
     assert all(bitwise for _, bitwise in got), "a repeated call gave different bits"
-    assert all(r["interleaved"] for r in results_for(world)), "a second layer's forward changed the first's results"
-    pools = [r["plan_pool"] for r in results_for(world)]
-    assert all(all(p.values()) for p in pools), f"forward plan pool: {pools}"
+    if world == 2:
+        assert all(r["interleaved"] for r in results_for(world)), "a second layer's forward changed the first's"
+        pools = [r["plan_pool"] for r in results_for(world)]
+        assert all(all(p.values()) for p in pools), f"forward plan pool: {pools}"
     per = [res for res, _ in got]
     gathered = tuple(torch.cat([res[n] for res in per]) for n in range(5))
     assert_matches(gathered, oracle_with_grads(x, idx, w, w1, w2, g), TOL[dtype], f"mega_moe EP={world} {case.name}")
