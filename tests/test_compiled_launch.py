@@ -68,7 +68,13 @@ def test_a_repeat_launch_calls_the_compiled_kernel_with_every_parameter(kernel):
     assert second == ("direct", (4, 1, 1), 77, (x.data_ptr(), 48, 5, 32, True))
 
 
-@pytest.mark.parametrize("change", ["alignment", "dtype", "int class", "key value", "constexpr", "option"])
+class _ReportsCuda(torch.Tensor):
+    """A CPU tensor that says it is a CUDA tensor: stands in for one on a machine without a GPU."""
+
+    is_cuda = property(lambda self: True)
+
+
+@pytest.mark.parametrize("change", ["alignment", "dtype", "device", "int class", "key value", "constexpr", "option"])
 def test_a_launch_another_specialisation_would_compile_differently_goes_the_regular_way(kernel, change):
     x = torch.zeros(64)
     args, kwargs = [x, 48, 5], {"FLAG": True, "num_warps": 4}
@@ -77,6 +83,9 @@ def test_a_launch_another_specialisation_would_compile_differently_goes_the_regu
         args[0] = x[1:]  # 4 bytes off a 16-byte boundary
     elif change == "dtype":
         args[0] = x.double()
+    elif change == "device":  # a CUDA tensor after a CPU one (or the reverse): never the other's compiled kernel
+        args[0] = torch.Tensor._make_subclass(_ReportsCuda, x)
+        assert args[0].is_cuda and args[0].data_ptr() == x.data_ptr()
     elif change == "int class":
         args[1] = 49  # no longer divisible by 16
     elif change == "key value":
@@ -167,3 +176,24 @@ def test_gluon_descriptors_are_keyed_on_their_block_shape_and_layout_too(kernel)
     compiled_launch.launch(kernel, (1,), desc(b, (32, 16)), 48, 5, FLAG=True)
     compiled_launch.launch(kernel, (1,), desc(b, swizzle=64), 48, 5, FLAG=True)
     assert [entry[0] for entry in kernel.log] == ["first", "direct", "first", "first"]
+
+
+@triton.jit
+def _fill_ones(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.full((BLOCK,), 1.0, tl.float32), mask=offs < n)
+
+
+@pytest.mark.gpu
+def test_a_cpu_tensor_after_a_cuda_one_is_an_error_not_a_fault(monkeypatch):
+    """A CPU tensor where a compiled kernel ran on a CUDA one of the same dtype and alignment: Triton's own launch
+    rejects it (with the address alone the kernel would fault and take the CUDA context with it)."""
+    monkeypatch.setattr(compiled_launch, "_CACHE", {})
+    x = torch.zeros(64, device="cuda")
+    for _ in range(2):  # the second one calls the compiled kernel
+        compiled_launch.launch(_fill_ones, (1,), x, 64, BLOCK=64)
+    with pytest.raises(ValueError, match="cpu tensor"):
+        compiled_launch.launch(_fill_ones, (1,), torch.zeros(64), 64, BLOCK=64)
+    torch.cuda.synchronize()
+    assert (x == 1).all()
+
