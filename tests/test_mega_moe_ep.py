@@ -123,8 +123,10 @@ def results_for(world: int) -> list:
     return _RESULTS[world]
 
 
-@pytest.mark.parametrize("world,case,dtype_name", [(w, c, d) for w, runs in EP_RUNS.items() for c, d in runs],
-                         ids=lambda v: getattr(v, "name", str(v)))
+# (One xdist worker per world: its ranks' results are computed once, in results_for, and shared.)
+@pytest.mark.parametrize("world,case,dtype_name", [
+    pytest.param(w, c, d, id=f"{w}-{c.name}-{d}", marks=pytest.mark.xdist_group(f"mega_moe_ep{w}"))
+    for w, runs in EP_RUNS.items() for c, d in runs])
 def test_expert_parallel_mega_moe_matches_oracle(world, case, dtype_name):
     dtype = DTYPES[dtype_name]
     x, w, w1, w2, g, idx = make_problem(case, world, dtype, _seed(case, world, dtype_name))
