@@ -196,4 +196,3 @@ def test_a_cpu_tensor_after_a_cuda_one_is_an_error_not_a_fault(monkeypatch):
         compiled_launch.launch(_fill_ones, (1,), torch.zeros(64), 64, BLOCK=64)
     torch.cuda.synchronize()
     assert (x == 1).all()
-

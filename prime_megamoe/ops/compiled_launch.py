@@ -11,8 +11,8 @@ warp-specialised Gluon kernels launch this way too (``fp8_ws_launch``).
 The cache key holds everything the compiled kernel depends on, so a hit can only reuse a kernel Triton itself would
 have picked: each tensor's dtype, 16-byte alignment and whether it is a CUDA tensor (a CPU tensor never reaches a
 compiled kernel as a bare address, which would fault on the GPU: its first launch is Triton's, which rejects it with
-an error), each integer's specialisation class (== 1, divisible by 16,
-64-bit) or, for the autotuning key's arguments, its value, the constexpr and launch options, and the device.
+an error), each integer's specialisation class (== 1, divisible by 16, 64-bit) or, for the autotuning key's
+arguments, its value, the constexpr and launch options, and the device.
 
 The key does not hold the autotuner's candidate list: code that swaps ``kernel.configs`` between launches (tests
 pinning one config, ``scripts/fp8_probe.py``) sets ``PRIME_MEGAMOE_DIRECT_LAUNCH=0``, or it would keep running the
