@@ -2,7 +2,13 @@
 
 import os
 
-import torch
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One pytest-xdist worker per core: one thread each (torch's pool, and the BLAS behind the interpreter's dots;
+    # both read these when they load, so before torch is imported).
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     # Must be set before Triton compiles anything (the package reads it when kernels are defined).
