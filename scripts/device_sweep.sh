@@ -22,6 +22,7 @@
 #   bash scripts/device_sweep.sh s16e       # more one-call samples: the layer against ab_base/, three times each
 #   bash scripts/device_sweep.sh s16f       # the Gluon column pass: GPU tests, pass probe, the layer against ab_base/
 #   bash scripts/device_sweep.sh s16g       # the plan's expert tile ranges: GPU tests, the fp8 layer (profiled)
+#   bash scripts/device_sweep.sh s19a       # the weight gradient on 256-column tiles: tests, probe, the layer A/B
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -381,6 +382,14 @@ case "${1:-}" in
     step pass_probe 150 python scripts/fp8_pass_probe.py
     grep -E "cols|best" "$LOGS/pass_probe.log" | head -20
     layer_ab 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s16f" new base new2 base2 ;;
+  s19a)  # the weight gradient on 256-column tiles (two accumulators an MMA partition): its GPU tests (compiled with
+         # this machine's Triton; every config against the Triton kernel), dW1 / dW2 per config, then the layer one
+         # call against ab_base/ (the package before it), alternating, the first "new" run profiled
+    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_s19a 200 python -m pytest -q tests/test_fp8_gemm_ws.py -k "wgrad" -rA
+    tail -3 "$LOGS/pytest_s19a.log"
+    step probe_s19a 200 python scripts/fp8_probe.py --ws-only --gemms dW1 dW2
+    tail -16 "$LOGS/probe_s19a.log"
+    layer_ab 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s19a" new base new2 base2 ;;
   s16g)  # the plan's expert tile ranges (no tile-offset kernels in the backward): GPU tests (the placement at the
          # layer's scale, the quantised oracle tests, the ws weight gradient, the column pass's), then the layer
          # (fp8, fp8_bwd) one call (profiled) and fp8 back to back

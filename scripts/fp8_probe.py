@@ -23,6 +23,7 @@ from prime_megamoe.kernels import fp8_gemm
 from prime_megamoe.ops import fp8_launch as fl
 from prime_megamoe.ops.fp8_ws_launch import (
     WS_CONFIGS,
+    WS_WGRAD_CONFIGS,
     fp8_fc1_swiglu_ws,
     fp8_grouped_gemm_ws,
     fp8_grouped_wgrad_ws,
@@ -177,7 +178,8 @@ def main():
               f"{all(same)} (h, a, scales: {same}; max diff {diff:.3g})")
         if ms < best[name][0]:
             best[name] = (ms, f"ws {desc}")
-    for (name, run), cfg in ((case, cfg) for case in ws_cases for cfg in WS_CONFIGS):
+    for (name, run), cfg in ((case, cfg) for case in ws_cases
+                             for cfg in (WS_WGRAD_CONFIGS if case[0].startswith("dW") else WS_CONFIGS)):
         label = f"{name} ws"
         if why_not is not None:
             print(f"{label:14s} skipped: {why_not}")
@@ -187,7 +189,7 @@ def main():
         ref = refs[name]
         same = all(torch.equal(a, b) for a, b in zip(out, ref))
         diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(out, ref))
-        desc = (f"{cfg.block_m}x128x128 w{cfg.num_warps}{'+4' if cfg.halves == 2 else ''}+1 s{cfg.stages}"
+        desc = (f"{cfg.block_m}x{cfg.block_n}x128 w{cfg.num_warps}{'+4' if cfg.halves == 2 else ''}+1 s{cfg.stages}"
                 f"{' tmast' if cfg.tma_store else ''}{' sfirst' if cfg.scales_first else ''}")
         print(f"{label:14s} {desc:32s} {ms:7.3f} {flop[name] / ms / 1e9:8.1f} {same} (max diff {diff:.3g})")
         if ms < best[name][0]:

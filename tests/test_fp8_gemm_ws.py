@@ -17,6 +17,7 @@ from prime_megamoe.kernels.fp8_gemm import QTILE_M
 from prime_megamoe.ops import fp8_launch as fl
 from prime_megamoe.ops.fp8_ws_launch import (
     WS_CONFIGS,
+    WS_WGRAD_CONFIGS,
     WS_GATHER_LOAD_REGS,
     WS_GATHER_LOAD_WARPS,
     WS_GATHER_MMA_REGS,
@@ -40,7 +41,8 @@ needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90 
 
 
 def _config_id(cfg):
-    return f"m{cfg.block_m}s{cfg.stages}h{cfg.halves}{'t' if cfg.tma_store else ''}{'f' if cfg.scales_first else ''}"
+    return (f"m{cfg.block_m}n{cfg.block_n}s{cfg.stages}h{cfg.halves}{'t' if cfg.tma_store else ''}"
+            f"{'f' if cfg.scales_first else ''}")
 
 
 def _assert_compiles_with_register_split(kernel: str, cfg, constexprs: dict, types: dict):
@@ -49,12 +51,12 @@ def _assert_compiles_with_register_split(kernel: str, cfg, constexprs: dict, typ
     within the SM's, the MMA warp groups with >= 200 registers."""
     out_box = f"bf16[{cfg.a_rows}, 128]" if cfg.tma_store else f"fp8e4nv[{cfg.a_rows}, 128]"
     types = {**types, "a_desc": f"tensordesc<fp8e4nv[{cfg.a_rows}, 128]>",
-             "b_desc": "tensordesc<fp8e4nv[128, 128]>", "c_desc": f"tensordesc<{out_box}>"}
+             "b_desc": f"tensordesc<fp8e4nv[{cfg.block_n}, 128]>", "c_desc": f"tensordesc<{out_box}>"}
     options = ["--warps", str(cfg.num_warps), "--maxnreg", str(cfg.maxnreg), "--types", json.dumps(types)]
     (_, registers, spill, smem, partitions, wgmma), = compile_for_hopper(kernel, constexprs, options)
     assert wgmma == "ok", "ptxas serialises the kernel's wgmma instructions (see register_check.wgmma_serialised)"
     assert int(registers) == cfg.maxnreg and int(spill) == 0
-    ring = cfg.stages * (cfg.block_m + 128) * 128  # the ring of A and B tiles
+    ring = cfg.stages * (cfg.block_m + cfg.block_n) * 128  # the ring of A and B tiles
     assert int(smem) >= ring + (cfg.block_m * 128 * 2 if cfg.tma_store else 0)
     assert int(smem) <= 227 * 1024 // cfg.programs_per_sm
     targets = [int(v) for v in partitions.split(",")]
@@ -293,13 +295,20 @@ def test_ws_fc1_on_a_rank_that_receives_nothing():
 # ----------------------------------------------------------------------------------------------------------------
 # The weight gradient (kernels/fp8_wgrad_ws.py): the layer's dW1 and dW2 on Hopper
 # ----------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("cfg", WS_CONFIGS, ids=_config_id)
+@pytest.mark.parametrize("cfg", WS_WGRAD_CONFIGS, ids=_config_id)
 def test_ws_wgrad_kernel_compiles_for_hopper_with_its_register_split(cfg):
     _assert_compiles_with_register_split(
         "prime_megamoe.kernels.fp8_wgrad_ws:fp8_grouped_wgrad_ws_kernel", cfg,
-        {"STAGES": cfg.stages, "HALVES": cfg.halves, "TMA_STORE": cfg.tma_store, "LOAD_REGS": WS_LOAD_REGS,
-         "MMA_REGS": WS_MMA_REGS},
+        {"STAGES": cfg.stages, "HALVES": cfg.halves, "SUBS": cfg.subs, "TMA_STORE": cfg.tma_store,
+         "LOAD_REGS": WS_LOAD_REGS, "MMA_REGS": WS_MMA_REGS},
         {"as_ptr": "*fp32", "bs_ptr": "*fp32", "c_ptr": "*bf16", "expert_tiles_ptr": "*i32"})
+
+
+def test_ws_gemm_refuses_a_weight_gradient_config():
+    """256-column tiles (subs = 2) exist in the weight gradient only: the row-tiled GEMM says so, it does not run
+    128-column tiles in their place."""
+    with pytest.raises(ValueError, match="subs = 2 is a weight-gradient config"):
+        fp8_grouped_gemm_ws(None, None, None, None, segments=1, row_scale=None, config=WS_WGRAD_CONFIGS[0])
 
 
 def test_ws_wgrad_applicability_says_why_not():
@@ -332,7 +341,7 @@ def test_ws_wgrad_matches_the_triton_kernel(m, n):
         ref = torch.full((4, m, n), float("nan"), dtype=out_dtype, device=device)
         fl.fp8_grouped_wgrad(a_t, b_t, plan, fmt, ref, expert_tiles=tiles, use_tma=False)
         tol = 1e-6 if out_dtype == torch.float32 else 2**-8
-        for cfg in WS_CONFIGS:
+        for cfg in WS_WGRAD_CONFIGS:
             for programs in (None, 1, 3):
                 out = torch.full_like(ref, float("nan"))  # an element left unwritten shows
                 fp8_grouped_wgrad_ws(a_t, b_t, out, expert_tiles=tiles, config=cfg, programs=programs)

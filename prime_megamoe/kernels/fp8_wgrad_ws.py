@@ -78,35 +78,86 @@ def _wgrad_load_partition(a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, read
 
 
 @gluon.jit
+def _wgrad_promoted(acc, a_buf, b_buf, sa_bufs, sb_bufs, s, mma_layout: gl.constexpr, HALF: gl.constexpr,
+                    SUB: gl.constexpr, LATE_SCALES: gl.constexpr):
+    """Column part SUB of one row tile's product for the rows of half HALF: a fresh wgmma tile, waited for, scaled
+    by row and column and added to ``acc``."""
+    BLOCK_M: gl.constexpr = a_buf.type.shape[0]
+    SUB_N: gl.constexpr = acc.type.shape[1]
+    tile = warpgroup_mma(a_buf, b_buf.slice(SUB * SUB_N, SUB_N).permute((1, 0)),
+                         gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout), use_acc=False, is_async=True)
+    if LATE_SCALES:  # read once the tile is in: fewer registers live while it is in flight
+        done = warpgroup_mma_wait(num_outstanding=0, deps=(tile, ))
+        sa = sa_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(gl.SliceLayout(1, mma_layout))
+        sb = sb_bufs.index(s).slice(SUB * SUB_N, SUB_N).load(gl.SliceLayout(0, mma_layout))
+    else:
+        sa = sa_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(gl.SliceLayout(1, mma_layout))
+        sb = sb_bufs.index(s).slice(SUB * SUB_N, SUB_N).load(gl.SliceLayout(0, mma_layout))
+        done = warpgroup_mma_wait(num_outstanding=0, deps=(tile, ))
+    return acc + done * (sa[:, None] * sb[None, :])
+
+
+@gluon.jit
 def _wgrad_mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout: gl.constexpr,
                     HALF: gl.constexpr, HALVES: gl.constexpr):
-    """One row tile of the reduction for the rows of half HALF: fresh wgmma tile, scaled by row and column."""
+    """One row tile of the reduction for the rows of half HALF (one column part)."""
     STAGES: gl.constexpr = b_bufs.type.shape[0]
-    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     s = it % STAGES
     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-    tile = warpgroup_mma(a_bufs.index(HALVES * s + HALF), b_bufs.index(s).permute((1, 0)),
-                         gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout), use_acc=False, is_async=True)
-    sa = sa_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(gl.SliceLayout(1, mma_layout))
-    sb = sb_bufs.index(s).load(gl.SliceLayout(0, mma_layout))
-    done = warpgroup_mma_wait(num_outstanding=0, deps=(tile, ))
+    acc = _wgrad_promoted(acc, a_bufs.index(HALVES * s + HALF), b_bufs.index(s), sa_bufs, sb_bufs, s, mma_layout,
+                          HALF, 0, False)
     mbarrier.arrive(empty.index(s), count=1)
-    return acc + done * (sa[:, None] * sb[None, :])
+    return acc
+
+
+@gluon.jit
+def _wgrad_mma_step2(acc0, acc1, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout: gl.constexpr,
+                     HALF: gl.constexpr, HALVES: gl.constexpr):
+    """One row tile of the reduction for the rows of half HALF, two column parts in turn (SUBS = 2): one accumulator
+    and one fresh tile live at a time, so the two accumulators fit in the MMA partition's registers."""
+    STAGES: gl.constexpr = b_bufs.type.shape[0]
+    s = it % STAGES
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    a_buf = a_bufs.index(HALVES * s + HALF)
+    acc0 = _wgrad_promoted(acc0, a_buf, b_bufs.index(s), sa_bufs, sb_bufs, s, mma_layout, HALF, 0, True)
+    acc1 = _wgrad_promoted(acc1, a_buf, b_bufs.index(s), sa_bufs, sb_bufs, s, mma_layout, HALF, 1, True)
+    mbarrier.arrive(empty.index(s), count=1)
+    return acc0, acc1
+
+
+@gluon.jit
+def _wgrad_store(acc, c_desc, c_smem, c_ptr, expert, row_s0, col0, M, N, stride_ce, stride_cm, stride_cn,
+                 TMA_STORE: gl.constexpr):
+    """One partition's rows of one column part of an output tile: by TMA, or from registers with masks."""
+    num_warps: gl.constexpr = gl.num_warps()
+    BLOCK_M: gl.constexpr = acc.type.shape[0]
+    SUB_N: gl.constexpr = acc.type.shape[1]
+    out = acc.to(c_ptr.dtype.element_ty)
+    if TMA_STORE:
+        if row_s0 < M:  # (M is a multiple of BLOCK_M here: a box never reaches the next expert's rows)
+            _store_by_tma(out, c_desc, c_smem, expert * M + row_s0, col0)
+    else:
+        store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // SUB_N, SUB_N // 8], [num_warps, 1], [1, 0])
+        out_rows = gl.convert_layout(out, store_layout)
+        rows_s = row_s0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))
+        cols_s = col0 + gl.arange(0, SUB_N, layout=gl.SliceLayout(0, store_layout))
+        c_ptrs = (c_ptr + expert.to(gl.int64) * stride_ce + rows_s.to(gl.int64)[:, None] * stride_cm
+                  + cols_s[None, :] * stride_cn)
+        gl.store(c_ptrs, out_rows, mask=(rows_s < M)[:, None] & (cols_s < N)[None, :])
 
 
 @gluon.jit
 def _wgrad_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_smem, c_ptr, expert_tiles_ptr,
                          M, N, E, stride_ce, stride_cm, stride_cn, HALF: gl.constexpr, HALVES: gl.constexpr,
-                         TMA_STORE: gl.constexpr):
-    """Rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of every output tile of this program."""
+                         SUBS: gl.constexpr, TMA_STORE: gl.constexpr):
+    """Rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of every output tile of this program, in SUBS column parts."""
     num_warps: gl.constexpr = gl.num_warps()
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]  # the whole tile's columns
+    SUB_N: gl.constexpr = BLOCK_N // SUBS
     TILE_ROWS: gl.constexpr = HALVES * BLOCK_M
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, BLOCK_N, 32])
-    store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [num_warps, 1], [1, 0])
+                                                         instr_shape=[16, SUB_N, 32])
     m_tiles = gl.cdiv(M, TILE_ROWS)
     n_tiles = gl.cdiv(N, BLOCK_N)
     total = E * m_tiles * n_tiles
@@ -121,27 +172,33 @@ def _wgrad_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc,
         expert_n, m0_n, n0_n = _wgrad_tile_of(gl.minimum(t + programs, total - 1), m_tiles, n_tiles, TILE_ROWS,
                                               BLOCK_N)
         steps_n = gl.load(expert_tiles_ptr + expert_n + 1) - gl.load(expert_tiles_ptr + expert_n)
-        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
-        # A while loop, not ``for _ in range(steps)``: Triton 3.6's Gluon inliner replaces a loop-carried value that
+        row_s0 = m0 + HALF * BLOCK_M
+        # While loops, not ``for _ in range(steps)``: Triton 3.6's Gluon inliner replaces a loop-carried value that
         # is only an inner for loop's bound by its first value (every tile then ran the first tile's step count:
         # wrong sums, or a hang when the counts differ in total; scripts/fp8_ws_smoke.py found it).
         j = 0
-        while j < steps:
-            acc = _wgrad_mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout, HALF, HALVES)
-            it += 1
-            j += 1
-        out = acc.to(c_ptr.dtype.element_ty)
-        row_s0 = m0 + HALF * BLOCK_M
-        if TMA_STORE:
-            if row_s0 < M:  # (M is a multiple of BLOCK_M here: a box never reaches the next expert's rows)
-                _store_by_tma(out, c_desc, c_smem, expert * M + row_s0, n0)
+        if SUBS == 1:
+            acc = gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout)
+            while j < steps:
+                acc = _wgrad_mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout, HALF,
+                                      HALVES)
+                it += 1
+                j += 1
+            _wgrad_store(acc, c_desc, c_smem, c_ptr, expert, row_s0, n0, M, N, stride_ce, stride_cm, stride_cn,
+                         TMA_STORE)
         else:
-            out_rows = gl.convert_layout(out, store_layout)
-            rows_s = row_s0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))
-            cols_s = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
-            c_ptrs = (c_ptr + expert.to(gl.int64) * stride_ce + rows_s.to(gl.int64)[:, None] * stride_cm
-                      + cols_s[None, :] * stride_cn)
-            gl.store(c_ptrs, out_rows, mask=(rows_s < M)[:, None] & (cols_s < N)[None, :])
+            gl.static_assert(SUBS == 2, "SUBS is 1 or 2")
+            acc0 = gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout)
+            acc1 = gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout)
+            while j < steps:
+                acc0, acc1 = _wgrad_mma_step2(acc0, acc1, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it,
+                                              mma_layout, HALF, HALVES)
+                it += 1
+                j += 1
+            _wgrad_store(acc0, c_desc, c_smem, c_ptr, expert, row_s0, n0, M, N, stride_ce, stride_cm, stride_cn,
+                         TMA_STORE)
+            _wgrad_store(acc1, c_desc, c_smem, c_ptr, expert, row_s0, n0 + SUB_N, M, N, stride_ce, stride_cm,
+                         stride_cn, TMA_STORE)
         expert, m0, n0, steps = expert_n, m0_n, n0_n, steps_n
     if TMA_STORE:
         tma.store_wait(0)
@@ -151,8 +208,8 @@ def _wgrad_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc,
 def fp8_grouped_wgrad_ws_kernel(
     a_desc, b_desc, c_desc, as_ptr, bs_ptr, c_ptr, expert_tiles_ptr,
     M, N, E, stride_asr, stride_bsr, stride_ce, stride_cm, stride_cn,
-    STAGES: gl.constexpr, HALVES: gl.constexpr, TMA_STORE: gl.constexpr, LOAD_REGS: gl.constexpr,
-    MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
+    STAGES: gl.constexpr, HALVES: gl.constexpr, SUBS: gl.constexpr, TMA_STORE: gl.constexpr,
+    LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """HALVES = 1: one MMA partition of ``num_warps`` warps; HALVES = 2: two 4-warp partitions (the default one and
     a worker with MMA_REGS registers) on the two 64-row halves of each output tile, from the same B buffers. Without
@@ -165,7 +222,7 @@ def fp8_grouped_wgrad_ws_kernel(
         gl.warp_specialize([
             (_wgrad_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
                                     expert_tiles_ptr, M, N, E, stride_ce, stride_cm, stride_cn, 0, HALVES,
-                                    TMA_STORE)),
+                                    SUBS, TMA_STORE)),
             (_wgrad_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, as_ptr, bs_ptr,
                                      expert_tiles_ptr, M, N, E, stride_asr, stride_bsr, HALVES)),
         ], [1], [LOAD_REGS])
@@ -173,10 +230,10 @@ def fp8_grouped_wgrad_ws_kernel(
         gl.warp_specialize([
             (_wgrad_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
                                     expert_tiles_ptr, M, N, E, stride_ce, stride_cm, stride_cn, 0, HALVES,
-                                    TMA_STORE)),
+                                    SUBS, TMA_STORE)),
             (_wgrad_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(1), c_ptr,
                                     expert_tiles_ptr, M, N, E, stride_ce, stride_cm, stride_cn, 1, HALVES,
-                                    TMA_STORE)),
+                                    SUBS, TMA_STORE)),
             (_wgrad_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, as_ptr, bs_ptr,
                                      expert_tiles_ptr, M, N, E, stride_asr, stride_bsr, HALVES)),
         ], [4, 1], [MMA_REGS, LOAD_REGS])

@@ -48,13 +48,20 @@ class WSConfig:
     stages: buffers of A (block_m x 128) and B (128 x 128) fp8. tma_store: tile parts holding only their expert's
     rows are stored by TMA, for outputs of 2-byte elements that TMA can write (a 4-byte output's buffers would not
     fit beside the ring; other outputs are stored from registers, the same values). scales_first: each step reads
-    its scales before issuing its wgmma (see ``_mma_step``): no faster (fp8_probe_s14.txt), so not the default."""
+    its scales before issuing its wgmma (see ``_mma_step``): no faster (fp8_probe_s14.txt), so not the default.
+    subs = 2 (the weight gradient only): 256-column tiles whose two 128-column parts each MMA partition computes in
+    turn, one accumulator each, so that every A box is read once per 256 output columns."""
 
     block_m: int = 128
     stages: int = 4
     halves: int = 1
     tma_store: bool = False
     scales_first: bool = False
+    subs: int = 1
+
+    @property
+    def block_n(self) -> int:  # output columns of a tile: ``subs`` parts of 128, each MMA partition takes in turn
+        return self.subs * WS_BLOCK_N
 
     @property
     def a_rows(self) -> int:  # rows of one A box (one MMA partition's part of a tile)
@@ -85,6 +92,9 @@ WS_CONFIGS = (
     WSConfig(64, 4),
 )
 WS_DEFAULT = WS_CONFIGS[0]
+# The weight gradient's: its own 256-column tiles (3 stages: a stage holds twice the B box) and the GEMM's.
+WS_WGRAD_CONFIGS = (WSConfig(128, 3, halves=2, tma_store=True, subs=2), *WS_CONFIGS)
+WS_WGRAD_DEFAULT = WS_WGRAD_CONFIGS[0]
 
 
 def _hopper_fp8_unavailable(data: torch.Tensor, mx: bool) -> str | None:
@@ -134,16 +144,16 @@ def tma_store_applies(c: torch.Tensor) -> bool:
     return c.dtype in (torch.bfloat16, torch.float16) and tma_readable(c)
 
 
-def weight_descriptor(bq: QTensor):
-    """The TMA descriptor of a K-major operand viewed as [rows, K] in [WS_BLOCK_N, WS_BLOCK_K] boxes, made once per
-    QTensor (cached weight operands live until their weight changes: no descriptor per call)."""
+def weight_descriptor(bq: QTensor, rows: int = WS_BLOCK_N):
+    """The TMA descriptor of a K-major operand viewed as [rows, K] in [rows, WS_BLOCK_K] boxes, made once per
+    QTensor and box (cached weight operands live until their weight changes: no descriptor per call)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    layout = _layouts(WS_BLOCK_N)[1]
-    desc = bq.descriptors.get(layout)
+    layout = _layouts(rows)[0]  # (A's layout for boxes of that many rows)
+    desc = bq.descriptors.get((rows, layout))
     if desc is None:
-        desc = bq.descriptors[layout] = TensorDescriptor.from_tensor(
-            bq.data.view(-1, bq.data.shape[-1]), [WS_BLOCK_N, WS_BLOCK_K], layout)
+        desc = bq.descriptors[(rows, layout)] = TensorDescriptor.from_tensor(
+            bq.data.view(-1, bq.data.shape[-1]), [rows, WS_BLOCK_K], layout)
     return desc
 
 
@@ -177,6 +187,9 @@ def fp8_grouped_gemm_ws(aq: QTensor, bq: QTensor, plan: RoutingPlan, c: torch.Te
     several tiles a program this way)."""
     from ..kernels.fp8_gemm_ws import fp8_grouped_gemm_ws_kernel
 
+    if config.subs != 1:
+        raise ValueError(f"fp8_grouped_gemm_ws: subs = {config.subs} is a weight-gradient config; the row-tiled GEMM "
+                         "computes 128-column tiles (subs = 1)")
     aq_data, aq_scale, bq_data, bq_scale = aq.data, aq.scale, bq.data, bq.scale
     rows, n, k = plan.num_pairs, bq_data.shape[1], bq_data.shape[2] // segments
     if rows == 0 or aq_data.shape[0] == 0:  # no rows (a rank that receives nothing): no tiles, no descriptor
@@ -208,7 +221,7 @@ def ws_wgrad_unavailable(a_t_data: torch.Tensor, b_t_data: torch.Tensor, *, mx: 
 
 
 def fp8_grouped_wgrad_ws(a_t: QTensor, b_t: QTensor, out: torch.Tensor, *, expert_tiles: torch.Tensor,
-                         config: WSConfig = WS_DEFAULT, programs: int | None = None) -> None:
+                         config: WSConfig = WS_WGRAD_DEFAULT, programs: int | None = None) -> None:
     """out[e] = A_t[:, tiles of e] @ B_t[:, tiles of e]^T with ``kernels/fp8_wgrad_ws.py`` (callers check the
     operands and ``ws_wgrad_unavailable`` first; ``fp8_launch.fp8_grouped_wgrad(use_ws=True)`` does both): cols_t
     operands a_t [M, T128], b_t [N, T128] with scales [T128 / 128, M] / [.., N], out [E, M, N]. Stores by TMA where
@@ -218,13 +231,13 @@ def fp8_grouped_wgrad_ws(a_t: QTensor, b_t: QTensor, out: torch.Tensor, *, exper
     m, n, experts = a_t.data.shape[0], b_t.data.shape[0], out.shape[0]
     # Boxes of the output viewed as [E * M, N] must not reach the next expert's rows.
     out_2d = out.view(-1, n) if out.is_contiguous() and m % config.a_rows == 0 else None
-    a_desc, b_desc, c_desc, tma_store = _descriptors(a_t.data, weight_descriptor(b_t), out_2d, config)
-    tiles = experts * cdiv(m, config.block_m) * cdiv(n, WS_BLOCK_N)
+    a_desc, b_desc, c_desc, tma_store = _descriptors(a_t.data, weight_descriptor(b_t, config.block_n), out_2d, config)
+    tiles = experts * cdiv(m, config.block_m) * cdiv(n, config.block_n)
     grid = _grid(config.programs_per_sm, out.device, tiles, programs)
     launch(
         fp8_grouped_wgrad_ws_kernel, grid, a_desc, b_desc, c_desc, a_t.scale, b_t.scale, out, expert_tiles, m, n,
         experts, a_t.scale.stride(0), b_t.scale.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        STAGES=config.stages, HALVES=config.halves, TMA_STORE=tma_store, LOAD_REGS=WS_LOAD_REGS,
+        STAGES=config.stages, HALVES=config.halves, SUBS=config.subs, TMA_STORE=tma_store, LOAD_REGS=WS_LOAD_REGS,
         MMA_REGS=WS_MMA_REGS, num_warps=config.num_warps, maxnreg=config.maxnreg,
     )
 
