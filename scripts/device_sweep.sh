@@ -23,6 +23,7 @@
 #   bash scripts/device_sweep.sh s16f       # the Gluon column pass: GPU tests, pass probe, the layer against ab_base/
 #   bash scripts/device_sweep.sh s16g       # the plan's expert tile ranges: GPU tests, the fp8 layer (profiled)
 #   bash scripts/device_sweep.sh s19a       # the weight gradient on 256-column tiles: tests, probe, the layer A/B
+#   bash scripts/device_sweep.sh s19b       # the row-tiled GEMMs on 256-column tiles: tests, probe, the layer A/B
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -382,6 +383,15 @@ case "${1:-}" in
     step pass_probe 150 python scripts/fp8_pass_probe.py
     grep -E "cols|best" "$LOGS/pass_probe.log" | head -20
     layer_ab 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s16f" new base new2 base2 ;;
+  s19b)  # the row-tiled GEMMs (FC2, FC2 dgrad, FC1 dgrad) on 256-column tiles too: their GPU tests (compiled with
+         # this machine's Triton; every config against the Triton kernel), the GEMMs per config, then the layer one
+         # call against ab_base/ (27667ab: the weight gradient's 256-column tiles only), alternating
+    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_s19b 200 python -m pytest -q tests/test_fp8_gemm_ws.py -k "not fc1" -rA
+    tail -3 "$LOGS/pytest_s19b.log"
+    grep -E "^(FAILED|E  )" "$LOGS/pytest_s19b.log" | head -20
+    step probe_s19b 200 python scripts/fp8_probe.py --ws-only --gemms FC2 "FC2 dgrad" "FC1 dgrad"
+    tail -24 "$LOGS/probe_s19b.log"
+    layer_ab 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s19b" new base new2 base2 ;;
   s19a)  # the weight gradient on 256-column tiles (two accumulators an MMA partition): its GPU tests (compiled with
          # this machine's Triton; every config against the Triton kernel), dW1 / dW2 per config, then the layer one
          # call against ab_base/ (the package before it), alternating, the first "new" run profiled

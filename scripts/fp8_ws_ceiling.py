@@ -102,7 +102,7 @@ def ws_variant_kernel(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, tile_expert_ptr, ti
         # (A is read by TMA: the gather arguments, here as_ptr twice and stride 0, are not read.)
         (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, as_ptr, as_ptr, as_ptr,
                            bs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, N, K, NKG, 0, stride_asm,
-                           stride_bse, stride_bsn, SEGS, 128, TILE_M, 2, False)),
+                           stride_bse, stride_bsn, SEGS, 128, TILE_M, 2, False, 1)),
     ], [4, 1], [MMA_REGS, LOAD_REGS])
 
 

@@ -17,7 +17,6 @@ from prime_megamoe.kernels.fp8_gemm import QTILE_M
 from prime_megamoe.ops import fp8_launch as fl
 from prime_megamoe.ops.fp8_ws_launch import (
     WS_CONFIGS,
-    WS_WGRAD_CONFIGS,
     WS_GATHER_LOAD_REGS,
     WS_GATHER_LOAD_WARPS,
     WS_GATHER_MMA_REGS,
@@ -75,7 +74,8 @@ def test_ws_kernel_compiles_for_hopper_with_its_register_split(cfg, scale_rows, 
         "prime_megamoe.kernels.fp8_gemm_ws:fp8_grouped_gemm_ws_kernel", cfg,
         {"SEGS": 1 if gather else 2, "SCALE_ROWS": scale_rows, "B_GROUP_N": 128, "STAGES": cfg.stages,
          "TILE_M": QTILE_M, "HALVES": cfg.halves, "TMA_STORE": cfg.tma_store, "GATHER": gather,
-         "SCALES_FIRST": cfg.scales_first, "LOAD_WARPS": load_warps, "LOAD_REGS": load_regs, "MMA_REGS": mma_regs},
+         "SCALES_FIRST": cfg.scales_first, "SUBS": cfg.subs, "LOAD_WARPS": load_warps, "LOAD_REGS": load_regs,
+         "MMA_REGS": mma_regs},
         {"bs_ptr": "*fp32", "c_ptr": "*bf16", "a_ptr": "*fp8e4nv", "row_src_ptr": "*i32"})
 
 
@@ -295,20 +295,13 @@ def test_ws_fc1_on_a_rank_that_receives_nothing():
 # ----------------------------------------------------------------------------------------------------------------
 # The weight gradient (kernels/fp8_wgrad_ws.py): the layer's dW1 and dW2 on Hopper
 # ----------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("cfg", WS_WGRAD_CONFIGS, ids=_config_id)
+@pytest.mark.parametrize("cfg", WS_CONFIGS, ids=_config_id)
 def test_ws_wgrad_kernel_compiles_for_hopper_with_its_register_split(cfg):
     _assert_compiles_with_register_split(
         "prime_megamoe.kernels.fp8_wgrad_ws:fp8_grouped_wgrad_ws_kernel", cfg,
         {"STAGES": cfg.stages, "HALVES": cfg.halves, "SUBS": cfg.subs, "TMA_STORE": cfg.tma_store,
          "LOAD_REGS": WS_LOAD_REGS, "MMA_REGS": WS_MMA_REGS},
         {"as_ptr": "*fp32", "bs_ptr": "*fp32", "c_ptr": "*bf16", "expert_tiles_ptr": "*i32"})
-
-
-def test_ws_gemm_refuses_a_weight_gradient_config():
-    """256-column tiles (subs = 2) exist in the weight gradient only: the row-tiled GEMM says so, it does not run
-    128-column tiles in their place."""
-    with pytest.raises(ValueError, match="subs = 2 is a weight-gradient config"):
-        fp8_grouped_gemm_ws(None, None, None, None, segments=1, row_scale=None, config=WS_WGRAD_CONFIGS[0])
 
 
 def test_ws_wgrad_applicability_says_why_not():
@@ -341,7 +334,7 @@ def test_ws_wgrad_matches_the_triton_kernel(m, n):
         ref = torch.full((4, m, n), float("nan"), dtype=out_dtype, device=device)
         fl.fp8_grouped_wgrad(a_t, b_t, plan, fmt, ref, expert_tiles=tiles, use_tma=False)
         tol = 1e-6 if out_dtype == torch.float32 else 2**-8
-        for cfg in WS_WGRAD_CONFIGS:
+        for cfg in WS_CONFIGS:
             for programs in (None, 1, 3):
                 out = torch.full_like(ref, float("nan"))  # an element left unwritten shows
                 fp8_grouped_wgrad_ws(a_t, b_t, out, expert_tiles=tiles, config=cfg, programs=programs)

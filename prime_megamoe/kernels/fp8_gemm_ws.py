@@ -31,7 +31,7 @@ kernel's gather (``benchmarks/results/fp8_probe_s14.txt``, same bits).
 
 Tiles are numbered row tile major, column tile minor (as the Triton kernel's grid), and program p takes tiles p,
 p + programs, ...; all partitions walk that sequence. Requirements (the launcher checks them): BLOCK_K = 128 = the
-scale group, BLOCK_N <= 128 dividing 128 (one weight scale per step), and with SEGS = 2 each segment's K a multiple
+scale group, column parts of 128 (one weight scale per part and step), and with SEGS = 2 each segment's K a multiple
 of 128 (a box must not run into the next segment). Gluon kernels have no interpreter: this one is tested on the GPU
 against the Triton kernel and compiled for sm_90 on the CPU.
 
@@ -95,14 +95,15 @@ def _tile_with_end(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets
 def _load_partition(a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_ptr, row_src_ptr, as_ptr,
                     bs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, N, K, NKG, stride_am, stride_asm,
                     stride_bse, stride_bsn, SEGS: gl.constexpr, B_GROUP_N: gl.constexpr, TILE_M: gl.constexpr,
-                    HALVES: gl.constexpr, GATHER: gl.constexpr):
+                    HALVES: gl.constexpr, GATHER: gl.constexpr, SUBS: gl.constexpr):
     """Fills each stage: A (HALVES boxes of rows: TMA copies, or with GATHER the rows row_src[r] of A copied by
     cp.async in 16-byte pieces, as TMA cannot gather on Hopper), B by TMA, and the step's scales (A's, one per row
     of the tile, and B's block scale, copied for every row) by cp.async. The stage's ready barrier waits for all of
     it; the producer never waits for a load itself, except each tile's source row indices (GATHER)."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]  # rows of one MMA partition's A box
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]  # the tile's columns: SUBS parts of SUB_N
+    SUB_N: gl.constexpr = BLOCK_N // SUBS
     STAGES: gl.constexpr = b_bufs.type.shape[0]
     TILE_ROWS: gl.constexpr = HALVES * BLOCK_M
     row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
@@ -140,7 +141,9 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, emp
             bar = ready.index(s)
             kg = (j // k_steps) * NKG + j % k_steps  # the step's scale group (segment j // k_steps)
             _cp_async(sa_bufs.index(s), sa_ptrs + kg, mask=in_rows)
-            _cp_async(sb_bufs.index(s), sb_ptrs + kg)
+            for p in gl.static_range(SUBS):  # each column part's block scale (a part past N reads none: unused)
+                _cp_async(sb_bufs.index(s).slice(p * TILE_ROWS, TILE_ROWS),
+                          sb_ptrs + (p * SUB_N // B_GROUP_N) * stride_bsn + kg, mask=rows * 0 + col0 + p * SUB_N < N)
             k = (j // k_steps) * K + (j % k_steps) * BLOCK_K
             if GATHER:
                 cols = k + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, chunk_layout))
@@ -171,25 +174,55 @@ def _mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layou
     before the wgmma is issued (read after it, ptxas puts their product between the step's wgmma instructions, whose
     issue then waits for the reads: ncu_fp8_fc2_s13.txt)."""
     STAGES: gl.constexpr = b_bufs.type.shape[0]
-    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     s = it % STAGES
     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
     if GATHER:  # A was written by cp.async (the generic proxy); the wgmma reads it through the async proxy
         fence_async_shared()
+    acc = _promoted_part(acc, a_bufs.index(HALVES * s + HALF), b_bufs.index(s), sa_bufs.index(s),
+                         sb_bufs.index(s), mma_layout, HALF, 0, SCALES_FIRST)
+    mbarrier.arrive(empty.index(s), count=1)
+    return acc
+
+
+@gluon.jit
+def _promoted_part(acc, a_buf, b_buf, sa_buf, sb_buf, mma_layout: gl.constexpr, HALF: gl.constexpr,
+                   PART: gl.constexpr, SCALES_FIRST: gl.constexpr):
+    """Column part PART of one step's product for the rows of half HALF, scaled and added to ``acc``."""
+    BLOCK_M: gl.constexpr = a_buf.type.shape[0]
+    SUB_N: gl.constexpr = acc.type.shape[1]
+    TILE_ROWS: gl.constexpr = sa_buf.type.shape[0]
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     if SCALES_FIRST:
-        sa = sa_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(row_layout)
-        sb = sb_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(row_layout)
-    tile = warpgroup_mma(a_bufs.index(HALVES * s + HALF), b_bufs.index(s).permute((1, 0)),
-                         gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout), use_acc=False, is_async=True)
-    if not SCALES_FIRST:
-        sa = sa_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(row_layout)
-        sb = sb_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(row_layout)
-    scale = sa * sb
-    done = warpgroup_mma_wait(num_outstanding=0, deps=(tile, ))
+        sa = sa_buf.slice(HALF * BLOCK_M, BLOCK_M).load(row_layout)
+        sb = sb_buf.slice(PART * TILE_ROWS + HALF * BLOCK_M, BLOCK_M).load(row_layout)
+    tile = warpgroup_mma(a_buf, b_buf.slice(PART * SUB_N, SUB_N).permute((1, 0)),
+                         gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout), use_acc=False, is_async=True)
+    if SCALES_FIRST:
+        done = warpgroup_mma_wait(num_outstanding=0, deps=(tile, ))
+    else:
+        sa = sa_buf.slice(HALF * BLOCK_M, BLOCK_M).load(row_layout)
+        sb = sb_buf.slice(PART * TILE_ROWS + HALF * BLOCK_M, BLOCK_M).load(row_layout)
+        done = warpgroup_mma_wait(num_outstanding=0, deps=(tile, ))
+    return acc + done * (sa * sb)[:, None]
+
+
+@gluon.jit
+def _mma_step2(acc0, acc1, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout: gl.constexpr,
+               HALF: gl.constexpr, HALVES: gl.constexpr, GATHER: gl.constexpr, SCALES_FIRST: gl.constexpr):
+    """Step ``it`` of a 256-column tile (SUBS = 2) for the rows of half HALF: its two 128-column parts in turn, one
+    accumulator each, one fresh tile live at a time."""
+    STAGES: gl.constexpr = b_bufs.type.shape[0]
+    s = it % STAGES
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    if GATHER:
+        fence_async_shared()
+    a_buf = a_bufs.index(HALVES * s + HALF)
+    acc0 = _promoted_part(acc0, a_buf, b_bufs.index(s), sa_bufs.index(s), sb_bufs.index(s), mma_layout, HALF, 0,
+                          SCALES_FIRST)
+    acc1 = _promoted_part(acc1, a_buf, b_bufs.index(s), sa_bufs.index(s), sb_bufs.index(s), mma_layout, HALF, 1,
+                          SCALES_FIRST)
     mbarrier.arrive(empty.index(s), count=1)
-    return acc + done * scale[:, None]
+    return acc0, acc1
 
 
 @gluon.jit
@@ -203,22 +236,44 @@ def _store_by_tma(out, c_desc, c_smem, row, col):
 
 
 @gluon.jit
+def _store_part(out, c_desc, c_smem, c_ptr, row_s0, col0, row_end, N, stride_cm, TMA_STORE: gl.constexpr):
+    """One partition's rows of one column part of a tile: by TMA where all its rows are the expert's (TMA_STORE),
+    else from registers with a row mask."""
+    num_warps: gl.constexpr = gl.num_warps()
+    BLOCK_M: gl.constexpr = out.type.shape[0]
+    SUB_N: gl.constexpr = out.type.shape[1]
+    store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // SUB_N, SUB_N // 8], [num_warps, 1], [1, 0])
+    if TMA_STORE and row_s0 + BLOCK_M <= row_end:  # all rows are the expert's
+        _store_by_tma(out, c_desc, c_smem, row_s0, col0)
+    else:
+        # The expert's rows end inside this part (a box would overwrite the next expert's rows): stored from a
+        # row-contiguous layout (16 bytes a thread, whole rows a warp): from the MMA layout each thread would
+        # write 4 bytes per row and 8-column block, and every 32-byte sector would be written twice.
+        out_rows = gl.convert_layout(out, store_layout)
+        rows_s = row_s0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))
+        cols_s = col0 + gl.arange(0, SUB_N, layout=gl.SliceLayout(0, store_layout))
+        c_ptrs = c_ptr + rows_s.to(gl.int64)[:, None] * stride_cm + cols_s[None, :]
+        gl.store(c_ptrs, out_rows, mask=(rows_s < row_end)[:, None] & (cols_s < N)[None, :])
+
+
+@gluon.jit
 def _mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_smem, c_ptr, row_scale_ptr,
                    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N, K, stride_cm,
                    SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, TILE_M: gl.constexpr, HALF: gl.constexpr,
                    HALVES: gl.constexpr, TMA_STORE: gl.constexpr, GATHER: gl.constexpr,
-                   SCALES_FIRST: gl.constexpr):
-    """Rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of every tile of this program (HALVES partitions split a tile)."""
+                   SCALES_FIRST: gl.constexpr, SUBS: gl.constexpr):
+    """Rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of every tile of this program (HALVES partitions split a tile),
+    in SUBS column parts."""
     num_warps: gl.constexpr = gl.num_warps()
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     TILE_ROWS: gl.constexpr = HALVES * BLOCK_M
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]  # the tile's columns
+    SUB_N: gl.constexpr = BLOCK_N // SUBS
     # One warp group per 64 rows; fp8 wgmma takes K = 32 per instruction.
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, BLOCK_N, 32])
+                                                         instr_shape=[16, SUB_N, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-    store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [num_warps, 1], [1, 0])
     n_col_tiles = gl.cdiv(N, BLOCK_N)
     n_steps = SEGS * gl.cdiv(K, BLOCK_K)
     total = gl.load(num_tiles_ptr) * (TILE_M // TILE_ROWS) * n_col_tiles
@@ -237,32 +292,38 @@ def _mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_sme
     for t in range(gl.program_id(0), total, programs):
         row0_n, col0_n, row_end_n = _tile_with_end(gl.minimum(t + programs, total - 1), n_col_tiles, tile_expert_ptr,
                                                    tile_row_ptr, expert_offsets_ptr, TILE_ROWS, BLOCK_N, TILE_M)
+        row_s0 = row0 + HALF * BLOCK_M
         # Each step's MMA into a fresh fp32 tile, waited for, then scaled and added. (Waiting for the previous step's
         # only, with the next in flight, makes ptxas serialise every wgmma of the kernel: a wgmma's accumulator
         # registers must not be written while another wgmma runs, and each fresh tile is.)
-        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
-        for j in range(n_steps):
-            acc = _mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout, HALF, HALVES,
-                            GATHER, SCALES_FIRST)
-            it += 1
-
+        if SUBS == 1:
+            acc = gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout)
+            for j in range(n_steps):
+                acc = _mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout, HALF, HALVES,
+                                GATHER, SCALES_FIRST)
+                it += 1
+            if SCALE_ROWS:
+                acc = acc * rs_next[:, None]
+            _store_part(acc.to(c_ptr.dtype.element_ty), c_desc, c_smem, c_ptr, row_s0, col0, row_end, N, stride_cm,
+                        TMA_STORE)
+        else:
+            gl.static_assert(SUBS == 2, "SUBS is 1 or 2")
+            acc0 = gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout)
+            acc1 = gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout)
+            for j in range(n_steps):
+                acc0, acc1 = _mma_step2(acc0, acc1, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout,
+                                        HALF, HALVES, GATHER, SCALES_FIRST)
+                it += 1
+            if SCALE_ROWS:
+                acc0 = acc0 * rs_next[:, None]
+                acc1 = acc1 * rs_next[:, None]
+            _store_part(acc0.to(c_ptr.dtype.element_ty), c_desc, c_smem, c_ptr, row_s0, col0, row_end, N, stride_cm,
+                        TMA_STORE)
+            _store_part(acc1.to(c_ptr.dtype.element_ty), c_desc, c_smem, c_ptr, row_s0, col0 + SUB_N, row_end, N,
+                        stride_cm, TMA_STORE)
         if SCALE_ROWS:
-            acc = acc * rs_next[:, None]
             rows_n = row0_n + lane_rows
             rs_next = gl.load(row_scale_ptr + rows_n, mask=rows_n < M, other=0.0).to(gl.float32)
-        out = acc.to(c_ptr.dtype.element_ty)
-        row_s0 = row0 + HALF * BLOCK_M
-        if TMA_STORE and row_s0 + BLOCK_M <= row_end:  # all rows are the expert's
-            _store_by_tma(out, c_desc, c_smem, row_s0, col0)
-        else:
-            # The expert's rows end inside this part (a box would overwrite the next expert's rows): stored from a
-            # row-contiguous layout (16 bytes a thread, whole rows a warp): from the MMA layout each thread would
-            # write 4 bytes per row and 8-column block, and every 32-byte sector would be written twice.
-            out_rows = gl.convert_layout(out, store_layout)
-            rows_s = row_s0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))
-            cols_s = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
-            c_ptrs = c_ptr + rows_s.to(gl.int64)[:, None] * stride_cm + cols_s[None, :]
-            gl.store(c_ptrs, out_rows, mask=(rows_s < row_end)[:, None] & (cols_s < N)[None, :])
         row0, col0, row_end = row0_n, col0_n, row_end_n
     if TMA_STORE:
         tma.store_wait(0)
@@ -306,8 +367,8 @@ def fp8_grouped_gemm_ws_kernel(
     M, N, K, NKG, stride_am, stride_asm, stride_bse, stride_bsn, stride_cm,
     SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, B_GROUP_N: gl.constexpr, STAGES: gl.constexpr,
     TILE_M: gl.constexpr, HALVES: gl.constexpr, TMA_STORE: gl.constexpr, GATHER: gl.constexpr,
-    SCALES_FIRST: gl.constexpr, LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
-    num_warps: gl.constexpr,
+    SCALES_FIRST: gl.constexpr, SUBS: gl.constexpr, LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,
+    MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """HALVES = 1: one MMA partition (``num_warps`` warps, 64 rows a warp group) computes each tile. HALVES = 2: two
     4-warp MMA partitions (the default one and a worker with MMA_REGS registers) compute the two 64-row halves of
@@ -315,9 +376,10 @@ def fp8_grouped_gemm_ws_kernel(
     while the other's wgmma does (one partition of two warp groups keeps both in step at its barriers). TMA_STORE:
     parts of a tile that hold only their expert's rows are stored by TMA through ``c_desc`` (a box of one
     partition's rows), the others from registers; without it ``c_desc`` is not read (any descriptor will do)."""
-    # Each step's scales: A's per row, B's block scale copied for every row (so that both are read alike).
+    # Each step's scales: A's per row, B's block scale (per column part) copied for every row (so that both are
+    # read alike).
     a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_bufs = _allocate_stages(
-        a_desc, b_desc, c_desc, STAGES, HALVES, HALVES * a_desc.block_type.shape[0], TMA_STORE)
+        a_desc, b_desc, c_desc, STAGES, HALVES, SUBS * HALVES * a_desc.block_type.shape[0], TMA_STORE)
     # (The partitions' argument tuples are written out in the call: a tuple bound to a name first loses its
     # constexprs.)
     if HALVES == 1:
@@ -325,22 +387,24 @@ def fp8_grouped_gemm_ws_kernel(
             (_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
                               row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N,
                               K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 0, HALVES, TMA_STORE, GATHER,
-                              SCALES_FIRST)),
+                              SCALES_FIRST, SUBS)),
             (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_ptr, row_src_ptr,
                                as_ptr, bs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, N, K, NKG, stride_am,
-                               stride_asm, stride_bse, stride_bsn, SEGS, B_GROUP_N, TILE_M, HALVES, GATHER)),
+                               stride_asm, stride_bse, stride_bsn, SEGS, B_GROUP_N, TILE_M, HALVES, GATHER,
+                               SUBS)),
         ], [LOAD_WARPS], [LOAD_REGS])
     else:
         gl.warp_specialize([
             (_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
                               row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N,
                               K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 0, HALVES, TMA_STORE, GATHER,
-                              SCALES_FIRST)),
+                              SCALES_FIRST, SUBS)),
             (_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(1), c_ptr,
                               row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N,
                               K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 1, HALVES, TMA_STORE, GATHER,
-                              SCALES_FIRST)),
+                              SCALES_FIRST, SUBS)),
             (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_ptr, row_src_ptr,
                                as_ptr, bs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, N, K, NKG, stride_am,
-                               stride_asm, stride_bse, stride_bsn, SEGS, B_GROUP_N, TILE_M, HALVES, GATHER)),
+                               stride_asm, stride_bse, stride_bsn, SEGS, B_GROUP_N, TILE_M, HALVES, GATHER,
+                               SUBS)),
         ], [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])

@@ -49,8 +49,8 @@ class WSConfig:
     rows are stored by TMA, for outputs of 2-byte elements that TMA can write (a 4-byte output's buffers would not
     fit beside the ring; other outputs are stored from registers, the same values). scales_first: each step reads
     its scales before issuing its wgmma (see ``_mma_step``): no faster (fp8_probe_s14.txt), so not the default.
-    subs = 2 (the weight gradient only): 256-column tiles whose two 128-column parts each MMA partition computes in
-    turn, one accumulator each, so that every A box is read once per 256 output columns."""
+    subs = 2: 256-column tiles whose two 128-column parts each MMA partition computes in turn, one accumulator
+    each, so that every A box is read once per 256 output columns."""
 
     block_m: int = 128
     stages: int = 4
@@ -83,18 +83,19 @@ class WSConfig:
 WS_MMA_REGS = 232  # the second MMA partition's registers (halves = 2)
 # Gathering A (cp.async from 4 producer warps, row addresses held per tile) needs more producer registers.
 WS_GATHER_LOAD_WARPS, WS_GATHER_LOAD_REGS, WS_GATHER_MMA_REGS = 4, 64, 216
-# The first is the default (fp8_probe_s13.txt).
+# The first is the GEMMs' default (fp8_probe_s13.txt), the second the weight gradient's (fp8_probe_s19a.txt): 256
+# columns, 3 stages (a stage holds twice the B box).
 WS_CONFIGS = (
     WSConfig(128, 4, halves=2, tma_store=True),
+    WSConfig(128, 3, halves=2, tma_store=True, subs=2),
     WSConfig(128, 4, halves=2, tma_store=True, scales_first=True),
     WSConfig(128, 4, halves=2),
     WSConfig(128, 4, tma_store=True),
     WSConfig(64, 4),
 )
 WS_DEFAULT = WS_CONFIGS[0]
-# The weight gradient's: its own 256-column tiles (3 stages: a stage holds twice the B box) and the GEMM's.
-WS_WGRAD_CONFIGS = (WSConfig(128, 3, halves=2, tma_store=True, subs=2), *WS_CONFIGS)
-WS_WGRAD_DEFAULT = WS_WGRAD_CONFIGS[0]
+WS_GEMM_DEFAULT = WS_CONFIGS[1]
+WS_WGRAD_DEFAULT = WS_CONFIGS[1]
 
 
 def _hopper_fp8_unavailable(data: torch.Tensor, mx: bool) -> str | None:
@@ -178,7 +179,7 @@ def _grid(per_sm: int, device: torch.device, tiles: int, programs: int | None) -
 
 
 def fp8_grouped_gemm_ws(aq: QTensor, bq: QTensor, plan: RoutingPlan, c: torch.Tensor, *, segments: int,
-                        row_scale: torch.Tensor | None, gather: bool = False, config: WSConfig = WS_DEFAULT,
+                        row_scale: torch.Tensor | None, gather: bool = False, config: WSConfig = WS_GEMM_DEFAULT,
                         programs: int | None = None) -> None:
     """c[r] = row_scale[r] * A[src[r] if gather else r] @ B[e]^T with the warp-specialised kernel (callers check
     ``ws_gemm_unavailable`` first): A [P or R, segments * K] fp8 with row scales [.., segments * cdiv(K, 128)], B the
@@ -187,15 +188,12 @@ def fp8_grouped_gemm_ws(aq: QTensor, bq: QTensor, plan: RoutingPlan, c: torch.Te
     several tiles a program this way)."""
     from ..kernels.fp8_gemm_ws import fp8_grouped_gemm_ws_kernel
 
-    if config.subs != 1:
-        raise ValueError(f"fp8_grouped_gemm_ws: subs = {config.subs} is a weight-gradient config; the row-tiled GEMM "
-                         "computes 128-column tiles (subs = 1)")
     aq_data, aq_scale, bq_data, bq_scale = aq.data, aq.scale, bq.data, bq.scale
     rows, n, k = plan.num_pairs, bq_data.shape[1], bq_data.shape[2] // segments
     if rows == 0 or aq_data.shape[0] == 0:  # no rows (a rank that receives nothing): no tiles, no descriptor
         return
-    a_desc, b_desc, c_desc, tma_store = _descriptors(aq_data, weight_descriptor(bq), c, config)
-    tiles = plan.max_tiles * (QTILE_M // config.block_m) * cdiv(n, WS_BLOCK_N)
+    a_desc, b_desc, c_desc, tma_store = _descriptors(aq_data, weight_descriptor(bq, config.block_n), c, config)
+    tiles = plan.max_tiles * (QTILE_M // config.block_m) * cdiv(n, config.block_n)
     grid = _grid(config.programs_per_sm, c.device, tiles, programs)
     load_warps, load_regs, mma_regs = ((WS_GATHER_LOAD_WARPS, WS_GATHER_LOAD_REGS, WS_GATHER_MMA_REGS) if gather
                                        else (1, WS_LOAD_REGS, WS_MMA_REGS))
