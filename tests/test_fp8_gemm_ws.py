@@ -94,6 +94,8 @@ def test_weight_descriptor_is_made_once_per_operand():
     assert weight_descriptor(first) is desc
     assert desc.base.data_ptr() == first.data.data_ptr() and list(desc.block_shape) == [128, 128]
     assert list(desc.shape) == [2 * 256, 256]
+    wide = weight_descriptor(first, 256)  # 256-row boxes (subs = 2): a descriptor of their own
+    assert wide is not desc and list(wide.block_shape) == [256, 128] and weight_descriptor(first, 256) is wide
     second = fl.quantize_w2_fwd(w * 2, fl.fp8_format())
     assert weight_descriptor(second) is not desc
     assert weight_descriptor(second).base.data_ptr() == second.data.data_ptr()

@@ -204,7 +204,7 @@ def fp8_grouped_gemm_ws(aq: QTensor, bq: QTensor, plan: RoutingPlan, c: torch.Te
         rows, n, k, aq_scale.shape[1] // segments, aq_data.stride(0), aq_scale.stride(0), bq_scale.stride(0),
         bq_scale.stride(1), c.stride(0), SEGS=segments, SCALE_ROWS=row_scale is not None, B_GROUP_N=WS_WEIGHT_BLOCK,
         STAGES=config.stages, TILE_M=QTILE_M, HALVES=config.halves, TMA_STORE=tma_store, GATHER=gather,
-        SCALES_FIRST=config.scales_first,
+        SCALES_FIRST=config.scales_first, SUBS=config.subs,
         LOAD_WARPS=load_warps, LOAD_REGS=load_regs, MMA_REGS=mma_regs, num_warps=config.num_warps,
         maxnreg=config.maxnreg,
     )
