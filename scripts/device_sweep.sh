@@ -24,6 +24,7 @@
 #   bash scripts/device_sweep.sh s16g       # the plan's expert tile ranges: GPU tests, the fp8 layer (profiled)
 #   bash scripts/device_sweep.sh s19a       # the weight gradient on 256-column tiles: tests, probe, the layer A/B
 #   bash scripts/device_sweep.sh s19b       # the row-tiled GEMMs on 256-column tiles: tests, probe, the layer A/B
+#   bash scripts/device_sweep.sh s19c       # 256-column defaults: GPU tests, the fp8 layer record (profiled)
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -383,6 +384,19 @@ case "${1:-}" in
     step pass_probe 150 python scripts/fp8_pass_probe.py
     grep -E "cols|best" "$LOGS/pass_probe.log" | head -20
     layer_ab 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s16f" new base new2 base2 ;;
+  s19c)  # the 256-column defaults (FC2, FC1 dgrad, weight gradients): the ws kernels' GPU tests (ragged routing,
+         # partial column parts, a rank with no rows) and the quantised layer's oracle tests on the GPU, then the
+         # layer (fp8, fp8_bwd) one call, profiled, and fp8 back to back
+    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_s19c 300 python -m pytest -q tests/test_fp8_gemm_ws.py \
+      tests/test_fp8_experts.py -k "gemm_matches or receives_nothing or wgrad_matches or gpu_against_oracle" -rA
+    tail -3 "$LOGS/pytest_s19c.log"
+    grep -E "^(FAILED|E  )" "$LOGS/pytest_s19c.log" | head -20
+    step layer_c 90 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd \
+      --backends mega_moe --iters 5 --warmup 2 --profile-dir "$LOGS/prof_s19c" --out "$LOGS/layer_c.json"
+    tail -3 "$LOGS/layer_c.log"
+    step layer_c_r5 60 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 \
+      --backends mega_moe --repeat 5 --iters 5 --warmup 2 --out "$LOGS/layer_c_r5.json"
+    tail -2 "$LOGS/layer_c_r5.log" ;;
   s19b)  # the row-tiled GEMMs (FC2, FC2 dgrad, FC1 dgrad) on 256-column tiles too: their GPU tests (compiled with
          # this machine's Triton; every config against the Triton kernel), the GEMMs per config, then the layer one
          # call against ab_base/ (27667ab: the weight gradient's 256-column tiles only), alternating

@@ -44,17 +44,17 @@ def _config_id(cfg):
             f"{'f' if cfg.scales_first else ''}")
 
 
-def _assert_compiles_with_register_split(kernel: str, cfg, constexprs: dict, types: dict):
+def _assert_compiles_with_register_split(kernel: str, cfg, constexprs: dict, types: dict, max_spill: int = 0):
     """``kernel`` compiled for sm_90 as the launcher runs it with ``cfg`` (its A, B and, with TMA stores, bf16 output
-    boxes): no spill, no wgmma serialisation, the launch register cap, the ring (and output boxes) in shared memory
-    within the SM's, the MMA warp groups with >= 200 registers."""
+    boxes): at most ``max_spill`` bytes of stack a thread, no wgmma serialisation, the launch register cap, the ring
+    (and output boxes) in shared memory within the SM's, the MMA warp groups with >= 200 registers."""
     out_box = f"bf16[{cfg.a_rows}, 128]" if cfg.tma_store else f"fp8e4nv[{cfg.a_rows}, 128]"
     types = {**types, "a_desc": f"tensordesc<fp8e4nv[{cfg.a_rows}, 128]>",
              "b_desc": f"tensordesc<fp8e4nv[{cfg.block_n}, 128]>", "c_desc": f"tensordesc<{out_box}>"}
     options = ["--warps", str(cfg.num_warps), "--maxnreg", str(cfg.maxnreg), "--types", json.dumps(types)]
     (_, registers, spill, smem, partitions, wgmma), = compile_for_hopper(kernel, constexprs, options)
     assert wgmma == "ok", "ptxas serialises the kernel's wgmma instructions (see register_check.wgmma_serialised)"
-    assert int(registers) == cfg.maxnreg and int(spill) == 0
+    assert int(registers) == cfg.maxnreg and int(spill) <= max_spill, f"{spill} bytes spilled"
     ring = cfg.stages * (cfg.block_m + cfg.block_n) * 128  # the ring of A and B tiles
     assert int(smem) >= ring + (cfg.block_m * 128 * 2 if cfg.tma_store else 0)
     assert int(smem) <= 227 * 1024 // cfg.programs_per_sm
@@ -70,13 +70,17 @@ def test_ws_kernel_compiles_for_hopper_with_its_register_split(cfg, scale_rows, 
     producer warps and their registers."""
     load_warps, load_regs, mma_regs = ((WS_GATHER_LOAD_WARPS, WS_GATHER_LOAD_REGS, WS_GATHER_MMA_REGS) if gather
                                        else (1, WS_LOAD_REGS, WS_MMA_REGS))
+    # With two accumulators (subs = 2) ptxas keeps a few of the tile loop's scalars on the stack: 8-56 bytes across
+    # these variants and two Triton releases, one local load a step in the main loop. The config was measured faster
+    # with them (benchmarks/results/fp8_probe_s19b.txt); a real spill of the accumulators would be hundreds of bytes.
     _assert_compiles_with_register_split(
         "prime_megamoe.kernels.fp8_gemm_ws:fp8_grouped_gemm_ws_kernel", cfg,
         {"SEGS": 1 if gather else 2, "SCALE_ROWS": scale_rows, "B_GROUP_N": 128, "STAGES": cfg.stages,
          "TILE_M": QTILE_M, "HALVES": cfg.halves, "TMA_STORE": cfg.tma_store, "GATHER": gather,
          "SCALES_FIRST": cfg.scales_first, "SUBS": cfg.subs, "LOAD_WARPS": load_warps, "LOAD_REGS": load_regs,
          "MMA_REGS": mma_regs},
-        {"bs_ptr": "*fp32", "c_ptr": "*bf16", "a_ptr": "*fp8e4nv", "row_src_ptr": "*i32"})
+        {"bs_ptr": "*fp32", "c_ptr": "*bf16", "a_ptr": "*fp8e4nv", "row_src_ptr": "*i32"},
+        max_spill=64 if cfg.subs == 2 else 0)
 
 
 def test_ws_applicability_says_why_not():

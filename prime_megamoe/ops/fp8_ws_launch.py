@@ -83,8 +83,10 @@ class WSConfig:
 WS_MMA_REGS = 232  # the second MMA partition's registers (halves = 2)
 # Gathering A (cp.async from 4 producer warps, row addresses held per tile) needs more producer registers.
 WS_GATHER_LOAD_WARPS, WS_GATHER_LOAD_REGS, WS_GATHER_MMA_REGS = 4, 64, 216
-# The first is the GEMMs' default (fp8_probe_s13.txt), the second the weight gradient's (fp8_probe_s19a.txt): 256
-# columns, 3 stages (a stage holds twice the B box).
+# The first is the gathering GEMM's default (fp8_probe_s13.txt; 256 columns were no faster there: 0.474 against
+# 0.476 ms, fp8_probe_s19b.txt); the second (256 columns, 3 stages: a stage holds twice the B box) the other GEMMs'
+# (FC2 0.465 against 0.485 ms, FC1 dgrad 0.802 against 0.845) and the weight gradient's (dW1 0.981 against 1.115,
+# dW2 0.542 against 0.589; fp8_probe_s19a.txt). Same bits.
 WS_CONFIGS = (
     WSConfig(128, 4, halves=2, tma_store=True),
     WSConfig(128, 3, halves=2, tma_store=True, subs=2),
@@ -93,9 +95,8 @@ WS_CONFIGS = (
     WSConfig(128, 4, tma_store=True),
     WSConfig(64, 4),
 )
-WS_DEFAULT = WS_CONFIGS[0]
-WS_GEMM_DEFAULT = WS_CONFIGS[1]
-WS_WGRAD_DEFAULT = WS_CONFIGS[1]
+WS_DEFAULT = WS_GATHER_DEFAULT = WS_CONFIGS[0]
+WS_GEMM_DEFAULT = WS_WGRAD_DEFAULT = WS_CONFIGS[1]
 
 
 def _hopper_fp8_unavailable(data: torch.Tensor, mx: bool) -> str | None:
@@ -179,7 +180,7 @@ def _grid(per_sm: int, device: torch.device, tiles: int, programs: int | None) -
 
 
 def fp8_grouped_gemm_ws(aq: QTensor, bq: QTensor, plan: RoutingPlan, c: torch.Tensor, *, segments: int,
-                        row_scale: torch.Tensor | None, gather: bool = False, config: WSConfig = WS_GEMM_DEFAULT,
+                        row_scale: torch.Tensor | None, gather: bool = False, config: WSConfig | None = None,
                         programs: int | None = None) -> None:
     """c[r] = row_scale[r] * A[src[r] if gather else r] @ B[e]^T with the warp-specialised kernel (callers check
     ``ws_gemm_unavailable`` first): A [P or R, segments * K] fp8 with row scales [.., segments * cdiv(K, 128)], B the
@@ -188,6 +189,7 @@ def fp8_grouped_gemm_ws(aq: QTensor, bq: QTensor, plan: RoutingPlan, c: torch.Te
     several tiles a program this way)."""
     from ..kernels.fp8_gemm_ws import fp8_grouped_gemm_ws_kernel
 
+    config = config or (WS_GATHER_DEFAULT if gather else WS_GEMM_DEFAULT)
     aq_data, aq_scale, bq_data, bq_scale = aq.data, aq.scale, bq.data, bq.scale
     rows, n, k = plan.num_pairs, bq_data.shape[1], bq_data.shape[2] // segments
     if rows == 0 or aq_data.shape[0] == 0:  # no rows (a rank that receives nothing): no tiles, no descriptor
