@@ -25,6 +25,7 @@
 #   bash scripts/device_sweep.sh s19a       # the weight gradient on 256-column tiles: tests, probe, the layer A/B
 #   bash scripts/device_sweep.sh s19b       # the row-tiled GEMMs on 256-column tiles: tests, probe, the layer A/B
 #   bash scripts/device_sweep.sh s19c       # 256-column defaults: GPU tests, the fp8 layer record (profiled)
+#   bash scripts/device_sweep.sh s19d       # compile checks with this Triton; the layer against ab_base/, both profiled
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -384,6 +385,21 @@ case "${1:-}" in
     step pass_probe 150 python scripts/fp8_pass_probe.py
     grep -E "cols|best" "$LOGS/pass_probe.log" | head -20
     layer_ab 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s16f" new base new2 base2 ;;
+  s19d)  # the ws kernels' compile checks with this machine's Triton (the 256-column GEMM's stacked scalars), then
+         # the layer (fp8, fp8_bwd) one call against ab_base/ (95b3434: the session's start), alternating; the first
+         # pair profiled
+    step pytest_s19d 150 python -m pytest -q tests/test_fp8_gemm_ws.py -k "compiles" -rA
+    tail -3 "$LOGS/pytest_s19d.log"
+    grep -E "^(FAILED|E  )" "$LOGS/pytest_s19d.log" | head -10
+    for run in new base new2 base2; do
+      tree=.; [ "${run#base}" != "$run" ] && tree=ab_base
+      prof=""; [ "${run%2}" = "$run" ] && prof="--profile-dir $LOGS/prof_s19d_$run"
+      # shellcheck disable=SC2086  # (prof is a word list)
+      (cd $tree && PYTHONPATH=/tmp/site:$PWD step "layer_$run" 100 python -m prime_megamoe.bench \
+        --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd --iters 5 --warmup 2 --backends mega_moe \
+        $prof --out "$LOGS/layer_$run.json"
+       tail -3 "$LOGS/layer_$run.log")
+    done ;;
   s19c)  # the 256-column defaults (FC2, FC1 dgrad, weight gradients): the ws kernels' GPU tests (ragged routing,
          # partial column parts, a rank with no rows) and the quantised layer's oracle tests on the GPU, then the
          # layer (fp8, fp8_bwd) one call, profiled, and fp8 back to back
