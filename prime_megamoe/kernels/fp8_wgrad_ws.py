@@ -14,6 +14,9 @@ bits. An expert without tiles gets zeros.
 - HALVES MMA partitions (4 warps each when HALVES = 2) take the rows of each output tile: each step's wgmma into a
   fresh fp32 tile, the scales read from the stage, waited for, the stage freed, the product scaled and added. The
   next tile's step count is loaded while this tile's MMAs run.
+- SUBS = 2 (the layer's config): 256-column tiles (a 256 x 128 B box a stage), each MMA partition computing its rows'
+  two 128-column parts in turn, one accumulator each: only one fresh tile is live at a time, so the two
+  accumulators fit beside it, and each A box is read once per 256 output columns instead of 128.
 - Stores: by TMA (a box of one partition's rows of the output viewed as [E * M, N]) where the launcher allows it
   (``TMA_STORE``: a contiguous 2-byte output whose M is a multiple of the box), else from a row-contiguous layout
   with masks.
@@ -22,7 +25,8 @@ The layer's two weight gradients run it on Hopper. ``tests/test_fp8_gemm_ws.py``
 on the GPU (Gluon has no interpreter; on the CPU it is compiled for sm_90), ``scripts/fp8_ws_smoke.py wgrad``
 launches every config under a watchdog. Measured (Qwen3-30B-A3B, T = 16384, one H200, ``scripts/fp8_probe.py
 --ws-only --gemms dW1 dW2``, the same bits as the Triton kernel; ``benchmarks/results/fp8_probe_s14.txt``): dW1
-1.001 ms against 1.244, dW2 0.536 against 0.693.
+1.001 ms against 1.244, dW2 0.536 against 0.693; with SUBS = 2 (``fp8_probe_s19a.txt``, another machine) dW1 0.981
+against 1.115 for 128-column tiles, dW2 0.542 against 0.589.
 """
 
 from __future__ import annotations
@@ -212,8 +216,9 @@ def fp8_grouped_wgrad_ws_kernel(
     LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """HALVES = 1: one MMA partition of ``num_warps`` warps; HALVES = 2: two 4-warp partitions (the default one and
-    a worker with MMA_REGS registers) on the two 64-row halves of each output tile, from the same B buffers. Without
-    TMA_STORE ``c_desc`` is not read (any descriptor will do)."""
+    a worker with MMA_REGS registers) on the two 64-row halves of each output tile, from the same B buffers. SUBS:
+    128-column parts of a tile (B boxes of SUBS * 128 rows; output boxes of one part). Without TMA_STORE ``c_desc``
+    is not read (any descriptor will do)."""
     # The B scales: one per output column of the tile.
     a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_bufs = _allocate_stages(
         a_desc, b_desc, c_desc, STAGES, HALVES, b_desc.block_type.shape[0], TMA_STORE)
