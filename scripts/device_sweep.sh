@@ -130,6 +130,15 @@ fp8record() {  # the fp8 record: fp8 / fp8_bwd at T=16384 with torch, one call (
     --out "$LOGS/fp8_ep2.json"
   tail -3 "$LOGS/fp8_ep2.log"
 }
+fp8_layer_one_gpu() {  # fp8_layer_one_gpu TAG: the fp8 layer on one GPU, fp8 / fp8_bwd one call (profiled into
+                      # prof_TAG), then fp8 back to back
+  step "layer_$1" 90 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd \
+    --backends mega_moe --iters 5 --warmup 2 --profile-dir "$LOGS/prof_$1" --out "$LOGS/layer_$1.json"
+  tail -3 "$LOGS/layer_$1.log"
+  step "layer_$1_r5" 60 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 \
+    --backends mega_moe --repeat 5 --iters 5 --warmup 2 --out "$LOGS/layer_$1_r5.json"
+  tail -2 "$LOGS/layer_$1_r5.log"
+}
 timelines() {  # one-call timelines from launch events: the no-grad forward, then forward + backward
   step timeline_fwd 100 torchrun --nproc-per-node 2 scripts/call_timeline.py --out "$LOGS/timeline_fwd"
   step timeline_grad 120 torchrun --nproc-per-node 2 scripts/call_timeline.py --grad --out "$LOGS/timeline_grad"
@@ -407,12 +416,7 @@ case "${1:-}" in
       tests/test_fp8_experts.py -k "gemm_matches or receives_nothing or wgrad_matches or gpu_against_oracle" -rA
     tail -3 "$LOGS/pytest_s19c.log"
     grep -E "^(FAILED|E  )" "$LOGS/pytest_s19c.log" | head -20
-    step layer_c 90 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd \
-      --backends mega_moe --iters 5 --warmup 2 --profile-dir "$LOGS/prof_s19c" --out "$LOGS/layer_c.json"
-    tail -3 "$LOGS/layer_c.log"
-    step layer_c_r5 60 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 \
-      --backends mega_moe --repeat 5 --iters 5 --warmup 2 --out "$LOGS/layer_c_r5.json"
-    tail -2 "$LOGS/layer_c_r5.log" ;;
+    fp8_layer_one_gpu s19c ;;
   s19b)  # the row-tiled GEMMs (FC2, FC2 dgrad, FC1 dgrad) on 256-column tiles too: their GPU tests (compiled with
          # this machine's Triton; every config against the Triton kernel), the GEMMs per config, then the layer one
          # call against ab_base/ (27667ab: the weight gradient's 256-column tiles only), alternating
@@ -437,12 +441,7 @@ case "${1:-}" in
       tests/test_fp8_experts.py tests/test_fp8_gemm_ws.py tests/test_swiglu_grad_cols.py \
       -k "on_gpu or gpu_against_oracle or wgrad_matches or cols" -rA
     tail -3 "$LOGS/pytest_s16g.log"
-    step layer_g 90 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd \
-      --backends mega_moe --iters 5 --warmup 2 --profile-dir "$LOGS/prof_s16g" --out "$LOGS/layer_g.json"
-    tail -3 "$LOGS/layer_g.log"
-    step layer_g_r5 60 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 \
-      --backends mega_moe --repeat 5 --iters 5 --warmup 2 --out "$LOGS/layer_g_r5.json"
-    tail -2 "$LOGS/layer_g_r5.log" ;;
+    fp8_layer_one_gpu s16g ;;
   ncu_fc1)  # Nsight Compute on one FC1 + SwiGLU launch: the Triton kernel, then the warp-specialised one
     for kern in triton ws; do
       step "ncu_fc1_$kern" 80 ncu --clock-control none --kernel-name regex:fp8_fc1_swiglu --launch-skip 2 \
