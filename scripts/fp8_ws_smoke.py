@@ -7,7 +7,7 @@ stopping a test run at its time limit:
     python scripts/fp8_ws_smoke.py fc1 [--watchdog 60] [--tokens 300] [--programs 1 3] [--stages 4 3]
         [--shapes 256x256]
 
-wgrad: ``fp8_grouped_wgrad_ws`` per WS_CONFIGS entry, shapes MxN of the gradient, against the Triton weight
+wgrad: ``fp8_grouped_wgrad_ws`` per WS_WGRAD_CONFIGS entry, shapes MxN of the gradient, against the Triton weight
 gradient (same bits in fp32). fc1: ``fp8_fc1_swiglu_ws`` with and without h, plain and power-of-two scales, shapes
 HxI, against the Triton FC1 + SwiGLU kernel (h and the quantised a compared, exact matches reported). Exits
 non-zero on the first mismatch; the watchdog exits the process (code 3) after dumping every thread's stack.
@@ -24,7 +24,7 @@ import torch
 
 from prime_megamoe.kernels.fp8_gemm import QTILE_M
 from prime_megamoe.ops import fp8_launch as fl
-from prime_megamoe.ops.fp8_ws_launch import WS_CONFIGS, fp8_fc1_swiglu_ws, fp8_grouped_wgrad_ws
+from prime_megamoe.ops.fp8_ws_launch import WS_WGRAD_CONFIGS, fp8_fc1_swiglu_ws, fp8_grouped_wgrad_ws
 from prime_megamoe.ops.routing_plan import build_routing_plan
 from tests.oracle import ragged_routing
 
@@ -57,7 +57,7 @@ def smoke_wgrad(args, plan, fmt, tokens, gen):
         ref = torch.empty(EXPERTS, m, n, device="cuda")
         fl.fp8_grouped_wgrad(a_t, b_t, plan, fmt, ref, expert_tiles=tiles, use_tma=False)
         for out_dtype in (torch.float32, torch.bfloat16):
-            for cfg in (WS_CONFIGS[i] for i in args.configs):
+            for cfg in (WS_WGRAD_CONFIGS[i] for i in args.configs):
                 for programs in (p or None for p in args.programs):
                     what = f"wgrad M={m} N={n} {out_dtype} {cfg} programs={programs}"
                     out = torch.full((EXPERTS, m, n), float("nan"), dtype=out_dtype, device="cuda")
@@ -112,8 +112,8 @@ def main():
     p.add_argument("--no-empty-expert", action="store_true", help="every expert gets rows")
     p.add_argument("--programs", type=int, nargs="+", default=[0, 1, 3], help="0: as many as the launcher picks")
     p.add_argument("--stages", type=int, nargs="+", default=[4, 3], help="ring stages (fc1)")
-    p.add_argument("--configs", type=int, nargs="+", default=list(range(len(WS_CONFIGS))),
-                   help="WS_CONFIGS indices (wgrad)")
+    p.add_argument("--configs", type=int, nargs="+", default=list(range(len(WS_WGRAD_CONFIGS))),
+                   help="WS_WGRAD_CONFIGS indices (wgrad)")
     p.add_argument("--shapes", nargs="+", default=None,
                    help="wgrad: MxN of the gradient (default 256x384 96x200); fc1: HxI (default 256x256 208x384)")
     args = p.parse_args()

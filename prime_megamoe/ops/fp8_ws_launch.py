@@ -96,6 +96,8 @@ WS_CONFIGS = (
     WSConfig(64, 4),
 )
 WS_DEFAULT = WS_GATHER_DEFAULT = WS_CONFIGS[0]
+# The weight gradient reads its scales in one order (no scales_first): the configs that differ for it.
+WS_WGRAD_CONFIGS = tuple(c for c in WS_CONFIGS if not c.scales_first)
 WS_GEMM_DEFAULT = WS_WGRAD_DEFAULT = WS_CONFIGS[1]
 
 
