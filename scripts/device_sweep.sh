@@ -26,6 +26,7 @@
 #   bash scripts/device_sweep.sh s19b       # the row-tiled GEMMs on 256-column tiles: tests, probe, the layer A/B
 #   bash scripts/device_sweep.sh s19c       # 256-column defaults: GPU tests, the fp8 layer record (profiled)
 #   bash scripts/device_sweep.sh s19d       # compile checks with this Triton; the layer against ab_base/, both profiled
+#   bash scripts/device_sweep.sh graphs     # the no-grad forward captured in a CUDA graph: replay against eager
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -394,6 +395,10 @@ case "${1:-}" in
     step pass_probe 150 python scripts/fp8_pass_probe.py
     grep -E "cols|best" "$LOGS/pass_probe.log" | head -20
     layer_ab 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s16f" new base new2 base2 ;;
+  graphs)  # the no-grad forward (fp8, bf16) captured in a CUDA graph: whether it captures, the replay's bits and
+           # its one-call and back-to-back times against the eager forward (scripts/graph_probe.py)
+    step graph_probe 300 python scripts/graph_probe.py --precisions fp8 bf16
+    tail -6 "$LOGS/graph_probe.log" ;;
   s19d)  # the ws kernels' compile checks with this machine's Triton (the 256-column GEMM's stacked scalars), then
          # the layer (fp8, fp8_bwd) one call against ab_base/ (95b3434: the session's start), alternating; the first
          # pair profiled

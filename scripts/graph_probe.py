@@ -1,0 +1,96 @@
+"""Can the layer's no-grad forward be captured in a CUDA graph, and what does a replay take against an eager call?
+
+    python scripts/graph_probe.py [--shape qwen3-30b-a3b] [--tokens 16384] [--precisions fp8 bf16] [--iters 20]
+
+One GPU, EP = 1, the benchmark's inputs (``bench.make_workload``). Per precision: the eager forward is warmed up on a
+side stream (autotuning, compiled launches, pooled plans), its output kept, then one forward is captured with
+``torch.cuda.graph``. A capture that fails prints its error (the step of the forward that cannot be captured: a host
+sync, an allocation outside the graph's pool) and the probe goes on to the next precision. A captured graph is
+replayed and its output compared bitwise with the eager one; then both are timed one call at a time (synchronised
+before each call, CUDA events, median) and back to back (``--iters`` calls between two events). A table comes last.
+
+A single forward now waits on the host for a few hundred microseconds before its first GEMM (BENCHMARKS.md,
+"Sixteenth session"); a replay issues the whole forward in one launch, so this probe measures what capture would
+give a trainer that captures the layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from prime_megamoe.bench import make_workload
+
+
+def one_call_ms(call, iters: int) -> float:
+    """Median of single calls, each started on an idle GPU."""
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def back_to_back_ms(call, iters: int) -> float:
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def probe(shape: str, tokens: int, precision: str, iters: int) -> list[str]:
+    work = make_workload(shape, tokens, "mega_moe", precision, None)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
+        for _ in range(3):
+            eager_out = work.fwd()
+    torch.cuda.current_stream().wait_stream(side)
+    eager_out = eager_out.clone()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            graph_out = work.fwd()
+    except Exception as exc:  # what stops capture is the finding: report it, go on
+        return [f"{precision:8s} capture failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"]
+    graph.replay()
+    torch.cuda.synchronize()
+    same = torch.equal(graph_out, eager_out)
+    eager_one, graph_one = one_call_ms(work.fwd, iters), one_call_ms(graph.replay, iters)
+    eager_b2b, graph_b2b = back_to_back_ms(work.fwd, iters), back_to_back_ms(graph.replay, iters)
+    graph.replay()  # the timed calls ran eager forwards in between: the graph's output must still be right
+    torch.cuda.synchronize()
+    same = same and torch.equal(graph_out, eager_out)
+    return [f"{precision:8s} {eager_one:9.3f} {graph_one:9.3f} {eager_b2b:9.3f} {graph_b2b:9.3f} {same}"]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="qwen3-30b-a3b")
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--precisions", nargs="+", default=["fp8", "bf16"])
+    p.add_argument("--iters", type=int, default=20)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("graph_probe.py captures CUDA graphs: it needs a CUDA GPU")
+    rows = []
+    for precision in args.precisions:
+        rows += probe(args.shape, args.tokens, precision, args.iters)
+    print(f"{args.shape}, T = {args.tokens}, EP = 1, {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{'prec':8s} {'eager 1':>9s} {'graph 1':>9s} {'eager b2b':>9s} {'graph b2b':>9s} same (ms; 1 = one call)")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
