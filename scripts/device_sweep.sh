@@ -63,19 +63,23 @@ ncu_ws_fc2() {  # ncu_ws_fc2 LIMIT: Nsight Compute on one ws FC2 launch: summary
     --print-source sass --csv python scripts/fp8_gemm_once.py --gemm fc2 --kernel ws
   wc -l "$LOGS/ncu_ws_sass.log"
 }
-layer_ab() {  # layer_ab LIMIT "PRECISIONS" "NEW_EXTRA" RUN...: the Qwen3-30B-A3B layer (T=16384, one GPU) one call
-              # per RUN, from ab_base/ when RUN starts with "base", else this tree; NEW_EXTRA (more backends, a
+layer_run() {  # layer_run RUN LIMIT "PRECISIONS" "EXTRA": the Qwen3-30B-A3B layer (T=16384, one GPU) one call, from
+               # ab_base/ when RUN starts with "base", else this tree; EXTRA: more bench arguments
+  local run=$1 limit=$2 precisions=$3 extra=$4 tree=.
+  [ "${run#base}" != "$run" ] && tree=ab_base
+  # shellcheck disable=SC2086  # (precisions and extra are word lists)
+  (cd $tree && PYTHONPATH=/tmp/site:$PWD step "layer_$run" "$limit" python -m prime_megamoe.bench \
+    --shape qwen3-30b-a3b --tokens 16384 --precisions $precisions --iters 5 --warmup 2 --backends mega_moe \
+    $extra --out "$LOGS/layer_$run.json"
+   tail -4 "$LOGS/layer_$run.log")
+}
+layer_ab() {  # layer_ab LIMIT "PRECISIONS" "NEW_EXTRA" RUN...: layer_run for each RUN; NEW_EXTRA (more backends, a
               # profile directory) goes to the run named "new"
-  local limit=$1 precisions=$2 new_extra=$3 run tree extra
+  local limit=$1 precisions=$2 new_extra=$3 run
   shift 3
   for run in "$@"; do
-    tree=.; [ "${run#base}" != "$run" ] && tree=ab_base
-    extra=""; [ "$run" = new ] && extra=$new_extra
-    # shellcheck disable=SC2086  # (precisions and extra are word lists)
-    (cd $tree && PYTHONPATH=/tmp/site:$PWD step "layer_$run" "$limit" python -m prime_megamoe.bench \
-      --shape qwen3-30b-a3b --tokens 16384 --precisions $precisions --iters 5 --warmup 2 --backends mega_moe \
-      $extra --out "$LOGS/layer_$run.json"
-     tail -4 "$LOGS/layer_$run.log")
+    if [ "$run" = new ]; then layer_run "$run" "$limit" "$precisions" "$new_extra"
+    else layer_run "$run" "$limit" "$precisions" ""; fi
   done
 }
 fp8_tests_and_layer() {  # the quantised precisions' GPU tests, then the fp8 layer (with torch), one call and back to back
@@ -405,15 +409,8 @@ case "${1:-}" in
     step pytest_s19d 150 python -m pytest -q tests/test_fp8_gemm_ws.py -k "compiles" -rA
     tail -3 "$LOGS/pytest_s19d.log"
     grep -E "^(FAILED|E  )" "$LOGS/pytest_s19d.log" | head -10
-    for run in new base new2 base2; do
-      tree=.; [ "${run#base}" != "$run" ] && tree=ab_base
-      prof=""; [ "${run%2}" = "$run" ] && prof="--profile-dir $LOGS/prof_s19d_$run"
-      # shellcheck disable=SC2086  # (prof is a word list)
-      (cd $tree && PYTHONPATH=/tmp/site:$PWD step "layer_$run" 100 python -m prime_megamoe.bench \
-        --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd --iters 5 --warmup 2 --backends mega_moe \
-        $prof --out "$LOGS/layer_$run.json"
-       tail -3 "$LOGS/layer_$run.log")
-    done ;;
+    for run in new base; do layer_run $run 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s19d_$run"; done
+    for run in new2 base2; do layer_run $run 100 "fp8 fp8_bwd" ""; done ;;
   s19c)  # the 256-column defaults (FC2, FC1 dgrad, weight gradients): the ws kernels' GPU tests (ragged routing,
          # partial column parts, a rank with no rows) and the quantised layer's oracle tests on the GPU, then the
          # layer (fp8, fp8_bwd) one call, profiled, and fp8 back to back

@@ -95,7 +95,7 @@ WS_CONFIGS = (
     WSConfig(128, 4, tma_store=True),
     WSConfig(64, 4),
 )
-WS_DEFAULT = WS_GATHER_DEFAULT = WS_CONFIGS[0]
+WS_GATHER_DEFAULT = WS_CONFIGS[0]
 # The weight gradient reads its scales in one order (no scales_first): the configs that differ for it.
 WS_WGRAD_CONFIGS = tuple(c for c in WS_CONFIGS if not c.scales_first)
 WS_GEMM_DEFAULT = WS_WGRAD_DEFAULT = WS_CONFIGS[1]
@@ -127,12 +127,11 @@ def ws_gemm_unavailable(aq_data: torch.Tensor, bq_data: torch.Tensor, *, mx: boo
 
 
 @functools.lru_cache(maxsize=None)
-def _layouts(block_m: int):
+def box_layout(rows: int):
+    """The shared-memory layout of an fp8 operand box of ``rows`` x WS_BLOCK_K (A's and B's alike)."""
     from triton.experimental.gluon import language as gl
 
-    a = gl.NVMMASharedLayout.get_default_for([block_m, WS_BLOCK_K], gl.float8e4nv)
-    b = gl.NVMMASharedLayout.get_default_for([WS_BLOCK_N, WS_BLOCK_K], gl.float8e4nv)
-    return a, b
+    return gl.NVMMASharedLayout.get_default_for([rows, WS_BLOCK_K], gl.float8e4nv)
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,7 +152,7 @@ def weight_descriptor(bq: QTensor, rows: int = WS_BLOCK_N):
     QTensor and box (cached weight operands live until their weight changes: no descriptor per call)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    layout = _layouts(rows)[0]  # (A's layout for boxes of that many rows)
+    layout = box_layout(rows)
     desc = bq.descriptors.get((rows, layout))
     if desc is None:
         desc = bq.descriptors[(rows, layout)] = TensorDescriptor.from_tensor(
@@ -168,7 +167,7 @@ def _descriptors(a_2d: torch.Tensor, b_desc, c_2d: torch.Tensor | None, config: 
     TMA."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    a_desc = TensorDescriptor.from_tensor(a_2d, [config.a_rows, WS_BLOCK_K], _layouts(config.a_rows)[0])
+    a_desc = TensorDescriptor.from_tensor(a_2d, [config.a_rows, WS_BLOCK_K], box_layout(config.a_rows))
     tma_store = config.tma_store and c_2d is not None and tma_store_applies(c_2d)
     c_desc = (TensorDescriptor.from_tensor(c_2d, [config.a_rows, WS_BLOCK_N], _out_layout(config.a_rows, c_2d.dtype))
               if tma_store else a_desc)
