@@ -26,6 +26,9 @@
 #   bash scripts/device_sweep.sh s19b       # the row-tiled GEMMs on 256-column tiles: tests, probe, the layer A/B
 #   bash scripts/device_sweep.sh s19c       # 256-column defaults: GPU tests, the fp8 layer record (profiled)
 #   bash scripts/device_sweep.sh s19d       # compile checks with this Triton; the layer against ab_base/, both profiled
+#   bash scripts/device_sweep.sh s20a       # staggered MMA partitions, two output boxes: probe; the graph probe
+#   bash scripts/device_sweep.sh s20b       # the staggered config: the ws kernels' GPU tests; the graph probe
+#   bash scripts/device_sweep.sh s20c       # probe once more; the layer against ab_base/, profiled
 #   bash scripts/device_sweep.sh graphs     # the no-grad forward captured in a CUDA graph: replay against eager
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
@@ -399,10 +402,36 @@ case "${1:-}" in
     step pass_probe 150 python scripts/fp8_pass_probe.py
     grep -E "cols|best" "$LOGS/pass_probe.log" | head -20
     layer_ab 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s16f" new base new2 base2 ;;
+  s20c)  # the weight gradient's staggered default: the GEMMs per config once more (WS_CONFIGS 0-2), then the layer
+         # (fp8, fp8_bwd) one call against ab_base/ (4d03519: the session's start), alternating, both first runs
+         # profiled
+    step probe_s20c 200 python scripts/fp8_probe.py --ws-only --gemms "FC2 dgrad" dW1 dW2 --configs 0 1 2
+    tail -20 "$LOGS/probe_s20c.log"
+    for run in new base; do layer_run $run 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s20c_$run"; done
+    for run in new2 base2; do layer_run $run 100 "fp8 fp8_bwd" ""; done ;;
+  s20b)  # the staggered config (WS_CONFIGS[2]) on the GPU: the ws kernels' tests (ragged routing, every config,
+         # 1 and 3 programs, ranks without tiles) and compile checks with this Triton; then the graph probe
+    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_s20b 330 python -m pytest -q tests/test_fp8_gemm_ws.py -rA
+    tail -3 "$LOGS/pytest_s20b.log"
+    grep -E "^(FAILED|E  )" "$LOGS/pytest_s20b.log" | head -10
+    for prec in fp8 bf16; do
+      step graph_probe_$prec 100 python scripts/graph_probe.py --precisions $prec
+      tail -4 "$LOGS/graph_probe_$prec.log"
+    done ;;
+  s20a)  # staggered MMA partitions and two output boxes a partition (an out_bufs config, dropped after this run):
+         # the GEMMs per config (probe), then the no-grad forward captured in a CUDA graph
+    step probe_s20a 330 python scripts/fp8_probe.py --ws-only --gemms FC2 "FC1 dgrad" "FC2 dgrad" dW1 dW2 \
+      --configs 0 1 3 4 5 6
+    tail -40 "$LOGS/probe_s20a.log"
+    step graph_probe 150 python scripts/graph_probe.py --precisions fp8 bf16
+    tail -8 "$LOGS/graph_probe.log" ;;
   graphs)  # the no-grad forward (fp8, bf16) captured in a CUDA graph: whether it captures, the replay's bits and
-           # its one-call and back-to-back times against the eager forward (scripts/graph_probe.py)
-    step graph_probe 300 python scripts/graph_probe.py --precisions fp8 bf16
-    tail -6 "$LOGS/graph_probe.log" ;;
+           # its one-call and back-to-back times against the eager forward (scripts/graph_probe.py; one precision a
+           # process: a failed capture leaves the CUDA generator unusable)
+    for prec in fp8 bf16; do
+      step graph_probe_$prec 150 python scripts/graph_probe.py --precisions $prec
+      tail -4 "$LOGS/graph_probe_$prec.log"
+    done ;;
   s19d)  # the ws kernels' compile checks with this machine's Triton (the 256-column GEMM's stacked scalars), then
          # the layer (fp8, fp8_bwd) one call against ab_base/ (95b3434: the session's start), alternating; the first
          # pair profiled

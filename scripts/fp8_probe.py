@@ -65,6 +65,8 @@ def main():
                         "gradients): their configs against the Triton kernels' first candidate (TMA reads)")
     p.add_argument("--gemms", nargs="+", metavar="NAME",
                    help="only these GEMMs (FC2, 'FC2 dgrad', 'FC1 dgrad', dW1, dW2, 'FC1 + SwiGLU')")
+    p.add_argument("--configs", type=int, nargs="+", metavar="I",
+                   help="only these WS_CONFIGS entries (by index) for the warp-specialised GEMMs")
     p.add_argument("--device", default="cuda",
                    help="cpu: a smoke run of the script itself (interpreter; with --shape tiny --tokens 64)")
     args = p.parse_args()
@@ -179,7 +181,8 @@ def main():
         if ms < best[name][0]:
             best[name] = (ms, f"ws {desc}")
     for (name, run), cfg in ((case, cfg) for case in ws_cases
-                             for cfg in (WS_WGRAD_CONFIGS if case[0].startswith("dW") else WS_CONFIGS)):
+                             for cfg in (WS_WGRAD_CONFIGS if case[0].startswith("dW") else WS_CONFIGS)
+                             if args.configs is None or WS_CONFIGS.index(cfg) in args.configs):
         label = f"{name} ws"
         if why_not is not None:
             print(f"{label:14s} skipped: {why_not}")
@@ -190,7 +193,8 @@ def main():
         same = all(torch.equal(a, b) for a, b in zip(out, ref))
         diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(out, ref))
         desc = (f"{cfg.block_m}x{cfg.block_n}x128 w{cfg.num_warps}{'+4' if cfg.halves == 2 else ''}+1 s{cfg.stages}"
-                f"{' tmast' if cfg.tma_store else ''}{' sfirst' if cfg.scales_first else ''}")
+                f"{' tmast' if cfg.tma_store else ''}{' sfirst' if cfg.scales_first else ''}"
+                f"{' stagger' if cfg.stagger else ''}")
         print(f"{label:14s} {desc:32s} {ms:7.3f} {flop[name] / ms / 1e9:8.1f} {same} (max diff {diff:.3g})")
         if ms < best[name][0]:
             best[name] = (ms, f"ws {desc}")

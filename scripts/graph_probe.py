@@ -2,7 +2,8 @@
 
     python scripts/graph_probe.py [--shape qwen3-30b-a3b] [--tokens 16384] [--precisions fp8 bf16] [--iters 20]
 
-One GPU, EP = 1, the benchmark's inputs (``bench.make_workload``). Per precision: the eager forward is warmed up on a
+One GPU, EP = 1, the benchmark's inputs (``bench.make_workload``). A failed capture leaves the CUDA generator unusable
+in that process: run one precision a process to probe the next. Per precision: the eager forward is warmed up on a
 side stream (autotuning, compiled launches, pooled plans), its output kept, then one forward is captured with
 ``torch.cuda.graph``. A capture that fails prints its error (the step of the forward that cannot be captured: a host
 sync, an allocation outside the graph's pool) and the probe goes on to the next precision. A captured graph is
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import traceback
 
 import torch
 
@@ -62,7 +64,10 @@ def probe(shape: str, tokens: int, precision: str, iters: int) -> list[str]:
     try:
         with torch.cuda.graph(graph):
             graph_out = work.fwd()
-    except Exception as exc:  # what stops capture is the finding: report it, go on
+    except Exception as exc:  # what stops capture is the finding: report it and where in the package it happened
+        frames = [f"{f.filename.split('prime_megamoe/')[-1]}:{f.lineno} {f.name}"
+                  for f in traceback.extract_tb(exc.__traceback__) if "prime_megamoe/" in f.filename]
+        print(f"{precision}: capture failed at {' <- '.join(reversed(frames[-4:]))}", flush=True)
         return [f"{precision:8s} capture failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"]
     graph.replay()
     torch.cuda.synchronize()
