@@ -402,10 +402,16 @@ case "${1:-}" in
     step pass_probe 150 python scripts/fp8_pass_probe.py
     grep -E "cols|best" "$LOGS/pass_probe.log" | head -20
     layer_ab 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s16f" new base new2 base2 ;;
-  s20c)  # the weight gradient's staggered default: the GEMMs per config once more (WS_CONFIGS 0-2), then the layer
+  s20c)  # the weight gradient's staggered default: its GPU tests, the graph probe with relaxed capture, the GEMMs
+         # per config once more (WS_CONFIGS 0-2), then the layer
          # (fp8, fp8_bwd) one call against ab_base/ (4d03519: the session's start), alternating, both first runs
          # profiled
-    step probe_s20c 200 python scripts/fp8_probe.py --ws-only --gemms "FC2 dgrad" dW1 dW2 --configs 0 1 2
+    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_s20c 150 python -m pytest -q tests/test_fp8_gemm_ws.py \
+      -k "wgrad and (matches or nothing)" -rA
+    tail -3 "$LOGS/pytest_s20c.log"
+    step graph_relaxed 80 python scripts/graph_probe.py --precisions fp8 --error-mode relaxed
+    tail -4 "$LOGS/graph_relaxed.log"
+    step probe_s20c 150 python scripts/fp8_probe.py --ws-only --gemms "FC2 dgrad" dW1 dW2 --configs 0 1 2
     tail -20 "$LOGS/probe_s20c.log"
     for run in new base; do layer_run $run 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s20c_$run"; done
     for run in new2 base2; do layer_run $run 100 "fp8 fp8_bwd" ""; done ;;

@@ -51,7 +51,7 @@ def back_to_back_ms(call, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-def probe(shape: str, tokens: int, precision: str, iters: int) -> list[str]:
+def probe(shape: str, tokens: int, precision: str, iters: int, error_mode: str) -> list[str]:
     work = make_workload(shape, tokens, "mega_moe", precision, None)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -62,7 +62,7 @@ def probe(shape: str, tokens: int, precision: str, iters: int) -> list[str]:
     eager_out = eager_out.clone()
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode=error_mode):
             graph_out = work.fwd()
     except Exception as exc:  # what stops capture is the finding: report it and where in the package it happened
         frames = [f"{f.filename.split('prime_megamoe/')[-1]}:{f.lineno} {f.name}"
@@ -86,12 +86,14 @@ def main():
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--precisions", nargs="+", default=["fp8", "bf16"])
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--error-mode", default="global", choices=["global", "thread_local", "relaxed"],
+                   help="the capture's error mode (relaxed lets calls that are unsafe during capture through)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("graph_probe.py captures CUDA graphs: it needs a CUDA GPU")
     rows = []
     for precision in args.precisions:
-        rows += probe(args.shape, args.tokens, precision, args.iters)
+        rows += probe(args.shape, args.tokens, precision, args.iters, args.error_mode)
     print(f"{args.shape}, T = {args.tokens}, EP = 1, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'prec':8s} {'eager 1':>9s} {'graph 1':>9s} {'eager b2b':>9s} {'graph b2b':>9s} same (ms; 1 = one call)")
     print("\n".join(rows))
