@@ -28,7 +28,7 @@ from prime_megamoe.bench import make_inputs
 from prime_megamoe.kernels.fp8_gemm import QTILE_M
 from prime_megamoe.kernels.fp8_gemm_ws import _load_partition, _mma_step, _stage_barriers, _tile_with_end
 from prime_megamoe.ops import fp8_launch as fl
-from prime_megamoe.ops.fp8_ws_launch import (WS_GATHER_DEFAULT, WS_LOAD_REGS, WS_MMA_REGS, box_layout,
+from prime_megamoe.ops.fp8_ws_launch import (WS_CONFIGS, WS_LOAD_REGS, WS_MMA_REGS, box_layout,
                                              fp8_grouped_gemm_ws)
 from prime_megamoe.ops.launch import _num_sms
 from prime_megamoe.ops.routing_plan import build_routing_plan
@@ -110,7 +110,7 @@ def ws_variant_kernel(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, tile_expert_ptr, ti
 def run_variant(aq, bq, plan, c, *, segments: int, promote: bool, store: bool) -> None:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    cfg = WS_GATHER_DEFAULT  # (the 128-column, two-halves config the variants are built on)
+    cfg = WS_CONFIGS[0]  # (the 128-column, two-halves config the variants are built on)
     assert cfg.halves == 2 and cfg.block_m == 128 and cfg.subs == 1
     rows, n, k = aq.data.shape[0], bq.data.shape[1], bq.data.shape[2] // segments
     a_desc = TensorDescriptor.from_tensor(aq.data, [cfg.a_rows, 128], box_layout(cfg.a_rows))

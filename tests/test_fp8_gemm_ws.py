@@ -42,7 +42,7 @@ needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90 
 
 def _config_id(cfg):
     return (f"m{cfg.block_m}n{cfg.block_n}s{cfg.stages}h{cfg.halves}{'t' if cfg.tma_store else ''}"
-            f"{'f' if cfg.scales_first else ''}{'g' if cfg.stagger else ''}")
+            f"{'f' if cfg.scales_first else ''}")
 
 
 def _assert_compiles_with_register_split(kernel: str, cfg, constexprs: dict, types: dict, max_spill: int = 0):
@@ -78,15 +78,10 @@ def test_ws_kernel_compiles_for_hopper_with_its_register_split(cfg, scale_rows, 
         "prime_megamoe.kernels.fp8_gemm_ws:fp8_grouped_gemm_ws_kernel", cfg,
         {"SEGS": 1 if gather else 2, "SCALE_ROWS": scale_rows, "B_GROUP_N": 128, "STAGES": cfg.stages,
          "TILE_M": QTILE_M, "HALVES": cfg.halves, "TMA_STORE": cfg.tma_store, "GATHER": gather,
-         "SCALES_FIRST": cfg.scales_first, "SUBS": cfg.subs, "STAGGER": cfg.stagger, "LOAD_WARPS": load_warps,
-         "LOAD_REGS": load_regs, "MMA_REGS": mma_regs},
+         "SCALES_FIRST": cfg.scales_first, "SUBS": cfg.subs, "LOAD_WARPS": load_warps, "LOAD_REGS": load_regs,
+         "MMA_REGS": mma_regs},
         {"bs_ptr": "*fp32", "c_ptr": "*bf16", "a_ptr": "*fp8e4nv", "row_src_ptr": "*i32"},
         max_spill=64 if cfg.subs == 2 else 0)
-
-
-def test_stagger_needs_two_mma_partitions():
-    with pytest.raises(ValueError, match="halves = 2"):
-        WSConfig(128, 4, halves=1, stagger=True)
 
 
 def test_ws_applicability_says_why_not():
@@ -312,7 +307,6 @@ def test_ws_wgrad_kernel_compiles_for_hopper_with_its_register_split(cfg):
     _assert_compiles_with_register_split(
         "prime_megamoe.kernels.fp8_wgrad_ws:fp8_grouped_wgrad_ws_kernel", cfg,
         {"STAGES": cfg.stages, "HALVES": cfg.halves, "SUBS": cfg.subs, "TMA_STORE": cfg.tma_store,
-         "STAGGER": cfg.stagger,
          "LOAD_REGS": WS_LOAD_REGS, "MMA_REGS": WS_MMA_REGS},
         {"as_ptr": "*fp32", "bs_ptr": "*fp32", "c_ptr": "*bf16", "expert_tiles_ptr": "*i32"})
 

@@ -263,28 +263,11 @@ def _store_part(out, c_desc, c_smem, c_ptr, row_s0, col0, row_end, N, stride_cm,
 
 
 @gluon.jit
-def _stagger_wait(gate, HALF: gl.constexpr, STAGGER: gl.constexpr):
-    """STAGGER: the second MMA partition starts once the first partition's first step is done, so the two run a
-    step apart from then on and one's epilogue (stores) meets the other's last step rather than its epilogue.
-    (Called before the tile loop: a branch inside it cost the accumulators registers.)"""
-    if STAGGER and HALF == 1:
-        mbarrier.wait(gate, 0)
-
-
-@gluon.jit
-def _stagger_release(gate, it, HALF: gl.constexpr, STAGGER: gl.constexpr):
-    """The first MMA partition's side of ``_stagger_wait``: after each step (predicated: only after the first ever)
-    and once after its tile loop (only if it took no step, so that the second partition never waits for ever)."""
-    if STAGGER and HALF == 0:
-        mbarrier.arrive(gate, count=1, pred=it == 0)
-
-
-@gluon.jit
-def _mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, gate, c_desc, c_smem, c_ptr, row_scale_ptr,
+def _mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_smem, c_ptr, row_scale_ptr,
                    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N, K, stride_cm,
                    SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, TILE_M: gl.constexpr, HALF: gl.constexpr,
                    HALVES: gl.constexpr, TMA_STORE: gl.constexpr, GATHER: gl.constexpr,
-                   SCALES_FIRST: gl.constexpr, SUBS: gl.constexpr, STAGGER: gl.constexpr):
+                   SCALES_FIRST: gl.constexpr, SUBS: gl.constexpr):
     """Rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of every tile of this program (HALVES partitions split a tile),
     in SUBS column parts."""
     num_warps: gl.constexpr = gl.num_warps()
@@ -312,7 +295,6 @@ def _mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, gate, c_desc,
     if SCALE_ROWS:
         rs_next = gl.load(row_scale_ptr + rows, mask=rows < M, other=0.0).to(gl.float32)
     it = 0
-    _stagger_wait(gate, HALF, STAGGER)
     for t in range(gl.program_id(0), total, programs):
         row0_n, col0_n, row_end_n = _tile_with_end(gl.minimum(t + programs, total - 1), n_col_tiles, tile_expert_ptr,
                                                    tile_row_ptr, expert_offsets_ptr, TILE_ROWS, BLOCK_N, TILE_M)
@@ -325,7 +307,6 @@ def _mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, gate, c_desc,
             for j in range(n_steps):
                 acc = _mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout, HALF, HALVES,
                                 GATHER, SCALES_FIRST)
-                _stagger_release(gate, it, HALF, STAGGER)
                 it += 1
             if SCALE_ROWS:
                 acc = acc * rs_next[:, None]
@@ -338,7 +319,6 @@ def _mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, gate, c_desc,
             for j in range(n_steps):
                 acc0, acc1 = _mma_step2(acc0, acc1, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout,
                                         HALF, HALVES, GATHER, SCALES_FIRST)
-                _stagger_release(gate, it, HALF, STAGGER)
                 it += 1
             if SCALE_ROWS:
                 acc0 = acc0 * rs_next[:, None]
@@ -351,7 +331,6 @@ def _mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, gate, c_desc,
             rows_n = row0_n + lane_rows
             rs_next = gl.load(row_scale_ptr + rows_n, mask=rows_n < M, other=0.0).to(gl.float32)
         row0, col0, row_end = row0_n, col0_n, row_end_n
-    _stagger_release(gate, it, HALF, STAGGER)  # (took no step at all)
     if TMA_STORE:
         tma.store_wait(0)
 
@@ -372,21 +351,19 @@ def _stage_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
 def _allocate_stages(a_desc, b_desc, c_desc, STAGES: gl.constexpr, HALVES: gl.constexpr, SB_WIDTH: gl.constexpr,
                      TMA_STORE: gl.constexpr):
     """The ring (STAGES stages of HALVES A boxes, one B box, A's row scales and SB_WIDTH B scales), its ready /
-    empty mbarriers (each MMA partition frees a stage), the stagger gate (an mbarrier: ``_stagger_wait``), and with
-    TMA_STORE one output box per MMA partition (else A's buffers stand in, unused)."""
+    empty mbarriers (each MMA partition frees a stage), and with TMA_STORE one output box per MMA partition (else
+    A's buffers stand in, unused)."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [HALVES * STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, HALVES * a_desc.block_type.shape[0]],
                                         gl.SwizzledSharedLayout(1, 1, 1, [0]))
     sb_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, SB_WIDTH], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready, empty = _stage_barriers(STAGES, HALVES)
-    gate = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(gate.index(0), count=1)
     if TMA_STORE:
         c_bufs = gl.allocate_shared_memory(c_desc.dtype, [HALVES] + c_desc.block_type.shape, c_desc.layout)
     else:
         c_bufs = a_bufs
-    return a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, gate.index(0), c_bufs
+    return a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_bufs
 
 
 @gluon.jit
@@ -396,8 +373,8 @@ def fp8_grouped_gemm_ws_kernel(
     M, N, K, NKG, stride_am, stride_asm, stride_bse, stride_bsn, stride_cm,
     SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, B_GROUP_N: gl.constexpr, STAGES: gl.constexpr,
     TILE_M: gl.constexpr, HALVES: gl.constexpr, TMA_STORE: gl.constexpr, GATHER: gl.constexpr,
-    SCALES_FIRST: gl.constexpr, SUBS: gl.constexpr, STAGGER: gl.constexpr, LOAD_WARPS: gl.constexpr,
-    LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
+    SCALES_FIRST: gl.constexpr, SUBS: gl.constexpr, LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,
+    MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """HALVES = 1: one MMA partition (``num_warps`` warps, 64 rows a warp group) computes each tile. HALVES = 2: two
     4-warp MMA partitions (the default one and a worker with MMA_REGS registers) compute the two 64-row halves of
@@ -407,16 +384,16 @@ def fp8_grouped_gemm_ws_kernel(
     partition's rows), the others from registers; without it ``c_desc`` is not read (any descriptor will do)."""
     # Each step's scales: A's per row, B's block scale (per column part) copied for every row (so that both are
     # read alike).
-    a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, gate, c_bufs = _allocate_stages(
+    a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_bufs = _allocate_stages(
         a_desc, b_desc, c_desc, STAGES, HALVES, SUBS * HALVES * a_desc.block_type.shape[0], TMA_STORE)
     # (The partitions' argument tuples are written out in the call: a tuple bound to a name first loses its
     # constexprs.)
     if HALVES == 1:
         gl.warp_specialize([
-            (_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, gate, c_desc, c_bufs.index(0),
-                              c_ptr, row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
-                              M, N, K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 0, HALVES, TMA_STORE, GATHER,
-                              SCALES_FIRST, SUBS, STAGGER)),
+            (_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
+                              row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N,
+                              K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 0, HALVES, TMA_STORE, GATHER,
+                              SCALES_FIRST, SUBS)),
             (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_ptr, row_src_ptr,
                                as_ptr, bs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, N, K, NKG, stride_am,
                                stride_asm, stride_bse, stride_bsn, SEGS, B_GROUP_N, TILE_M, HALVES, GATHER,
@@ -424,14 +401,14 @@ def fp8_grouped_gemm_ws_kernel(
         ], [LOAD_WARPS], [LOAD_REGS])
     else:
         gl.warp_specialize([
-            (_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, gate, c_desc, c_bufs.index(0),
-                              c_ptr, row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
-                              M, N, K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 0, HALVES, TMA_STORE, GATHER,
-                              SCALES_FIRST, SUBS, STAGGER)),
-            (_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, gate, c_desc, c_bufs.index(1),
-                              c_ptr, row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
-                              M, N, K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 1, HALVES, TMA_STORE, GATHER,
-                              SCALES_FIRST, SUBS, STAGGER)),
+            (_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
+                              row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N,
+                              K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 0, HALVES, TMA_STORE, GATHER,
+                              SCALES_FIRST, SUBS)),
+            (_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(1), c_ptr,
+                              row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N,
+                              K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 1, HALVES, TMA_STORE, GATHER,
+                              SCALES_FIRST, SUBS)),
             (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_ptr, row_src_ptr,
                                as_ptr, bs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, N, K, NKG, stride_am,
                                stride_asm, stride_bse, stride_bsn, SEGS, B_GROUP_N, TILE_M, HALVES, GATHER,

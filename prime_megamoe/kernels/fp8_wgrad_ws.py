@@ -36,7 +36,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .fp8_gemm_ws import _allocate_stages, _cp_async, _stagger_release, _stagger_wait, _store_by_tma, _tma_load
+from .fp8_gemm_ws import _allocate_stages, _cp_async, _store_by_tma, _tma_load
 
 
 @gluon.jit
@@ -151,11 +151,10 @@ def _wgrad_store(acc, c_desc, c_smem, c_ptr, expert, row_s0, col0, M, N, stride_
 
 
 @gluon.jit
-def _wgrad_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, gate, c_desc, c_smem, c_ptr,
-                         expert_tiles_ptr, M, N, E, stride_ce, stride_cm, stride_cn, HALF: gl.constexpr,
-                         HALVES: gl.constexpr, SUBS: gl.constexpr, TMA_STORE: gl.constexpr, STAGGER: gl.constexpr):
-    """Rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of every output tile of this program, in SUBS column parts;
-    STAGGER: the second partition a step behind the first (``fp8_gemm_ws._stagger_wait``)."""
+def _wgrad_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_smem, c_ptr, expert_tiles_ptr,
+                         M, N, E, stride_ce, stride_cm, stride_cn, HALF: gl.constexpr, HALVES: gl.constexpr,
+                         SUBS: gl.constexpr, TMA_STORE: gl.constexpr):
+    """Rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of every output tile of this program, in SUBS column parts."""
     num_warps: gl.constexpr = gl.num_warps()
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]  # the whole tile's columns
@@ -173,7 +172,6 @@ def _wgrad_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, gate, c
     steps = (gl.load(expert_tiles_ptr + expert + 1, mask=total > 0, other=0)
              - gl.load(expert_tiles_ptr + expert, mask=total > 0, other=0))
     it = 0
-    _stagger_wait(gate, HALF, STAGGER)
     for t in range(gl.program_id(0), total, programs):
         expert_n, m0_n, n0_n = _wgrad_tile_of(gl.minimum(t + programs, total - 1), m_tiles, n_tiles, TILE_ROWS,
                                               BLOCK_N)
@@ -188,7 +186,6 @@ def _wgrad_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, gate, c
             while j < steps:
                 acc = _wgrad_mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout, HALF,
                                       HALVES)
-                _stagger_release(gate, it, HALF, STAGGER)
                 it += 1
                 j += 1
             _wgrad_store(acc, c_desc, c_smem, c_ptr, expert, row_s0, n0, M, N, stride_ce, stride_cm, stride_cn,
@@ -200,7 +197,6 @@ def _wgrad_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, gate, c
             while j < steps:
                 acc0, acc1 = _wgrad_mma_step2(acc0, acc1, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it,
                                               mma_layout, HALF, HALVES)
-                _stagger_release(gate, it, HALF, STAGGER)
                 it += 1
                 j += 1
             _wgrad_store(acc0, c_desc, c_smem, c_ptr, expert, row_s0, n0, M, N, stride_ce, stride_cm, stride_cn,
@@ -208,7 +204,6 @@ def _wgrad_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, gate, c
             _wgrad_store(acc1, c_desc, c_smem, c_ptr, expert, row_s0, n0 + SUB_N, M, N, stride_ce, stride_cm,
                          stride_cn, TMA_STORE)
         expert, m0, n0, steps = expert_n, m0_n, n0_n, steps_n
-    _stagger_release(gate, it, HALF, STAGGER)  # (took no step at all: an expert without rows, or no tile)
     if TMA_STORE:
         tma.store_wait(0)
 
@@ -217,7 +212,7 @@ def _wgrad_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, gate, c
 def fp8_grouped_wgrad_ws_kernel(
     a_desc, b_desc, c_desc, as_ptr, bs_ptr, c_ptr, expert_tiles_ptr,
     M, N, E, stride_asr, stride_bsr, stride_ce, stride_cm, stride_cn,
-    STAGES: gl.constexpr, HALVES: gl.constexpr, SUBS: gl.constexpr, TMA_STORE: gl.constexpr, STAGGER: gl.constexpr,
+    STAGES: gl.constexpr, HALVES: gl.constexpr, SUBS: gl.constexpr, TMA_STORE: gl.constexpr,
     LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """HALVES = 1: one MMA partition of ``num_warps`` warps; HALVES = 2: two 4-warp partitions (the default one and
@@ -225,25 +220,25 @@ def fp8_grouped_wgrad_ws_kernel(
     128-column parts of a tile (B boxes of SUBS * 128 rows; output boxes of one part). Without TMA_STORE ``c_desc``
     is not read (any descriptor will do)."""
     # The B scales: one per output column of the tile.
-    a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, gate, c_bufs = _allocate_stages(
+    a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_bufs = _allocate_stages(
         a_desc, b_desc, c_desc, STAGES, HALVES, b_desc.block_type.shape[0], TMA_STORE)
     # (Argument tuples written out in the call: a tuple bound to a name first loses its constexprs.)
     if HALVES == 1:
         gl.warp_specialize([
-            (_wgrad_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, gate, c_desc, c_bufs.index(0),
-                                    c_ptr, expert_tiles_ptr, M, N, E, stride_ce, stride_cm, stride_cn, 0, HALVES,
-                                    SUBS, TMA_STORE, STAGGER)),
+            (_wgrad_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
+                                    expert_tiles_ptr, M, N, E, stride_ce, stride_cm, stride_cn, 0, HALVES,
+                                    SUBS, TMA_STORE)),
             (_wgrad_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, as_ptr, bs_ptr,
                                      expert_tiles_ptr, M, N, E, stride_asr, stride_bsr, HALVES)),
         ], [1], [LOAD_REGS])
     else:
         gl.warp_specialize([
-            (_wgrad_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, gate, c_desc, c_bufs.index(0),
-                                    c_ptr, expert_tiles_ptr, M, N, E, stride_ce, stride_cm, stride_cn, 0, HALVES,
-                                    SUBS, TMA_STORE, STAGGER)),
-            (_wgrad_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, gate, c_desc, c_bufs.index(1),
-                                    c_ptr, expert_tiles_ptr, M, N, E, stride_ce, stride_cm, stride_cn, 1, HALVES,
-                                    SUBS, TMA_STORE, STAGGER)),
+            (_wgrad_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
+                                    expert_tiles_ptr, M, N, E, stride_ce, stride_cm, stride_cn, 0, HALVES,
+                                    SUBS, TMA_STORE)),
+            (_wgrad_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(1), c_ptr,
+                                    expert_tiles_ptr, M, N, E, stride_ce, stride_cm, stride_cn, 1, HALVES,
+                                    SUBS, TMA_STORE)),
             (_wgrad_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, as_ptr, bs_ptr,
                                      expert_tiles_ptr, M, N, E, stride_asr, stride_bsr, HALVES)),
         ], [4, 1], [MMA_REGS, LOAD_REGS])

@@ -50,9 +50,7 @@ class WSConfig:
     fit beside the ring; other outputs are stored from registers, the same values). scales_first: each step reads
     its scales before issuing its wgmma (see ``_mma_step``): no faster (fp8_probe_s14.txt), so not the default.
     subs = 2: 256-column tiles whose two 128-column parts each MMA partition computes in turn, one accumulator
-    each, so that every A box is read once per 256 output columns. stagger (halves = 2): the second MMA partition
-    starts a step after the first and stays about a step behind, so that while one stores a tile the other's
-    wgmma runs (in step, both store at once and the tensor cores wait)."""
+    each, so that every A box is read once per 256 output columns."""
 
     block_m: int = 128
     stages: int = 4
@@ -60,11 +58,6 @@ class WSConfig:
     tma_store: bool = False
     scales_first: bool = False
     subs: int = 1
-    stagger: bool = False
-
-    def __post_init__(self):
-        if self.stagger and self.halves != 2:
-            raise ValueError("WSConfig.stagger puts one MMA partition a step behind the other: it needs halves = 2")
 
     @property
     def block_n(self) -> int:  # output columns of a tile: ``subs`` parts of 128, each MMA partition takes in turn
@@ -90,25 +83,21 @@ class WSConfig:
 WS_MMA_REGS = 232  # the second MMA partition's registers (halves = 2)
 # Gathering A (cp.async from 4 producer warps, row addresses held per tile) needs more producer registers.
 WS_GATHER_LOAD_WARPS, WS_GATHER_LOAD_REGS, WS_GATHER_MMA_REGS = 4, 64, 216
-# The first is the gathering GEMM's default (fp8_probe_s13.txt; 256 columns were no faster there: 0.474 against
-# 0.476 ms, fp8_probe_s19b.txt); the second (256 columns, 3 stages: a stage holds twice the B box) the other GEMMs'
-# (FC2 0.465 against 0.485 ms, FC1 dgrad 0.802 against 0.845) and the weight gradient's (dW1 0.981 against 1.115,
-# dW2 0.542 against 0.589; fp8_probe_s19a.txt). Same bits. The third (the second partition a step behind) is the
-# weight gradient's: dW1 0.964 against 0.994 ms, dW2 0.538 against 0.548 (fp8_probe_s20a.txt); no faster for the
-# row-tiled GEMMs (FC2 0.464 against 0.463, the FC1 dgrad 0.833 against 0.819).
+# The second (256 columns, 3 stages: a stage holds twice the B box) is every GEMM's default: FC2 0.465 against 0.485
+# ms for the first, the FC1 dgrad 0.802 against 0.845, dW1 0.981 against 1.115, dW2 0.542 against 0.589
+# (fp8_probe_s19a.txt, fp8_probe_s19b.txt); the gathering FC2 dgrad 0.448-0.454 against 0.513-0.537
+# (fp8_probe_s20.txt; 0.474 against 0.476 on the machine of fp8_probe_s19b.txt). Same bits.
 WS_CONFIGS = (
     WSConfig(128, 4, halves=2, tma_store=True),
     WSConfig(128, 3, halves=2, tma_store=True, subs=2),
-    WSConfig(128, 3, halves=2, tma_store=True, subs=2, stagger=True),
     WSConfig(128, 4, halves=2, tma_store=True, scales_first=True),
     WSConfig(128, 4, halves=2),
     WSConfig(128, 4, tma_store=True),
     WSConfig(64, 4),
 )
-WS_GATHER_DEFAULT = WS_CONFIGS[0]
 # The weight gradient reads its scales in one order (no scales_first): the configs that differ for it.
 WS_WGRAD_CONFIGS = tuple(c for c in WS_CONFIGS if not c.scales_first)
-WS_GEMM_DEFAULT, WS_WGRAD_DEFAULT = WS_CONFIGS[1], WS_CONFIGS[2]
+WS_GEMM_DEFAULT = WS_WGRAD_DEFAULT = WS_CONFIGS[1]
 
 
 def _hopper_fp8_unavailable(data: torch.Tensor, mx: bool) -> str | None:
@@ -200,7 +189,7 @@ def fp8_grouped_gemm_ws(aq: QTensor, bq: QTensor, plan: RoutingPlan, c: torch.Te
     several tiles a program this way)."""
     from ..kernels.fp8_gemm_ws import fp8_grouped_gemm_ws_kernel
 
-    config = config or (WS_GATHER_DEFAULT if gather else WS_GEMM_DEFAULT)
+    config = config or WS_GEMM_DEFAULT
     aq_data, aq_scale, bq_data, bq_scale = aq.data, aq.scale, bq.data, bq.scale
     rows, n, k = plan.num_pairs, bq_data.shape[1], bq_data.shape[2] // segments
     if rows == 0 or aq_data.shape[0] == 0:  # no rows (a rank that receives nothing): no tiles, no descriptor
@@ -217,7 +206,7 @@ def fp8_grouped_gemm_ws(aq: QTensor, bq: QTensor, plan: RoutingPlan, c: torch.Te
         rows, n, k, aq_scale.shape[1] // segments, aq_data.stride(0), aq_scale.stride(0), bq_scale.stride(0),
         bq_scale.stride(1), c.stride(0), SEGS=segments, SCALE_ROWS=row_scale is not None, B_GROUP_N=WS_WEIGHT_BLOCK,
         STAGES=config.stages, TILE_M=QTILE_M, HALVES=config.halves, TMA_STORE=tma_store, GATHER=gather,
-        SCALES_FIRST=config.scales_first, SUBS=config.subs, STAGGER=config.stagger,
+        SCALES_FIRST=config.scales_first, SUBS=config.subs,
         LOAD_WARPS=load_warps, LOAD_REGS=load_regs, MMA_REGS=mma_regs, num_warps=config.num_warps,
         maxnreg=config.maxnreg,
     )
@@ -248,8 +237,7 @@ def fp8_grouped_wgrad_ws(a_t: QTensor, b_t: QTensor, out: torch.Tensor, *, exper
     launch(
         fp8_grouped_wgrad_ws_kernel, grid, a_desc, b_desc, c_desc, a_t.scale, b_t.scale, out, expert_tiles, m, n,
         experts, a_t.scale.stride(0), b_t.scale.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        STAGES=config.stages, HALVES=config.halves, SUBS=config.subs, TMA_STORE=tma_store, STAGGER=config.stagger,
-        LOAD_REGS=WS_LOAD_REGS,
+        STAGES=config.stages, HALVES=config.halves, SUBS=config.subs, TMA_STORE=tma_store, LOAD_REGS=WS_LOAD_REGS,
         MMA_REGS=WS_MMA_REGS, num_warps=config.num_warps, maxnreg=config.maxnreg,
     )
 
