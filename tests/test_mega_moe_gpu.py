@@ -53,3 +53,43 @@ class TestQwen3ShapeOnGPU:
         regular = run_mega_moe(x, index, weights, w1, w2, g)
         for name, a, b in zip(NAMES, direct, regular):
             assert torch.equal(a, b), f"{name} differs between compiled-kernel and regular launches"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_no_grad_forward_captures_in_a_cuda_graph(precision):
+    """Warmed up on a side stream (as torch.cuda.graph wants), the layer's no-grad forward captures: its pooled
+    routing plan, last used on that stream, is not waited for across the capture's boundary. The replay gives the
+    eager call's bits, also after eager calls in between (they share the pooled plan)."""
+    from prime_megamoe import fused_experts
+
+    T, H, I, E, K = 512, 256, 128, 8, 2
+    gen = torch.Generator().manual_seed(3)
+    dev = torch.device("cuda")
+    x = torch.randn(T, H, generator=gen).to(dev, torch.bfloat16)
+    weights, index = torch.softmax(torch.randn(T, E, generator=gen), -1).topk(K, dim=-1)
+    w1 = (torch.randn(E, 2 * I, H, generator=gen) * H**-0.5).to(dev, torch.bfloat16)
+    w2 = (torch.randn(E, H, I, generator=gen) * I**-0.5).to(dev, torch.bfloat16)
+    index, weights = index.to(dev), weights.to(dev, torch.bfloat16)
+
+    def forward():
+        with torch.no_grad():
+            return fused_experts(x, index, weights, w1, w2, dispatch="mega_moe", precision=precision)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            eager = forward()
+    torch.cuda.current_stream().wait_stream(side)
+    eager = eager.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = forward()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+    forward()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)

@@ -313,12 +313,21 @@ class PlanLease:
         weakref.finalize(self, pool.append, (plan, stream))  # holds the pool and the plan, not the lease
 
 
+def _capturing(stream) -> bool:
+    with torch.cuda.stream(stream):
+        return torch.cuda.is_current_stream_capturing()
+
+
 def take_plan(pool: list, allocate, device: torch.device) -> PlanLease:
-    """A lease on a free plan of ``pool``, its counts zeroed for a new fill, else on ``allocate()``."""
+    """A lease on a free plan of ``pool``, its counts zeroed for a new fill, else on ``allocate()``. A plan last used
+    on another stream is waited for, except while this stream is captured in a CUDA graph and that stream is not: a
+    capture cannot depend on work outside it (CUDA refuses, and the capture fails), and torch.cuda.graph finishes all
+    work on the device before it starts capturing."""
     stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
     if pool:
         plan, last_stream = pool.pop()
-        if stream is not None and last_stream is not None and last_stream != stream:
+        if (stream is not None and last_stream is not None and last_stream != stream
+                and not (_capturing(stream) and not _capturing(last_stream))):
             stream.wait_stream(last_stream)
         plan.counts.zero_()
     else:
