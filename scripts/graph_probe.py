@@ -2,13 +2,14 @@
 
     python scripts/graph_probe.py [--shape qwen3-30b-a3b] [--tokens 16384] [--precisions fp8 bf16] [--iters 20]
 
-One GPU, EP = 1, the benchmark's inputs (``bench.make_workload``). A failed capture leaves the CUDA generator unusable
-in that process: run one precision a process to probe the next. Per precision: the eager forward is warmed up on a
+One GPU, EP = 1, the benchmark's inputs (``bench.make_workload``). Per precision: the eager forward is warmed up on a
 side stream (autotuning, compiled launches, pooled plans), its output kept, then one forward is captured with
 ``torch.cuda.graph``. A capture that fails prints its error (the step of the forward that cannot be captured: a host
-sync, an allocation outside the graph's pool) and the probe goes on to the next precision. A captured graph is
-replayed and its output compared bitwise with the eager one; then both are timed one call at a time (synchronised
-before each call, CUDA events, median) and back to back (``--iters`` calls between two events). A table comes last.
+sync, a dependency on work outside the capture) and where in the package it was raised, and the probe stops: a failed
+capture leaves the process's CUDA generator unusable (probe the next precision in a process of its own). A captured
+graph is replayed and its output compared bitwise with the eager one; then both are timed one call at a time
+(synchronised before each call, CUDA events, median) and back to back (``--iters`` calls between two events). A table
+comes last.
 
 A single forward now waits on the host for a few hundred microseconds before its first GEMM (BENCHMARKS.md,
 "Sixteenth session"); a replay issues the whole forward in one launch, so this probe measures what capture would
@@ -51,7 +52,8 @@ def back_to_back_ms(call, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-def probe(shape: str, tokens: int, precision: str, iters: int, error_mode: str) -> list[str]:
+def probe(shape: str, tokens: int, precision: str, iters: int, error_mode: str) -> tuple[str, bool]:
+    """The table's row for ``precision``, and whether the forward was captured."""
     work = make_workload(shape, tokens, "mega_moe", precision, None)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -68,7 +70,7 @@ def probe(shape: str, tokens: int, precision: str, iters: int, error_mode: str) 
         frames = [f"{f.filename.split('prime_megamoe/')[-1]}:{f.lineno} {f.name}"
                   for f in traceback.extract_tb(exc.__traceback__) if "prime_megamoe/" in f.filename]
         print(f"{precision}: capture failed at {' <- '.join(reversed(frames[-4:]))}", flush=True)
-        return [f"{precision:8s} capture failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"]
+        return f"{precision:8s} capture failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}", False
     graph.replay()
     torch.cuda.synchronize()
     same = torch.equal(graph_out, eager_out)
@@ -77,7 +79,7 @@ def probe(shape: str, tokens: int, precision: str, iters: int, error_mode: str) 
     graph.replay()  # the timed calls ran eager forwards in between: the graph's output must still be right
     torch.cuda.synchronize()
     same = same and torch.equal(graph_out, eager_out)
-    return [f"{precision:8s} {eager_one:9.3f} {graph_one:9.3f} {eager_b2b:9.3f} {graph_b2b:9.3f} {same}"]
+    return f"{precision:8s} {eager_one:9.3f} {graph_one:9.3f} {eager_b2b:9.3f} {graph_b2b:9.3f} {same}", True
 
 
 def main():
@@ -93,7 +95,10 @@ def main():
         raise SystemExit("graph_probe.py captures CUDA graphs: it needs a CUDA GPU")
     rows = []
     for precision in args.precisions:
-        rows += probe(args.shape, args.tokens, precision, args.iters, args.error_mode)
+        row, captured = probe(args.shape, args.tokens, precision, args.iters, args.error_mode)
+        rows.append(row)
+        if not captured:
+            break
     print(f"{args.shape}, T = {args.tokens}, EP = 1, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'prec':8s} {'eager 1':>9s} {'graph 1':>9s} {'eager b2b':>9s} {'graph b2b':>9s} same (ms; 1 = one call)")
     print("\n".join(rows))

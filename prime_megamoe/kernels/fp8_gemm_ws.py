@@ -28,7 +28,8 @@ SUBS = 2 (every row-tiled GEMM of the layer): 256-column tiles, each MMA partiti
 128-column parts in turn (one accumulator each, one fresh tile live at a time), each part's weight-block scale staged
 by the producer; each A box is read once per 256 output columns. FC2 0.465 ms against 0.485, the FC1 dgrad 0.802
 against 0.845 (``fp8_probe_s19b.txt``), the gathering FC2 dgrad 0.448-0.455 against 0.482-0.537 on three machines
-(``fp8_probe_s20.txt``; 0.474 against 0.476 on the machine of s19b), same bits. ptxas keeps a few loop scalars on the stack in this form (24-40 bytes, one local load a step).
+(``fp8_probe_s20.txt``; 0.474 against 0.476 on the machine of s19b), same bits. ptxas keeps a few loop scalars on the
+stack in this form (24-40 bytes, one local load a step).
 
 GATHER (the FC2 dgrad's dy, FC1's x: A's rows are the plan's source rows): TMA cannot gather on Hopper, so four
 producer warps copy A's rows by cp.async into the swizzled stage (16 bytes a thread), and the MMA warps fence the

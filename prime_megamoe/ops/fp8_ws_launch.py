@@ -83,10 +83,10 @@ class WSConfig:
 WS_MMA_REGS = 232  # the second MMA partition's registers (halves = 2)
 # Gathering A (cp.async from 4 producer warps, row addresses held per tile) needs more producer registers.
 WS_GATHER_LOAD_WARPS, WS_GATHER_LOAD_REGS, WS_GATHER_MMA_REGS = 4, 64, 216
-# The second (256 columns, 3 stages: a stage holds twice the B box) is every GEMM's default: FC2 0.465 against 0.485
-# ms for the first, the FC1 dgrad 0.802 against 0.845, dW1 0.981 against 1.115, dW2 0.542 against 0.589
-# (fp8_probe_s19a.txt, fp8_probe_s19b.txt); the gathering FC2 dgrad 0.448-0.454 against 0.513-0.537
-# (fp8_probe_s20.txt; 0.474 against 0.476 on the machine of fp8_probe_s19b.txt). Same bits.
+# The second (256 columns, 3 stages: a stage holds twice the B box) is every GEMM's default. Against the first (128
+# columns): FC2 0.465 against 0.485 ms, the FC1 dgrad 0.802 against 0.845, dW1 0.981 against 1.115, dW2 0.542
+# against 0.589 (fp8_probe_s19a.txt, fp8_probe_s19b.txt); the gathering FC2 dgrad 0.448-0.455 against 0.482-0.537
+# on three machines (fp8_probe_s20.txt; 0.474 against 0.476 on the machine of fp8_probe_s19b.txt). Same bits.
 WS_CONFIGS = (
     WSConfig(128, 4, halves=2, tma_store=True),
     WSConfig(128, 3, halves=2, tma_store=True, subs=2),
