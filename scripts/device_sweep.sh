@@ -30,6 +30,7 @@
 #   bash scripts/device_sweep.sh s20b       # the staggered config: the ws kernels' GPU tests; the graph probe
 #   bash scripts/device_sweep.sh s20c       # probe once more; the layer against ab_base/, profiled
 #   bash scripts/device_sweep.sh s20d       # the gathering FC2 dgrad on 256 columns: probe, the layer A/B
+#   bash scripts/device_sweep.sh s20e       # the session's package: fp8 layer record, the forward in a CUDA graph
 #   bash scripts/device_sweep.sh graphs     # the no-grad forward captured in a CUDA graph: replay against eager
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
@@ -403,6 +404,10 @@ case "${1:-}" in
     step pass_probe 150 python scripts/fp8_pass_probe.py
     grep -E "cols|best" "$LOGS/pass_probe.log" | head -20
     layer_ab 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s16f" new base new2 base2 ;;
+  s20e)  # the session's package: the fp8 layer one call (profiled) and back to back, the fp8 forward in a CUDA graph
+    fp8_layer_one_gpu s20e
+    step graph_probe_fp8 100 python scripts/graph_probe.py --precisions fp8
+    tail -3 "$LOGS/graph_probe_fp8.log" ;;
   s20d)  # the gathering FC2 dgrad on 256-column tiles (every ws GEMM's default now): the probe (WS_CONFIGS 0, 1),
          # then the layer (fp8, fp8_bwd) one call against ab_base/ (4d03519), alternating, both first runs profiled
     step probe_s20d 120 python scripts/fp8_probe.py --ws-only --gemms "FC2 dgrad" --configs 0 1
