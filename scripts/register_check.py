@@ -10,7 +10,9 @@ Each --config is BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages (for kernels with 
 typed by name: ``*_ptr`` are pointers (int32 for index-like names, fp32 for weights / scales, else --dtype); other
 non-constexpr arguments are int32, divisible by 16 unless named in --ones (specialised to 1, as a unit stride is at
 run time); --types overrides any of these by name (a TMA descriptor: "tensordesc<bf16[64, 256]>"; a descriptor the
-config leaves unused: null in --constexprs). Uses Triton's own ptxas and cuobjdump; needs TRITON_INTERPRET unset.
+config leaves unused: null in --constexprs). --sass adds the kernel's static SASS instruction count by opcode (loops
+counted once: for unrolled kernels it is what a program issues). Uses Triton's own ptxas and cuobjdump; needs
+TRITON_INTERPRET unset.
 
 Gluon kernels (``@gluon.jit``) compile the same way; a descriptor type without a layout gets the default NVMMA shared
 layout of its block, ``num_warps`` comes from --warps and --maxnreg caps the launch-time registers (warp-specialised
@@ -71,9 +73,10 @@ def gluon_descriptor_type(ty: str) -> str:
 
 
 def resource_usage(kernel, constexprs: dict, num_warps: int, num_stages: int, dtype: str, ones=(),
-                   types: dict | None = None, maxnreg: int | None = None) -> dict:
-    """Compile for sm_90 and return {"registers", "spill_bytes", "shared_bytes", "partition_registers"}; ``types``
-    overrides argument types by name (e.g. {"as_ptr": "*fp32"})."""
+                   types: dict | None = None, maxnreg: int | None = None, sass: bool = False) -> dict:
+    """Compile for sm_90 and return {"registers", "spill_bytes", "shared_bytes", "partition_registers"} (and with
+    ``sass`` "sass_counts": {opcode: static count}); ``types`` overrides argument types by name (e.g. {"as_ptr":
+    "*fp32"})."""
     fn = jit_function(kernel)
     gluon = is_gluon(fn)
     if gluon:
@@ -106,13 +109,27 @@ def resource_usage(kernel, constexprs: dict, num_warps: int, num_stages: int, dt
         cubin.flush()
         out = subprocess.run([tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True,
                              check=True).stdout
+        listing = (subprocess.run([tool, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
+                   if sass else "")
     fields = dict(item.split(":", 1) for item in next(line for line in out.splitlines() if "REG:" in line).split()
                   if ":" in item)
     partitions = sorted({int(v) for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
                                                      compiled.asm["ptx"])})
-    return {"registers": int(fields["REG"]), "spill_bytes": int(fields["STACK"]),
-            "shared_bytes": int(compiled.metadata.shared), "partition_registers": partitions,
-            "wgmma_serialised": wgmma_serialised(compiled.asm["ptx"])}
+    use = {"registers": int(fields["REG"]), "spill_bytes": int(fields["STACK"]),
+           "shared_bytes": int(compiled.metadata.shared), "partition_registers": partitions,
+           "wgmma_serialised": wgmma_serialised(compiled.asm["ptx"])}
+    if sass:
+        use["sass_counts"] = sass_counts(listing)
+    return use
+
+
+def sass_counts(listing: str) -> dict[str, int]:
+    """Static instruction counts by opcode (its first name, without modifiers or predicate) of a ``cuobjdump -sass``
+    listing, most frequent first."""
+    counts: dict[str, int] = {}
+    for match in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", listing):
+        counts[match.group(1)] = counts.get(match.group(1), 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def wgmma_serialised(ptx: str) -> bool:
@@ -143,6 +160,7 @@ def main():
     p.add_argument("--ones", nargs="*", default=[], help="integer arguments specialised to 1 (unit strides)")
     p.add_argument("--types", default="{}", help='JSON object of argument types by name, e.g. {"as_ptr": "*fp32"}')
     p.add_argument("--maxnreg", type=int, default=None, help="launch-time register cap (warp-specialised kernels)")
+    p.add_argument("--sass", action="store_true", help="also print static SASS instruction counts by opcode")
     args = p.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: the interpreter has no compiled kernels")
@@ -159,11 +177,14 @@ def main():
     print(f"{'config':22s} {'registers':>9s} {'spill B':>8s} {'smem B':>8s} {'partition':>15s} wgmma")
     for label, constexprs, warps, stages in runs:
         use = resource_usage(kernel, constexprs, warps, stages, args.dtype, args.ones, json.loads(args.types),
-                             args.maxnreg)
+                             args.maxnreg, sass=args.sass)
         parts = ",".join(str(r) for r in use["partition_registers"]) or "-"
         wgmma = "serialised" if use["wgmma_serialised"] else "ok"
         print(f"{label:22s} {use['registers']:9d} {use['spill_bytes']:8d} {use['shared_bytes']:8d} {parts:>15s} "
               f"{wgmma}")
+        if args.sass:
+            counts = use["sass_counts"]
+            print(f"  SASS: {sum(counts.values())} instructions; " + ", ".join(f"{k} {v}" for k, v in counts.items()))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ rest of the CPU suite uses."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -91,3 +92,27 @@ COMPILES = [
 def test_kernel_compiles_for_hopper(kernel, constexprs, extra):
     rows = compile_for_hopper(kernel, constexprs, extra)
     assert all(0 < int(registers) <= 255 for _, registers, *_ in rows), rows
+
+
+def test_sass_counts_name_each_opcode_once_per_instruction():
+    spec = importlib.util.spec_from_file_location("register_check", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    listing = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                         /* 0x00000a00ff017b82 */
+        /*0010*/              @!P0 FMUL.FTZ R2, R3, R4 ;                          /* 0x0000000403027220 */
+        /*0020*/                   FMUL R5, R6, R7 ;                              /* 0x0000000706057220 */
+        /*0030*/              @UP0 LDG.E.64 R8, desc[UR4][R8.64] ;                /* 0x0000000408087981 */
+    """
+    assert script.sass_counts(listing) == {"FMUL": 2, "LDC": 1, "LDG": 1}
+
+
+def test_the_script_prints_sass_counts():
+    kernel, constexprs, extra = CASES[0]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent.parent), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, str(SCRIPT), kernel, "--constexprs", json.dumps(constexprs), *extra, "--sass"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    sass = next(line for line in out.stdout.splitlines() if line.strip().startswith("SASS:"))
+    assert int(sass.split()[1]) > 100 and "FMUL" in sass and "STG" in sass
