@@ -29,7 +29,7 @@ from prime_megamoe.kernels.fp8_gemm import QTILE_M
 from prime_megamoe.kernels.fp8_gemm_ws import _load_partition, _mma_step, _stage_barriers, _tile_with_end
 from prime_megamoe.ops import fp8_launch as fl
 from prime_megamoe.ops.fp8_ws_launch import (WS_CONFIGS, WS_LOAD_REGS, WS_MMA_REGS, box_layout,
-                                             fp8_grouped_gemm_ws)
+                                             fp8_grouped_gemm_ws, weight_descriptor)
 from prime_megamoe.ops.launch import _num_sms
 from prime_megamoe.ops.routing_plan import build_routing_plan
 from prime_megamoe.ops.sizes import cdiv
@@ -114,7 +114,7 @@ def run_variant(aq, bq, plan, c, *, segments: int, promote: bool, store: bool) -
     assert cfg.halves == 2 and cfg.block_m == 128 and cfg.subs == 1
     rows, n, k = aq.data.shape[0], bq.data.shape[1], bq.data.shape[2] // segments
     a_desc = TensorDescriptor.from_tensor(aq.data, [cfg.a_rows, 128], box_layout(cfg.a_rows))
-    b_desc = TensorDescriptor.from_tensor(bq.data.view(-1, bq.data.shape[2]), [128, 128], box_layout(128))
+    b_desc = weight_descriptor(bq)  # 128-row boxes, as the config's
     tiles = plan.max_tiles * cdiv(n, 128)
     grid = (min(_num_sms(c.device), tiles),)
     ws_variant_kernel[grid](

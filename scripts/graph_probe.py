@@ -19,37 +19,11 @@ give a trainer that captures the layer.
 from __future__ import annotations
 
 import argparse
-import statistics
 import traceback
 
 import torch
 
-from prime_megamoe.bench import make_workload
-
-
-def one_call_ms(call, iters: int) -> float:
-    """Median of single calls, each started on an idle GPU."""
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def back_to_back_ms(call, iters: int) -> float:
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        call()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+from prime_megamoe.bench import _events_median, make_workload
 
 
 def probe(shape: str, tokens: int, precision: str, iters: int, error_mode: str) -> tuple[str, bool]:
@@ -74,8 +48,9 @@ def probe(shape: str, tokens: int, precision: str, iters: int, error_mode: str) 
     graph.replay()
     torch.cuda.synchronize()
     same = torch.equal(graph_out, eager_out)
-    eager_one, graph_one = one_call_ms(work.fwd, iters), one_call_ms(graph.replay, iters)
-    eager_b2b, graph_b2b = back_to_back_ms(work.fwd, iters), back_to_back_ms(graph.replay, iters)
+    # One call: the median of single calls, each on an idle GPU; back to back: iters calls between two events.
+    eager_one, graph_one = (_events_median(fn, iters, 0, None) for fn in (work.fwd, graph.replay))
+    eager_b2b, graph_b2b = (_events_median(fn, 1, 0, None, repeat=iters) for fn in (work.fwd, graph.replay))
     graph.replay()  # the timed calls ran eager forwards in between: the graph's output must still be right
     torch.cuda.synchronize()
     same = same and torch.equal(graph_out, eager_out)

@@ -180,7 +180,7 @@ def _grid(per_sm: int, device: torch.device, tiles: int, programs: int | None) -
 
 
 def fp8_grouped_gemm_ws(aq: QTensor, bq: QTensor, plan: RoutingPlan, c: torch.Tensor, *, segments: int,
-                        row_scale: torch.Tensor | None, gather: bool = False, config: WSConfig | None = None,
+                        row_scale: torch.Tensor | None, gather: bool = False, config: WSConfig = WS_GEMM_DEFAULT,
                         programs: int | None = None) -> None:
     """c[r] = row_scale[r] * A[src[r] if gather else r] @ B[e]^T with the warp-specialised kernel (callers check
     ``ws_gemm_unavailable`` first): A [P or R, segments * K] fp8 with row scales [.., segments * cdiv(K, 128)], B the
@@ -189,7 +189,6 @@ def fp8_grouped_gemm_ws(aq: QTensor, bq: QTensor, plan: RoutingPlan, c: torch.Te
     several tiles a program this way)."""
     from ..kernels.fp8_gemm_ws import fp8_grouped_gemm_ws_kernel
 
-    config = config or WS_GEMM_DEFAULT
     aq_data, aq_scale, bq_data, bq_scale = aq.data, aq.scale, bq.data, bq.scale
     rows, n, k = plan.num_pairs, bq_data.shape[1], bq_data.shape[2] // segments
     if rows == 0 or aq_data.shape[0] == 0:  # no rows (a rank that receives nothing): no tiles, no descriptor

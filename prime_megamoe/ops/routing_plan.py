@@ -327,7 +327,7 @@ def take_plan(pool: list, allocate, device: torch.device) -> PlanLease:
     if pool:
         plan, last_stream = pool.pop()
         if (stream is not None and last_stream is not None and last_stream != stream
-                and not (torch.cuda.is_current_stream_capturing() and not _capturing(last_stream))):
+                and not (_capturing(stream) and not _capturing(last_stream))):
             stream.wait_stream(last_stream)
         plan.counts.zero_()
     else:
