@@ -32,6 +32,7 @@
 #   bash scripts/device_sweep.sh s20d       # the gathering FC2 dgrad on 256 columns: probe, the layer A/B
 #   bash scripts/device_sweep.sh s20e       # the session's package: fp8 layer record, the forward in a CUDA graph
 #   bash scripts/device_sweep.sh graphs     # the no-grad forward captured in a CUDA graph: replay against eager
+#   bash scripts/device_sweep.sh s21a       # the persistent one-pass SwiGLU backward, no clamp: GPU tests, pass probe
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -404,6 +405,14 @@ case "${1:-}" in
     step pass_probe 150 python scripts/fp8_pass_probe.py
     grep -E "cols|best" "$LOGS/pass_probe.log" | head -20
     layer_ab 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s16f" new base new2 base2 ;;
+  s21a)  # the persistent one-pass SwiGLU backward and the quantisers without the clamp before the saturating
+         # conversion: their GPU tests against the Triton passes, then the pass probe (every config, both forms)
+    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_s21a 240 python -m pytest -q tests/test_swiglu_grad_fused.py \
+      tests/test_swiglu_grad_cols.py tests/test_fp8_gemm_ws.py -k "(matches or nothing) and not wgrad and not ws_gemm" -rA
+    tail -3 "$LOGS/pytest_s21a.log"
+    grep -E "^(FAILED|E  )" "$LOGS/pytest_s21a.log" | head -10
+    step pass_probe_s21a 200 python scripts/fp8_pass_probe.py
+    tail -22 "$LOGS/pass_probe_s21a.log" ;;
   s20e)  # the session's package: the fp8 layer one call (profiled) and back to back, the fp8 forward in a CUDA graph
     fp8_layer_one_gpu s20e
     step graph_probe_fp8 100 python scripts/graph_probe.py --precisions fp8

@@ -120,6 +120,7 @@ def resource_usage(kernel, constexprs: dict, num_warps: int, num_stages: int, dt
            "wgmma_serialised": wgmma_serialised(compiled.asm["ptx"])}
     if sass:
         use["sass_counts"] = sass_counts(listing)
+        use["sass_loops"] = sass_loops(listing)
     return use
 
 
@@ -130,6 +131,19 @@ def sass_counts(listing: str) -> dict[str, int]:
     for match in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", listing):
         counts[match.group(1)] = counts.get(match.group(1), 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def sass_loops(listing: str) -> list[tuple[int, int]]:
+    """(first address, instructions) of each loop body in a ``cuobjdump -sass`` listing: the instructions from a
+    backward branch's target through the branch, in address order (a body counts its inner loops' once)."""
+    addresses = [int(a, 16) for a in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?[A-Z]", listing)]
+    loops = []
+    for branch, target in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\S*\s+`?\(?\.?L?_?x?_?(?:0x)?"
+                                     r"([0-9a-f]+)", listing):
+        branch, target = int(branch, 16), int(target, 16)
+        if target < branch:
+            loops.append((target, sum(target <= a <= branch for a in addresses)))
+    return sorted(loops)
 
 
 def wgmma_serialised(ptx: str) -> bool:
@@ -185,6 +199,8 @@ def main():
         if args.sass:
             counts = use["sass_counts"]
             print(f"  SASS: {sum(counts.values())} instructions; " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+            loops = ", ".join(f"{n} at {first:#x}" for first, n in use["sass_loops"]) or "none"
+            print(f"  loops (instructions a trip, first address): {loops}")
 
 
 if __name__ == "__main__":

@@ -210,8 +210,9 @@ def _fc1_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, h_ptr, aq
             _store_halves(h_ptr, up, rows0, I + col0, row_end, stride_hm, h_layout)
         act = gate * (1 / (1 + gl.exp(-gate))) * up  # tl.sigmoid's expression
         scale = _scale_from_amax(gl.max(gl.abs(act), axis=1), POW2)
-        y = gl.minimum(gl.maximum(act * (1.0 / scale)[:, None], -FP8_MAX), FP8_MAX)
-        _store_rows(aq_ptr, y.to(gl.float8e4nv), rows0, col0, row_end, stride_am, q_layout)
+        # (No clamp to +-FP8_MAX first: the conversion saturates, the same bits for every value but NaN.)
+        y = (act * (1.0 / scale)[:, None]).to(gl.float8e4nv)
+        _store_rows(aq_ptr, y, rows0, col0, row_end, stride_am, q_layout)
         scale_rows = rows0 + gl.arange(0, BLOCK_M, layout=s_layout)
         gl.store(as_ptr + scale_rows.to(gl.int64) * stride_asm + col0 // BLOCK_N, gl.convert_layout(scale, s_layout),
                  mask=scale_rows < row_end)
