@@ -30,7 +30,7 @@ COLS_CONFIGS = [(128, 64, 4), (128, 64, 8), (128, 64, 16), (128, 32, 4), (128, 3
                 (128, 8, 4), (128, 128, 16)]
 GATHER_CONFIGS = [(64, 4), (64, 8), (32, 4), (32, 2), (16, 4), (128, 8), (128, 16)]
 # (BC, CPT, warps) of the column pass's Gluon form (kernels/swiglu_grad_cols.py), compared with the Triton launch.
-GLUON_COLS_CONFIGS = [(16, 1, 4), (32, 1, 8), (32, 2, 4)]
+GLUON_COLS_CONFIGS = [(16, 1, 4), (32, 2, 4), (64, 2, 8), (16, 2, 2), (32, 4, 2)]
 # (CHUNKS, warps) of the one-pass kernel (kernels/swiglu_grad_fused.py), compared with the two launches.
 FUSED_CONFIGS = [(4, 8), (2, 8), (8, 8), (4, 16)]
 

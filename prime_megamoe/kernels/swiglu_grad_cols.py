@@ -32,13 +32,13 @@ from .swiglu_grad_fused import _dswiglu_chunk, _quantise
 
 
 @gluon.jit
-def _store_cols(q_ptr, s_ptr, x, t, col, cols, col_ok, pos, stride_q, stride_s, POW2: gl.constexpr):
+def _store_cols(q_ptr, s_ptr, x, t, col, cols, col_ok, q_offsets, q_ok, stride_s, POW2: gl.constexpr):
     """x [TILE, BC] fp32 (tile t, columns col + cols) quantised per column over the tile's rows: values at
-    q[col + j, pos[r]] (16 consecutive bytes a thread), scales at s[t, col + j]; columns where col_ok is False are
-    not stored."""
+    q_ptr + q_offsets (in q_offsets' layout: a thread's rows of a column contiguous in its registers, so that they
+    are one vector store), scales at s[t, col + j]; columns where col_ok / q_ok is False are not stored."""
     scale = _scale_from_amax(gl.max(gl.abs(x), axis=0), POW2)
-    q = _quantise(x, (1.0 / scale)[None, :])
-    gl.store(q_ptr + (col + cols).to(gl.int64)[None, :] * stride_q + pos[:, None], q, mask=col_ok[None, :])
+    q = gl.convert_layout(_quantise(x, (1.0 / scale)[None, :]), q_offsets.type.layout)
+    gl.store(q_ptr + q_offsets, q, mask=q_ok)
     gl.store(s_ptr + t.to(gl.int64) * stride_s + col + cols, scale, mask=col_ok)
 
 
@@ -51,12 +51,12 @@ def swiglu_backward_cols_kernel(
 ):
     """Program (c, t): routing tile t (past the device-side tile count: nothing) by gate columns [c * BC, c * BC +
     BC) of I (those below I) and the same up columns, I further. A thread holds 16 rows of CPT adjacent columns; a
-    warp TILE_M // num_warps rows of all BC columns. (CPT = 1, the launcher's: each thread's 16 rows of a column are
-    then contiguous in its registers as in the cols_t layout, so the stores are 16-byte vectors; with CPT > 1 the
-    loads are CPT elements wide but the stores single bytes.)"""
+    warp TILE_M // num_warps rows of all BC columns. The loads take the CPT columns as one vector (CPT * 2 bytes);
+    the transposed stores take each column's 16 rows as one (16 bytes), from the same registers in another order."""
     ROW_THREADS: gl.constexpr = TILE_M // (16 * num_warps)
     gl.static_assert(ROW_THREADS * (BC // CPT) == 32, "a warp must cover TILE_M // num_warps rows of BC columns")
-    layout: gl.constexpr = gl.BlockedLayout([16, CPT], [ROW_THREADS, BC // CPT], [num_warps, 1], [0, 1])
+    layout: gl.constexpr = gl.BlockedLayout([16, CPT], [ROW_THREADS, BC // CPT], [num_warps, 1], [1, 0])
+    store_layout: gl.constexpr = gl.BlockedLayout([16, CPT], [ROW_THREADS, BC // CPT], [num_warps, 1], [0, 1])
     t = gl.program_id(1)
     if t < gl.load(num_tiles_ptr):
         expert = gl.load(tile_expert_ptr + t)
@@ -77,7 +77,14 @@ def swiglu_backward_cols_kernel(
         g = gl.load(h_ptrs, mask=mask, other=0.0).to(gl.float32)
         u = gl.load(h_ptrs + I, mask=mask, other=0.0).to(gl.float32)
         dg, du, aw, _ = _dswiglu_chunk(ga, g, u, w)
-        pos = t.to(gl.int64) * TILE_M + r
-        _store_cols(dhtq_ptr, dhts_ptr, dg, t, col, cols, col_ok, pos, stride_dhtk, stride_dhtsr, POW2)
-        _store_cols(dhtq_ptr, dhts_ptr, du, t, I + col, cols, col_ok, pos, stride_dhtk, stride_dhtsr, POW2)
-        _store_cols(awtq_ptr, awts_ptr, aw, t, col, cols, col_ok, pos, stride_awtk, stride_awtsr, POW2)
+        # The transposed outputs' offsets (column col + j, tile-space row t * TILE_M + r) in the store layout.
+        r_s = gl.arange(0, TILE_M, layout=gl.SliceLayout(1, store_layout))
+        cols_s = col + gl.arange(0, BC, layout=gl.SliceLayout(0, store_layout))
+        q_ok = (cols_s < I)[None, :]
+        pos = (t.to(gl.int64) * TILE_M + r_s)[:, None]
+        _store_cols(dhtq_ptr, dhts_ptr, dg, t, col, cols, col_ok, cols_s.to(gl.int64)[None, :] * stride_dhtk + pos,
+                    q_ok, stride_dhtsr, POW2)
+        _store_cols(dhtq_ptr, dhts_ptr, du, t, I + col, cols, col_ok,
+                    (I + cols_s).to(gl.int64)[None, :] * stride_dhtk + pos, q_ok, stride_dhtsr, POW2)
+        _store_cols(awtq_ptr, awts_ptr, aw, t, col, cols, col_ok, cols_s.to(gl.int64)[None, :] * stride_awtk + pos,
+                    q_ok, stride_awtsr, POW2)
