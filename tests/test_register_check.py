@@ -107,6 +107,25 @@ def test_sass_counts_name_each_opcode_once_per_instruction():
     assert script.sass_counts(listing) == {"FMUL": 2, "LDC": 1, "LDG": 1}
 
 
+def test_sass_loops_count_each_backward_branch_body():
+    spec = importlib.util.spec_from_file_location("register_check", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    listing = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                         /* 0x00000a00ff017b82 */
+        /*0010*/                   FMUL R5, R6, R7 ;                              /* 0x0000000706057220 */
+        /*0020*/                   FADD R5, R6, R7 ;                              /* 0x0000000706057220 */
+        /*0030*/               @P1 BRA 0x20 ;                                     /* 0xffffffc000441947 */
+        /*0040*/              @!P6 BRA 0x10 ;                                     /* 0xffffff740064e947 */
+        /*0050*/                   BRA 0x70 ;                                     /* 0x0000000000087947 */
+        /*0060*/                   EXIT ;                                         /* 0x000000000000794d */
+        /*0070*/                   BRA 0x70;                                      /* 0xfffffffc00fc7947 */
+    """
+    # The inner loop (0x20-0x30: 2 instructions), the outer one (0x10-0x40: 4); forward branches and the final
+    # self-branch are not loops.
+    assert script.sass_loops(listing) == [(0x10, 4), (0x20, 2)]
+
+
 def test_the_script_prints_sass_counts():
     kernel, constexprs, extra = CASES[0]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -116,3 +135,4 @@ def test_the_script_prints_sass_counts():
     assert out.returncode == 0, out.stderr[-2000:]
     sass = next(line for line in out.stdout.splitlines() if line.strip().startswith("SASS:"))
     assert int(sass.split()[1]) > 100 and "FMUL" in sass and "STG" in sass
+    assert any(line.strip().startswith("loops (instructions a trip") for line in out.stdout.splitlines())

@@ -18,13 +18,13 @@ TYPES = ('{"ga_ptr": "*bf16", "h_ptr": "*bf16", "row_weight_ptr": "*fp32", "dhtq
 
 @pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scales", "pow2"])
 def test_gluon_cols_compiles_for_hopper(pow2):
-    """As the launcher launches it (DSWIGLU_COLS_GLUON_BLOCK): no spill, few registers (many programs an SM), and
-    almost no shared memory (only the column maxima cross warps)."""
+    """As the launcher launches it (DSWIGLU_COLS_GLUON_BLOCK): no spill, registers that let several programs share
+    an SM, and almost no shared memory (only the column maxima cross warps)."""
     bc, cpt, warps = fl.DSWIGLU_COLS_GLUON_BLOCK
     (_, registers, spill, smem, *_), = compile_for_hopper(
         "prime_megamoe.kernels.swiglu_grad_cols:swiglu_backward_cols_kernel",
         {"POW2": pow2, "TILE_M": QTILE_M, "BC": bc, "CPT": cpt}, ["--warps", str(warps), "--types", TYPES])
-    assert int(spill) == 0 and int(registers) <= 128
+    assert int(spill) == 0 and 3 * int(registers) * warps * 32 <= 64 * 1024
     assert int(smem) <= 4096
 
 

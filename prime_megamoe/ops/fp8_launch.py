@@ -37,7 +37,7 @@ from .fp8_ws_launch import (
     ws_gemm_unavailable,
     ws_wgrad_unavailable,
 )
-from .launch import _num_sms, tma_descriptor, tma_readable
+from .launch import tma_descriptor, tma_readable
 from .routing_plan import RoutingPlan, RowQuantization
 from .sizes import cdiv
 
@@ -51,12 +51,11 @@ FP8_DTYPE = torch.float8_e4m3fn
 DSWIGLU_ROWS_BLOCK = (32, 128, 4)  # (BLOCK_R, BLOCK_C, num_warps)
 DSWIGLU_COLS_BLOCK = (QTILE_M, 16, 2)
 # The column launch's Gluon form (kernels/swiglu_grad_cols.py), the layer's on GPUs: BC columns, CPT columns a
-# thread, num_warps. 0.370 ms against 0.445 for the Triton launch's best blocks, the same bits (Qwen3-30B-A3B,
-# T = 16384, one H200, scripts/fp8_pass_probe.py; 0.362 against 0.434-0.439 in the layer's profile:
-# benchmarks/results/fp8_pass_probe_s16.txt, fp8_profile_s16.txt).
-DSWIGLU_COLS_GLUON_BLOCK = (16, 1, 4)
-# The one-pass form (kernels/swiglu_grad_fused.py): (CHUNKS, num_warps) of its persistent programs (one an SM).
-DSWIGLU_FUSED_BLOCK = (4, 8)
+# thread, num_warps. 0.318 ms against 0.439 for the Triton launch's best blocks and 0.342 for (16, 1, 4), the same
+# bits (Qwen3-30B-A3B, T = 16384, one H200, scripts/fp8_pass_probe.py: benchmarks/results/fp8_pass_probe_s21.txt).
+DSWIGLU_COLS_GLUON_BLOCK = (32, 2, 4)
+# The one-pass form (kernels/swiglu_grad_fused.py): RB-row chunks of a 128-row tile, num_warps.
+DSWIGLU_FUSED_BLOCK = (16, 8)
 # The x^T / dy^T gather-quantise pass: a 128-row tile x GATHER_COLS_T_BLOCK[0] columns per program, [1] warps (0.241
 # against 0.245 ms for 64 columns, 4 warps; fp8_pass_probe_s16.txt).
 GATHER_COLS_T_BLOCK = (32, 2)
@@ -525,12 +524,13 @@ def fp8_dswiglu(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFor
         dh_t = empty_cols_t(2 * inter, plan, fmt, device)
         aw_t = empty_cols_t(inter, plan, fmt, device)
         dw_partial = torch.empty(ng, num_pairs, dtype=torch.float32, device=device)
-        launch(swiglu_backward_fused_kernel, (max(1, min(_num_sms(device), ng * plan.max_tiles)),),
+        rb, warps = DSWIGLU_FUSED_BLOCK
+        launch(swiglu_backward_fused_kernel, (ng, plan.max_tiles),
             g_a, h, plan.row_weight, dh_rows.data, dh_rows.scale, dh_t.data, dh_t.scale, aw_t.data, aw_t.scale,
             dw_partial, *_tile_args(plan), inter, ng, g_a.stride(0), h.stride(0), dh_rows.data.stride(0),
             dh_rows.scale.stride(0), dh_t.data.stride(0), dh_t.scale.stride(0), aw_t.data.stride(0),
             aw_t.scale.stride(0), dw_partial.stride(0),
-            POW2=fmt.pow2, TILE_M=QTILE_M, CHUNKS=DSWIGLU_FUSED_BLOCK[0], num_warps=DSWIGLU_FUSED_BLOCK[1],
+            POW2=fmt.pow2, TILE_M=QTILE_M, RB=rb, num_warps=warps,
         )
         return DSwiGLUOut(dh_rows, dh_t, aw_t, dw_partial.sum(0))
     if fused:
