@@ -3,7 +3,7 @@ layer's shape (one GPU, EP = 1):
     python scripts/fp8_pass_probe.py [--shape qwen3-30b-a3b] [--tokens 16384]
 The passes: the quantising SwiGLU backward's row outputs (``dswiglu_rows``) and column outputs (``dswiglu_cols_t``:
 the Triton launch, and on a GPU its Gluon form, compared with the Triton launch), and the x^T gather-quantise pass
-(``quantize_sorted_cols_t``). Each config's outputs are compared bitwise with the
+(``quantize_sorted_cols_t``: the same two forms). Each config's outputs are compared bitwise with the
 default config's (a block shape changes no sum: same bits expected) and its time turned into GB/s of bytes read and
 written. The table ends with the best config per pass.
 
@@ -31,6 +31,8 @@ COLS_CONFIGS = [(128, 64, 4), (128, 64, 8), (128, 64, 16), (128, 32, 4), (128, 3
 GATHER_CONFIGS = [(64, 4), (64, 8), (32, 4), (32, 2), (16, 4), (128, 8), (128, 16)]
 # (BC, CPT, warps) of the column pass's Gluon form (kernels/swiglu_grad_cols.py), compared with the Triton launch.
 GLUON_COLS_CONFIGS = [(16, 1, 4), (32, 2, 4), (64, 2, 8), (16, 2, 2), (32, 4, 2)]
+# (BC, CPT, warps) of the gather pass's Gluon form (kernels/gather_cols_t.py), compared with the Triton launch.
+GLUON_GATHER_CONFIGS = [(32, 4, 2), (16, 2, 2), (32, 2, 4), (64, 4, 4), (64, 8, 2), (16, 4, 1)]
 
 
 def time_ms(fn, iters: int = 20) -> float:
@@ -78,6 +80,9 @@ def main():
     def cols_gluon():
         return fl.dswiglu_cols_t(g_a, h, plan, fmt, gluon=True)
 
+    def gather_triton():
+        return fl.quantize_sorted_cols_t(x, plan, fmt, gluon=False)
+
     # (pass, knob, configs, launch (timed), its outputs as compared copies, bytes read, the reference launch: the
     # first config's where None). The column pass's Gluon form is compared with the Triton launch.
     cases = [
@@ -85,9 +90,13 @@ def main():
          nbytes([g_a, h]), None),
         ("SwiGLU cols", "DSWIGLU_COLS_BLOCK", COLS_CONFIGS, cols_triton, lambda out: cols_t(*out), nbytes([g_a, h]),
          None),
-        ("x^T gather", "GATHER_COLS_T_BLOCK", GATHER_CONFIGS, lambda: fl.quantize_sorted_cols_t(x, plan, fmt), cols_t,
-         plan.num_pairs * hidden * 2, None),
+        ("x^T gather", "GATHER_COLS_T_BLOCK", GATHER_CONFIGS, gather_triton, cols_t, plan.num_pairs * hidden * 2,
+         None),
     ]
+    if fl.gluon_gather_unavailable(x, fmt) is None:
+        cases.append(("gather Gluon", "GATHER_COLS_T_GLUON_BLOCK", GLUON_GATHER_CONFIGS,
+                      lambda: fl.quantize_sorted_cols_t(x, plan, fmt, gluon=True), cols_t, plan.num_pairs * hidden * 2,
+                      gather_triton))
     if fl.gluon_cols_unavailable(g_a, h, fmt) is None:
         cases.insert(2, ("cols Gluon", "DSWIGLU_COLS_GLUON_BLOCK", GLUON_COLS_CONFIGS, cols_gluon,
                          lambda out: cols_t(*out), nbytes([g_a, h]), cols_triton))

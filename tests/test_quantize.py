@@ -198,18 +198,20 @@ def test_weight_operands_match_reference(fmt):
 # ----------------------------------------------------------------------------------------------------------------
 # Weight-gradient operands: gathered sorted rows, column-scaled per 128-row tile, stored transposed in tile space
 # ----------------------------------------------------------------------------------------------------------------
-def _ragged_plan(tokens, experts, top_k, seed):
+def _ragged_plan(tokens, experts, top_k, seed, device="cpu"):
     """Routing with expert 0 empty and expert 1 taking most rows (more than one 128-row tile, not a multiple of 128)."""
     index, weights = ragged_routing(tokens, experts, top_k, seed=seed, hot_fraction=0.9)
-    plan = build_routing_plan(index, weights, expert_base=0, num_local_experts=experts, tile_m=128)
+    plan = build_routing_plan(index.to(device), weights.to(device), expert_base=0, num_local_experts=experts,
+                              tile_m=128)
     counts = torch.bincount(index.reshape(-1), minlength=experts)
     assert counts[0] == 0 and counts[1] > 128 and counts[1] % 128 != 0 and counts[1] == counts.max()
     return plan
 
 
 def _ref_cols_t(x, plan, fmt):
-    """Per tile of the plan: (tile id, q^T [K, 128] e4m3, scales [128 // G, K] fp32), from a plain torch quantiser."""
-    offsets, row_src = plan.expert_offsets.tolist(), plan.row_src.long()
+    """Per tile of the plan (on any device; x on the CPU): (tile id, q^T [K, 128] e4m3, scales [128 // G, K] fp32),
+    from a plain torch quantiser."""
+    offsets, row_src = plan.expert_offsets.tolist(), plan.row_src.long().cpu()
     g = fmt.group
     for t in range(int(plan.num_tiles[0])):
         e, r0 = int(plan.tile_expert[t]), int(plan.tile_row[t])

@@ -59,6 +59,9 @@ DSWIGLU_FUSED_BLOCK = (16, 8)
 # The x^T / dy^T gather-quantise pass: a 128-row tile x GATHER_COLS_T_BLOCK[0] columns per program, [1] warps (0.241
 # against 0.245 ms for 64 columns, 4 warps; fp8_pass_probe_s16.txt).
 GATHER_COLS_T_BLOCK = (32, 2)
+# Its Gluon form (kernels/gather_cols_t.py), the layer's on GPUs: BC columns a program, CPT columns a thread,
+# num_warps.
+GATHER_COLS_T_GLUON_BLOCK = (32, 4, 2)
 
 
 @dataclass(frozen=True)
@@ -285,16 +288,40 @@ def empty_cols_t(n: int, plan: RoutingPlan, fmt: QFormat, device) -> QTensor:
     )
 
 
-def quantize_sorted_cols_t(x: torch.Tensor, plan: RoutingPlan, fmt: QFormat) -> QTensor:
+def gluon_gather_unavailable(x: torch.Tensor, fmt: QFormat) -> str | None:
+    """Why the gather pass's Gluon form (``kernels/gather_cols_t.py``) cannot run, or None when it can."""
+    if x.device.type != "cuda":
+        return "it runs on a CUDA GPU only (Gluon kernels have no interpreter)"
+    if fmt.mx or fmt.group != QTILE_M:
+        return f"it takes the fp8 format ({QTILE_M}-row column groups, fp32 scales), not mx"
+    return None
+
+
+def quantize_sorted_cols_t(x: torch.Tensor, plan: RoutingPlan, fmt: QFormat, *, gluon: bool | None = None) -> QTensor:
     """Source rows x [R, K] -> the wgrad operand of the sorted rows x[row_src] in the cols_t layout (K-major
     [K, max_tiles * 128], one scale per column for every ``fmt.group`` rows of each 128-row tile): gathered and
-    quantised in one pass, with exactly the numerics of the in-epilogue column quantiser."""
+    quantised in one pass, with exactly the numerics of the in-epilogue column quantiser. ``gluon`` None: the Gluon
+    form (``kernels/gather_cols_t.py``, the same bits) where ``gluon_gather_unavailable`` says it applies, else the
+    Triton launch; True: the Gluon form or an error saying why not; False: the Triton launch."""
+    why_not = gluon_gather_unavailable(x, fmt) if gluon is not False else "not asked for"
+    if gluon and why_not is not None:
+        raise ValueError(f"gluon=True: the Gluon gather pass cannot run here: {why_not}")
     _check_tile_space_plan(plan)
     if x.dim() != 2 or x.shape[0] != plan.num_rows:
         raise ValueError(f"x must be [{plan.num_rows}, K] (the plan's source rows), got {list(x.shape)}")
     x = x.contiguous()
     k = x.shape[1]
     out = empty_cols_t(k, plan, fmt, x.device)
+    if why_not is None:
+        from ..kernels.gather_cols_t import gather_cols_t_kernel
+
+        bc, cpt, warps = GATHER_COLS_T_GLUON_BLOCK
+        launch(gather_cols_t_kernel, (cdiv(k, bc), plan.max_tiles),
+            x, plan.row_src, out.data, out.scale, *_tile_args(plan),
+            k, x.stride(0), out.data.stride(0), out.scale.stride(0),
+            POW2=fmt.pow2, TILE_M=QTILE_M, BC=bc, CPT=cpt, num_warps=warps,
+        )
+        return out
     block_k, warps = GATHER_COLS_T_BLOCK
     launch(gather_quantize_cols_t_kernel, (cdiv(k, block_k), plan.max_tiles),
         x, plan.row_src, out.data, out.scale, *_tile_args(plan),

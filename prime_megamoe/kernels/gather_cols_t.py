@@ -1,0 +1,64 @@
+"""The weight gradients' gathered operands (``quantize.gather_quantize_cols_t_kernel``: x^T for dW1, dy^T for dW2) in
+a layout made for them (Gluon), for the fp8 format.
+
+Same outputs and bits as the Triton launch with 128-row column groups (= the routing tile) and fp32 scales: the
+sorted rows x[row_src[r]] of each routing tile, quantised per column over the tile's rows, stored transposed in the
+cols_t layout (values at q[k, 128 t + j], scales at s[t, k]).
+
+Why a second kernel: the Triton launch loads its block with consecutive columns a thread, so each column's max over
+the tile's rows crosses threads and its fp8 values go through shared memory to be stored transposed. Here, as in the
+SwiGLU backward's column pass (``swiglu_grad_cols.py``), each thread holds 16 consecutive rows of CPT adjacent
+columns from the load on:
+
+- each load is one vector of a gathered row's CPT columns (CPT * 2 bytes for bf16);
+- the column max is a max over the thread's 16 rows, then a reduction over the warps;
+- each column's transposed store is 16 consecutive bytes a thread, from the same registers in row order.
+
+An earlier form with one column a thread (2-byte loads) took 0.335 ms against 0.242 for the Triton launch
+(fp8_pass_probe_s18a.txt) and was dropped.
+
+Rows past the tile's expert load zeros, which is what the cols_t layout stores there. Gluon kernels have no
+interpreter: this one is tested on the GPU against the Triton launch and compiled for sm_90 on the CPU.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from .swiglu_grad_cols import _store_cols
+
+
+@gluon.jit
+def gather_cols_t_kernel(
+    x_ptr, row_src_ptr, q_ptr, s_ptr,
+    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
+    K, stride_xm, stride_qk, stride_sr,
+    POW2: gl.constexpr, TILE_M: gl.constexpr, BC: gl.constexpr, CPT: gl.constexpr, num_warps: gl.constexpr,
+):
+    """Program (c, t): routing tile t (past the device-side tile count: nothing) by columns [c * BC, c * BC + BC) of
+    x [R, K] (those below K; rows contiguous). A thread holds 16 rows of CPT adjacent columns; a warp TILE_M //
+    num_warps rows of all BC columns."""
+    ROW_THREADS: gl.constexpr = TILE_M // (16 * num_warps)
+    gl.static_assert(ROW_THREADS * (BC // CPT) == 32, "a warp must cover TILE_M // num_warps rows of BC columns")
+    layout: gl.constexpr = gl.BlockedLayout([16, CPT], [ROW_THREADS, BC // CPT], [num_warps, 1], [1, 0])
+    store_layout: gl.constexpr = gl.BlockedLayout([16, CPT], [ROW_THREADS, BC // CPT], [num_warps, 1], [0, 1])
+    t = gl.program_id(1)
+    if t < gl.load(num_tiles_ptr):
+        expert = gl.load(tile_expert_ptr + t)
+        row0 = gl.load(tile_row_ptr + t)
+        row_end = gl.load(expert_offsets_ptr + expert + 1)
+        col = gl.program_id(0) * BC
+        r = gl.arange(0, TILE_M, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, BC, layout=gl.SliceLayout(0, layout))
+        col_ok = (col + cols) < K
+        rows = row0 + r
+        ok = rows < row_end
+        src = gl.load(row_src_ptr + rows, mask=ok, other=0).to(gl.int64)
+        x = gl.load(x_ptr + src[:, None] * stride_xm + (col + cols)[None, :], mask=ok[:, None] & col_ok[None, :],
+                    other=0.0).to(gl.float32)
+        # The transposed output's offsets (column col + j, tile-space row t * TILE_M + r) in the store layout.
+        r_s = gl.arange(0, TILE_M, layout=gl.SliceLayout(1, store_layout))
+        cols_s = col + gl.arange(0, BC, layout=gl.SliceLayout(0, store_layout))
+        offsets = cols_s.to(gl.int64)[None, :] * stride_qk + (t.to(gl.int64) * TILE_M + r_s)[:, None]
+        _store_cols(q_ptr, s_ptr, x, t, col, cols, col_ok, offsets, (cols_s < K)[None, :], stride_sr, POW2)
