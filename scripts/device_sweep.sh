@@ -33,6 +33,7 @@
 #   bash scripts/device_sweep.sh s20e       # the session's package: fp8 layer record, the forward in a CUDA graph
 #   bash scripts/device_sweep.sh graphs     # the no-grad forward captured in a CUDA graph: replay against eager
 #   bash scripts/device_sweep.sh s21a       # the persistent one-pass SwiGLU backward, no clamp: GPU tests, pass probe
+#   bash scripts/device_sweep.sh s21b       # Gluon gather pass with vector loads: GPU tests, pass probe, layer A/B
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -405,6 +406,17 @@ case "${1:-}" in
     step pass_probe 150 python scripts/fp8_pass_probe.py
     grep -E "cols|best" "$LOGS/pass_probe.log" | head -20
     layer_ab 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s16f" new base new2 base2 ;;
+  s21b)  # the wgrads' gather pass in Gluon with CPT columns a thread, the column pass on two columns a thread:
+         # their GPU tests and the quantised oracle tests, the pass probe, then the layer (fp8, fp8_bwd) one call
+         # against ab_base/ (80ed13f: the session's start), alternating, the first pair profiled
+    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_s21b 200 python -m pytest -q tests/test_gather_cols_t.py \
+      tests/test_swiglu_grad_cols.py tests/test_fp8_experts.py -k "gpu or matches or nothing" -rA
+    tail -3 "$LOGS/pytest_s21b.log"
+    grep -E "^(FAILED|E  )" "$LOGS/pytest_s21b.log" | head -10
+    step pass_probe_s21b 200 python scripts/fp8_pass_probe.py
+    grep -E "Gluon|gather|best|  " "$LOGS/pass_probe_s21b.log" | tail -24
+    for run in new base; do layer_run $run 90 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s21b_$run"; done
+    for run in new2 base2; do layer_run $run 90 "fp8 fp8_bwd" ""; done ;;
   s21a)  # the persistent one-pass SwiGLU backward and the quantisers without the clamp before the saturating
          # conversion: their GPU tests against the Triton passes, then the pass probe (every config, both forms)
     PRIME_MEGAMOE_AUTOTUNE=0 step pytest_s21a 240 python -m pytest -q tests/test_swiglu_grad_fused.py \
