@@ -45,7 +45,8 @@ def test_gluon_gather_applicability_says_why_not():
                          ids=["bf16", "ragged_columns_pow2", "fp32_source"])
 def test_gluon_gather_matches_the_triton_launch_and_torch(hidden, pow2, dtype):
     """Ragged routing (an empty expert, one taking most rows and ending mid-tile), column counts that are not a
-    multiple of the column block: the same bits as the Triton launch, and as a torch quantiser per tile."""
+    multiple of the column block: the same bits as the Triton launch, and with power-of-two scales (exact
+    reciprocals) as a torch quantiser per tile."""
     plan = _ragged_plan(150, 4, 2, seed=6, device="cuda")
     gen = torch.Generator().manual_seed(hidden)
     x = torch.randn(150, hidden, generator=gen) * torch.exp2(torch.randint(-6, 6, (150, 1), generator=gen))
@@ -56,13 +57,15 @@ def test_gluon_gather_matches_the_triton_launch_and_torch(hidden, pow2, dtype):
     ref = fl.quantize_sorted_cols_t(x.cuda(), plan, fmt, gluon=False)
     for a, b in zip(_cols_t_written(got, plan), _cols_t_written(ref, plan)):
         assert torch.equal(a, b)
+    # The layer's default (gluon=None) takes the Gluon form here.
+    default = fl.quantize_sorted_cols_t(x.cuda(), plan, fmt)
+    assert torch.equal(_cols_t_written(default, plan)[0], _cols_t_written(got, plan)[0])
+    if not pow2:
+        return  # (on a GPU both kernels divide approximately (PTX div.full.f32), torch exactly: last bits differ)
     for t, q_ref, s_ref in _ref_cols_t(x, plan, fmt):
         q = got.data[:, t * QTILE_M:(t + 1) * QTILE_M].cpu()
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), f"tile {t} values"
         assert torch.equal(got.scale[t].cpu(), s_ref[0]), f"tile {t} scales"
-    # The layer's default (gluon=None) takes the Gluon form here.
-    default = fl.quantize_sorted_cols_t(x.cuda(), plan, fmt)
-    assert torch.equal(_cols_t_written(default, plan)[0], _cols_t_written(got, plan)[0])
 
 
 @pytest.mark.gpu

@@ -59,9 +59,10 @@ DSWIGLU_FUSED_BLOCK = (16, 8)
 # The x^T / dy^T gather-quantise pass: a 128-row tile x GATHER_COLS_T_BLOCK[0] columns per program, [1] warps (0.241
 # against 0.245 ms for 64 columns, 4 warps; fp8_pass_probe_s16.txt).
 GATHER_COLS_T_BLOCK = (32, 2)
-# Its Gluon form (kernels/gather_cols_t.py), the layer's on GPUs: BC columns a program, CPT columns a thread,
-# num_warps.
-GATHER_COLS_T_GLUON_BLOCK = (32, 4, 2)
+# Its Gluon form (kernels/gather_cols_t.py), the layer's on GPUs: BC columns a program, CPT columns a thread (one
+# 16-byte load), num_warps. 0.218 ms against 0.242 for the Triton launch's best blocks and 0.226-0.261 for the other
+# shapes tried, the same bits (Qwen3-30B-A3B, T = 16384, one H200: benchmarks/results/fp8_pass_probe_s21.txt).
+GATHER_COLS_T_GLUON_BLOCK = (64, 8, 2)
 
 
 @dataclass(frozen=True)
