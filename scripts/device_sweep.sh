@@ -34,6 +34,7 @@
 #   bash scripts/device_sweep.sh graphs     # the no-grad forward captured in a CUDA graph: replay against eager
 #   bash scripts/device_sweep.sh s21a       # the persistent one-pass SwiGLU backward, no clamp: GPU tests, pass probe
 #   bash scripts/device_sweep.sh s21b       # Gluon gather pass with vector loads: GPU tests, pass probe, layer A/B
+#   bash scripts/device_sweep.sh s21c       # the session's package: GPU tests, layer A/B (profiled), fp8 layer record
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -406,6 +407,16 @@ case "${1:-}" in
     step pass_probe 150 python scripts/fp8_pass_probe.py
     grep -E "cols|best" "$LOGS/pass_probe.log" | head -20
     layer_ab 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s16f" new base new2 base2 ;;
+  s21c)  # the session's package (the gather pass on 64 columns, 8 a thread): the passes' GPU tests and the quantised
+         # oracle tests, the layer (fp8, fp8_bwd) one call against ab_base/ (80ed13f) alternating, the first pair
+         # profiled, then the fp8 layer record (one call profiled, back to back)
+    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_s21c 200 python -m pytest -q tests/test_gather_cols_t.py \
+      tests/test_swiglu_grad_cols.py tests/test_fp8_experts.py -k "gpu" -rA
+    tail -3 "$LOGS/pytest_s21c.log"
+    grep -E "^(FAILED|E  )" "$LOGS/pytest_s21c.log" | head -10
+    for run in new base; do layer_run $run 90 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s21c_$run"; done
+    for run in new2 base2; do layer_run $run 90 "fp8 fp8_bwd" ""; done
+    fp8_layer_one_gpu s21c ;;
   s21b)  # the wgrads' gather pass in Gluon with CPT columns a thread, the column pass on two columns a thread:
          # their GPU tests and the quantised oracle tests, the pass probe, then the layer (fp8, fp8_bwd) one call
          # against ab_base/ (80ed13f: the session's start), alternating, the first pair profiled
