@@ -28,7 +28,15 @@ fp8_pass_probe_s15.txt): slower than the two launches, so the layer does not use
 0.673 (the layer's backward 4.62 against 4.40 ms one call). What it spends that time on is not measured yet; the
 candidates: two programs an SM (128 registers, ~100 KB of shared memory each) with nothing overlapping a program's
 own phases, ~70 barriers a program (each layout conversion and column reduction), and phase B's transposed stores in
-8-byte pieces (16 rows a chunk).
+8-byte pieces (16 rows a chunk). In the twenty-first session it took 1.110 ms against 0.527 for the two launches
+(fp8_pass_probe_s21.txt; its quantiser had lost the clamp before the saturating conversion, and the column launch had
+become faster); not looked into further.
+
+A persistent form was tried and dropped in that session (BENCHMARKS.md): one program an SM, the next item's inputs
+copied by cp.async into a second buffer while the program computes, one register layout for the row and the column
+outputs (4 columns of 4 rows a thread), no layout conversions. It took 1.4-3.8 ms: the two sweeps still evaluate the
+SwiGLU derivative twice (~112 SASS instructions an element against ~113 for the two launches together), and eight
+warps an SM with a barrier for each column reduction left the SM idle.
 """
 
 from __future__ import annotations
