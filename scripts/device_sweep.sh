@@ -35,6 +35,7 @@
 #   bash scripts/device_sweep.sh s21a       # the persistent one-pass SwiGLU backward, no clamp: GPU tests, pass probe
 #   bash scripts/device_sweep.sh s21b       # Gluon gather pass with vector loads: GPU tests, pass probe, layer A/B
 #   bash scripts/device_sweep.sh s21c       # the session's package: GPU tests, layer A/B (profiled), fp8 layer record
+#   bash scripts/device_sweep.sh s21d       # one-pass SwiGLU backward with an fp32 stash: tests, probe, layer with it
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -407,6 +408,31 @@ case "${1:-}" in
     step pass_probe 150 python scripts/fp8_pass_probe.py
     grep -E "cols|best" "$LOGS/pass_probe.log" | head -20
     layer_ab 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s16f" new base new2 base2 ;;
+  s21d)  # the one-pass SwiGLU backward with dg, du and w * a stashed in shared memory (persistent, one program an
+         # SM): its GPU tests against the two launches, the pass probe, then the layer (fp8, fp8_bwd) one call with
+         # it (a copy of this tree whose fp8_fc2_dgrad_dswiglu defaults to fused=None) against this tree,
+         # alternating, the first pair profiled
+    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_s21d 150 python -m pytest -q tests/test_swiglu_grad_fused.py \
+      -k "matches or nothing" -rA
+    tail -3 "$LOGS/pytest_s21d.log"
+    grep -E "^(FAILED|E  )" "$LOGS/pytest_s21d.log" | head -10
+    step pass_probe_s21d 150 python scripts/fp8_pass_probe.py
+    grep -E "SwiGLU bwd|best|  " "$LOGS/pass_probe_s21d.log" | tail -8
+    rm -rf ab_fused && mkdir ab_fused && cp -r prime_megamoe ab_fused/ && python - <<'PY'
+p = "ab_fused/prime_megamoe/ops/fp8_launch.py"
+s = open(p).read()
+old = "fmt: QFormat, *, fused: bool | None = False) -> DSwiGLUOut:\n    \"\"\"``fp8_fc2_dgrad``"
+assert old in s, "the layer's fused default not found"
+open(p, "w").write(s.replace(old, old.replace("= False", "= None")))
+PY
+    for run in fused new fused2 new2; do
+      tree=.; [ "${run#fused}" != "$run" ] && tree=ab_fused
+      prof=""; [ "$run" = fused ] || [ "$run" = new ] && prof="--profile-dir $LOGS/prof_s21d_$run"
+      # shellcheck disable=SC2086
+      (cd $tree && PYTHONPATH=/tmp/site:$PWD step "layer_$run" 90 python -m prime_megamoe.bench \
+        --shape qwen3-30b-a3b --tokens 16384 --precisions fp8 fp8_bwd --iters 5 --warmup 2 --backends mega_moe \
+        $prof --out "$LOGS/layer_$run.json"; tail -3 "$LOGS/layer_$run.log")
+    done ;;
   s21c)  # the session's package (the gather pass on 64 columns, 8 a thread): the passes' GPU tests and the quantised
          # oracle tests, the layer (fp8, fp8_bwd) one call against ab_base/ (80ed13f) alternating, the first pair
          # profiled, then the fp8 layer record (one call profiled, back to back)

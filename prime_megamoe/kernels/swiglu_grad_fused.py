@@ -43,10 +43,9 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from .fp8_fc1_ws import _scale_from_amax
-from .fp8_gemm_ws import _cp_async
+from .fp8_gemm_ws import _partition_barrier as _barrier
 
 
 @gluon.jit
@@ -78,14 +77,46 @@ def _store_rows_q(q_ptr, s_ptr, x, rows64, ok, col, cols, s_col, stride_q, strid
 
 
 @gluon.jit
-def _store_cols_t(q_ptr, x, inv_scale, col, pos0, stride_q, t_layout: gl.constexpr):
-    """x [RB, 128] fp32 quantised with per-column scales, stored transposed: q[col + j, pos0 + r]."""
-    RB: gl.constexpr = x.type.shape[0]
-    BC: gl.constexpr = x.type.shape[1]
-    q = gl.convert_layout(_quantise(x, inv_scale[None, :]), t_layout)
+def _item(item, NC, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, valid):
+    """Work item ``item`` (routing tile item // NC by 128-column group item % NC): its tile, first column, first row
+    and the end of its expert's rows; with ``valid`` False nothing is read (zeros)."""
+    t = item // NC
+    row0 = gl.load(tile_row_ptr + t, mask=valid, other=0)
+    expert = gl.load(tile_expert_ptr + t, mask=valid, other=0)
+    row_end = gl.load(expert_offsets_ptr + expert + 1, mask=valid, other=0)
+    return t, (item % NC) * 128, row0, row_end
+
+
+@gluon.jit
+def _load_chunk(ga_ptr, h_ptr, row_weight_ptr, row0, row_end, col, k, I, stride_gam, stride_hm,
+                RB: gl.constexpr, layout: gl.constexpr):
+    """Rows [k * RB, k * RB + RB) of an item, in ``layout``: g_a, g, u (bf16) and the rows' weights; rows past the
+    expert's end (or all, for an item past the end: row_end 0) read zeros, as the Triton pass's masked loads."""
+    rows = row0 + k * RB + gl.arange(0, RB, layout=gl.SliceLayout(1, layout))
+    cols = col + gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
+    ok = rows < row_end
+    rows64 = rows.to(gl.int64)
+    ga = gl.load(ga_ptr + rows64[:, None] * stride_gam + cols[None, :], mask=ok[:, None], other=0.0)
+    h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
+    g = gl.load(h_ptrs, mask=ok[:, None], other=0.0)
+    u = gl.load(h_ptrs + I, mask=ok[:, None], other=0.0)
+    w = gl.load(row_weight_ptr + rows, mask=ok, other=0.0)
+    return ga, g, u, w
+
+
+@gluon.jit
+def _store_cols_from_stash(q_ptr, stash, k, inv_scale, col, t, stride_q, TILE_M: gl.constexpr,
+                           t_layout: gl.constexpr):
+    """Chunk k of a stashed fp32 output, quantised with the per-column inverse scales (in t_layout's column slice)
+    and stored transposed: q[col + j, t * TILE_M + k * RB + r], each thread's 16 rows of a column one 16-byte
+    store."""
+    RB: gl.constexpr = stash.type.shape[1]
+    BC: gl.constexpr = stash.type.shape[2]
+    q = _quantise(stash.index(k).load(t_layout), inv_scale[None, :])
     rr = gl.arange(0, RB, layout=gl.SliceLayout(1, t_layout))
     cc = gl.arange(0, BC, layout=gl.SliceLayout(0, t_layout))
-    gl.store(q_ptr + (col + cc).to(gl.int64)[None, :] * stride_q + (pos0 + rr)[:, None], q)
+    pos = t.to(gl.int64) * TILE_M + k * RB + rr
+    gl.store(q_ptr + (col + cc).to(gl.int64)[None, :] * stride_q + pos[:, None], q)
 
 
 @gluon.jit
@@ -96,73 +127,77 @@ def swiglu_backward_fused_kernel(
     stride_dwp,
     POW2: gl.constexpr, TILE_M: gl.constexpr, RB: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """Program (c, t): routing tile t (its rows past the device-side tile count: nothing) by columns [c * 128,
-    c * 128 + 128) of I (gate), the up columns I further."""
+    """Persistent: program p takes work items p, p + programs, ... (item = routing tile * NC + 128-column group of
+    I; the device-side tile count ends the sequence). Per item, CHUNKS = TILE_M // RB chunks of RB rows."""
     BC: gl.constexpr = 128
     CHUNKS: gl.constexpr = TILE_M // RB
-    # A chunk [RB, 128]: 8 consecutive columns (16 bf16 bytes) a thread, a row over 16 threads.
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
-    rows_layout: gl.constexpr = gl.SliceLayout(1, layout)
+    # First sweep: a thread 8 adjacent columns (one 16-byte load) of RB // (2 * num_warps) rows, a row over 16
+    # lanes (its maximum and sum: in-thread, then four shuffles).
+    layout: gl.constexpr = gl.BlockedLayout([RB // (2 * num_warps), 8], [2, 16], [num_warps, 1], [1, 0])
+    # Second sweep: a thread 16 consecutive rows of one column (one 16-byte transposed store).
+    gl.static_assert(RB == 32 and num_warps == 8, "the second sweep's layout covers 32 x 128 with 8 warps")
+    t_layout: gl.constexpr = gl.BlockedLayout([16, 1], [2, 16], [1, num_warps], [0, 1])
     cols_layout: gl.constexpr = gl.SliceLayout(0, layout)
-    # Transposed stores: each thread RB / 2 consecutive rows of one column (contiguous bytes of the cols_t layout).
-    t_layout: gl.constexpr = gl.BlockedLayout([RB // 2, 1], [2, 16], [1, num_warps], [0, 1])
-    smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    c = gl.program_id(0)
-    t = gl.program_id(1)
-    if t < gl.load(num_tiles_ptr):
-        expert = gl.load(tile_expert_ptr + t)
-        row0 = gl.load(tile_row_ptr + t)
-        row_end = gl.load(expert_offsets_ptr + expert + 1)
-        col = c * BC
-        cols = gl.arange(0, BC, layout=cols_layout)
-        ga_s = gl.allocate_shared_memory(ga_ptr.dtype.element_ty, [CHUNKS, RB, BC], smem_layout)
-        g_s = gl.allocate_shared_memory(h_ptr.dtype.element_ty, [CHUNKS, RB, BC], smem_layout)
-        u_s = gl.allocate_shared_memory(h_ptr.dtype.element_ty, [CHUNKS, RB, BC], smem_layout)
-        # Every chunk's copies in flight at once (cp.async, 16 bytes a thread; rows past the expert's end are
-        # zero-filled), one commit group a chunk, so that phase A starts on a chunk as soon as it has landed.
-        for k in gl.static_range(CHUNKS):
-            rows = row0 + k * RB + gl.arange(0, RB, layout=rows_layout)
-            ok = (rows < row_end)[:, None]
-            rows64 = rows.to(gl.int64)
-            _cp_async(ga_s.index(k), ga_ptr + rows64[:, None] * stride_gam + (col + cols)[None, :], mask=ok)
-            h_ptrs = h_ptr + rows64[:, None] * stride_hm + (col + cols)[None, :]
-            _cp_async(g_s.index(k), h_ptrs, mask=ok)
-            _cp_async(u_s.index(k), h_ptrs + I, mask=ok)
-            async_copy.commit_group()
+    stash_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    # dg, du and w * a of one item in fp32: the column outputs are quantised from them once the column scales are
+    # known, so the SwiGLU derivative is evaluated once (3 x 64 KB).
+    dg_s = gl.allocate_shared_memory(gl.float32, [CHUNKS, RB, BC], stash_layout)
+    du_s = gl.allocate_shared_memory(gl.float32, [CHUNKS, RB, BC], stash_layout)
+    aw_s = gl.allocate_shared_memory(gl.float32, [CHUNKS, RB, BC], stash_layout)
+    NC = I // BC
+    total = gl.load(num_tiles_ptr) * NC
+    cols = gl.arange(0, BC, layout=cols_layout)
+    step = gl.num_programs(0)
+    item = gl.program_id(0)
+    t, col, row0, row_end = _item(item, NC, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, item < total)
+    ga_n, g_n, u_n, w_n = _load_chunk(ga_ptr, h_ptr, row_weight_ptr, row0, row_end, col, 0, I, stride_gam,
+                                      stride_hm, RB, layout)
+    while item < total:
+        nxt = item + step
+        t_n, col_n, row0_n, row_end_n = _item(nxt, NC, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
+                                              nxt < total)
         amax_g = gl.zeros([RB, BC], gl.float32, layout)
         amax_u = gl.zeros([RB, BC], gl.float32, layout)
         amax_a = gl.zeros([RB, BC], gl.float32, layout)
-        for k in gl.static_range(CHUNKS):
-            rows = row0 + k * RB + gl.arange(0, RB, layout=rows_layout)
+        c = item % NC
+        for k in range(CHUNKS):
+            ga, g, u, w = ga_n, g_n, u_n, w_n
+            # The next chunk's loads (this item's, or the next item's first) fly while this one is computed.
+            if k + 1 < CHUNKS:
+                ga_n, g_n, u_n, w_n = _load_chunk(ga_ptr, h_ptr, row_weight_ptr, row0, row_end, col, k + 1, I,
+                                                  stride_gam, stride_hm, RB, layout)
+            else:
+                ga_n, g_n, u_n, w_n = _load_chunk(ga_ptr, h_ptr, row_weight_ptr, row0_n, row_end_n, col_n, 0, I,
+                                                  stride_gam, stride_hm, RB, layout)
+            rows = row0 + k * RB + gl.arange(0, RB, layout=gl.SliceLayout(1, layout))
             ok = rows < row_end
             rows64 = rows.to(gl.int64)
-            w = gl.load(row_weight_ptr + rows, mask=ok, other=0.0).to(gl.float32)
-            async_copy.wait_group(CHUNKS - 1 - k)  # this thread's copies of chunk k have landed
-            ga = ga_s.index(k).load(layout).to(gl.float32)
-            g = g_s.index(k).load(layout).to(gl.float32)
-            u = u_s.index(k).load(layout).to(gl.float32)
-            dg, du, aw, dw = _dswiglu_chunk(ga, g, u, w)
+            dg, du, aw, dw = _dswiglu_chunk(ga.to(gl.float32), g.to(gl.float32), u.to(gl.float32),
+                                            w.to(gl.float32))
             gl.store(dw_partial_ptr + c.to(gl.int64) * stride_dwp + rows, gl.sum(dw, axis=1), mask=ok)
             _store_rows_q(dhq_ptr, dhs_ptr, dg, rows64, ok, col, cols, c, stride_dhm, stride_dhsm, POW2)
             _store_rows_q(dhq_ptr, dhs_ptr, du, rows64, ok, I + col, cols, NG + c, stride_dhm, stride_dhsm, POW2)
+            dg_s.index(k).store(dg)
+            du_s.index(k).store(du)
+            aw_s.index(k).store(aw)
             amax_g = gl.maximum(amax_g, gl.abs(dg))
             amax_u = gl.maximum(amax_u, gl.abs(du))
             amax_a = gl.maximum(amax_a, gl.abs(aw))
         s_g = _scale_from_amax(gl.max(amax_g, axis=0), POW2)
         s_u = _scale_from_amax(gl.max(amax_u, axis=0), POW2)
         s_a = _scale_from_amax(gl.max(amax_a, axis=0), POW2)
-        gl.store(dhts_ptr + t.to(gl.int64) * stride_dhtsr + col + cols, s_g)
-        gl.store(dhts_ptr + t.to(gl.int64) * stride_dhtsr + I + col + cols, s_u)
-        gl.store(awts_ptr + t.to(gl.int64) * stride_awtsr + col + cols, s_a)
-        inv_g, inv_u, inv_a = 1.0 / s_g, 1.0 / s_u, 1.0 / s_a
-        for k in gl.static_range(CHUNKS):
-            rows = row0 + k * RB + gl.arange(0, RB, layout=rows_layout)
-            w = gl.load(row_weight_ptr + rows, mask=rows < row_end, other=0.0).to(gl.float32)
-            ga = ga_s.index(k).load(layout).to(gl.float32)
-            g = g_s.index(k).load(layout).to(gl.float32)
-            u = u_s.index(k).load(layout).to(gl.float32)
-            dg, du, aw, _ = _dswiglu_chunk(ga, g, u, w)
-            pos0 = t.to(gl.int64) * TILE_M + k * RB
-            _store_cols_t(dhtq_ptr, dg, inv_g, col, pos0, stride_dhtk, t_layout)
-            _store_cols_t(dhtq_ptr, du, inv_u, I + col, pos0, stride_dhtk, t_layout)
-            _store_cols_t(awtq_ptr, aw, inv_a, col, pos0, stride_awtk, t_layout)
+        t64 = t.to(gl.int64)
+        gl.store(dhts_ptr + t64 * stride_dhtsr + col + cols, s_g)
+        gl.store(dhts_ptr + t64 * stride_dhtsr + I + col + cols, s_u)
+        gl.store(awts_ptr + t64 * stride_awtsr + col + cols, s_a)
+        t_cols: gl.constexpr = gl.SliceLayout(0, t_layout)
+        inv_g = gl.convert_layout(1.0 / s_g, t_cols)
+        inv_u = gl.convert_layout(1.0 / s_u, t_cols)
+        inv_a = gl.convert_layout(1.0 / s_a, t_cols)
+        _barrier()  # every thread's stash writes are visible
+        for k in range(CHUNKS):
+            _store_cols_from_stash(dhtq_ptr, dg_s, k, inv_g, col, t, stride_dhtk, TILE_M, t_layout)
+            _store_cols_from_stash(dhtq_ptr, du_s, k, inv_u, I + col, t, stride_dhtk, TILE_M, t_layout)
+            _store_cols_from_stash(awtq_ptr, aw_s, k, inv_a, col, t, stride_awtk, TILE_M, t_layout)
+        _barrier()  # every thread has read the stash before the next item writes it
+        item, t, col, row0, row_end = nxt, t_n, col_n, row0_n, row_end_n

@@ -37,7 +37,7 @@ from .fp8_ws_launch import (
     ws_gemm_unavailable,
     ws_wgrad_unavailable,
 )
-from .launch import tma_descriptor, tma_readable
+from .launch import _num_sms, tma_descriptor, tma_readable
 from .routing_plan import RoutingPlan, RowQuantization
 from .sizes import cdiv
 
@@ -54,8 +54,9 @@ DSWIGLU_COLS_BLOCK = (QTILE_M, 16, 2)
 # thread, num_warps. 0.318 ms against 0.439 for the Triton launch's best blocks and 0.342 for (16, 1, 4), the same
 # bits (Qwen3-30B-A3B, T = 16384, one H200, scripts/fp8_pass_probe.py: benchmarks/results/fp8_pass_probe_s21.txt).
 DSWIGLU_COLS_GLUON_BLOCK = (32, 2, 4)
-# The one-pass form (kernels/swiglu_grad_fused.py): RB-row chunks of a 128-row tile, num_warps.
-DSWIGLU_FUSED_BLOCK = (16, 8)
+# The one-pass form (kernels/swiglu_grad_fused.py): RB-row chunks of a 128-row tile, num_warps of its persistent
+# programs (one an SM).
+DSWIGLU_FUSED_BLOCK = (32, 8)
 # The x^T / dy^T gather-quantise pass: a 128-row tile x GATHER_COLS_T_BLOCK[0] columns per program, [1] warps (0.241
 # against 0.245 ms for 64 columns, 4 warps; fp8_pass_probe_s16.txt).
 GATHER_COLS_T_BLOCK = (32, 2)
@@ -553,7 +554,7 @@ def fp8_dswiglu(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFor
         aw_t = empty_cols_t(inter, plan, fmt, device)
         dw_partial = torch.empty(ng, num_pairs, dtype=torch.float32, device=device)
         rb, warps = DSWIGLU_FUSED_BLOCK
-        launch(swiglu_backward_fused_kernel, (ng, plan.max_tiles),
+        launch(swiglu_backward_fused_kernel, (max(1, min(_num_sms(device), ng * plan.max_tiles)),),
             g_a, h, plan.row_weight, dh_rows.data, dh_rows.scale, dh_t.data, dh_t.scale, aw_t.data, aw_t.scale,
             dw_partial, *_tile_args(plan), inter, ng, g_a.stride(0), h.stride(0), dh_rows.data.stride(0),
             dh_rows.scale.stride(0), dh_t.data.stride(0), dh_t.scale.stride(0), aw_t.data.stride(0),
