@@ -1,42 +1,33 @@
-"""The quantising SwiGLU backward (``swiglu_grad.swiglu_backward_quantize_kernel``) in one pass (Gluon).
+"""The quantising SwiGLU backward (``swiglu_grad.swiglu_backward_quantize_kernel``) in one pass (Gluon), opt-in.
 
 Same outputs and numerics as the Triton pass for the fp8 format (1 x 128 row groups, 128-row column groups): from
 g_a [P, I] and h = [g | u] [P, 2I] it writes dh = [dg | du] row-scaled, dh^T and (w * a)^T column-scaled in the cols_t
 layout, and dw_partial[c, r] = <g_a, a> over column block c.
 
-Why a second kernel: the Triton pass runs as two launches (row outputs from 16 x 128 blocks, column outputs from
-128 x 64 blocks), so g_a and h are read twice; its one-launch form holds a 128 x 128 block of six fp32 tensors and
-ran slower still (BENCHMARKS.md). Here a program takes one routing tile (128 rows) by one 128-column group and keeps
-its inputs in shared memory:
+Why a second kernel: the layer's two launches (row outputs, then column outputs) read g_a and h twice (~1.85 GB moved
+at Qwen3-30B-A3B, T = 16384, against ~1.1 GB for one pass) and evaluate the SwiGLU derivative twice (~108 SASS
+instructions an element together). Here a persistent program (one an SM) walks work items (a routing tile's 128
+rows by a 128-column group of I):
 
-- the program first issues asynchronous copies (cp.async) of every RB-row chunk of g_a, g and u into shared memory;
-- phase A walks the chunks as they land: computes dg, du and w * a in fp32, quantises dg and du per row and stores them with their scales and the
-  chunk's dw partials, and keeps a running elementwise max of |dg|, |du|, |w * a|;
-- the column scales follow from those maxima (one reduction over the rows);
-- phase B walks the chunks again from shared memory, computes the same fp32 values, quantises them with the column
-  scales and stores them transposed (each thread a run of consecutive rows of one column).
+- the first sweep takes the item in chunks of RB rows, each chunk's inputs loaded into registers while the chunk
+  before is computed (the next item's first chunk during the current item's last); it computes dg, du and w * a in
+  fp32 once, stores dg and du row-scaled with the dw partials, keeps each element's running maximum for the column
+  scales, and stashes the three fp32 values in shared memory (3 x 64 KB);
+- the second sweep quantises the stash with the column scales and stores it transposed, each thread 16 consecutive
+  rows of a column (one 16-byte store).
 
-Each thread reads exactly the shared-memory elements it copied (the copies and both phases use one layout), so
-waiting for its own copies is enough: no barrier. Rows past the tile's expert load zeros: the cols_t layout stores zeros there, and the row
-outputs are not stored. dw_partial sums 128 columns in another order than the Triton pass (its layout differs), so
-it may differ in the last bits; every other output is the same bits. Gluon kernels have no interpreter: this one is
-tested on the GPU against the Triton pass and compiled for sm_90 on the CPU.
+That is ~78 instructions an element (``benchmarks/results/sass_counts_s21.txt``), but the stash leaves room for one
+program of eight warps an SM, too few to keep the SM issuing: it took 0.771 ms against 0.525 for the two launches
+(``scripts/fp8_pass_probe.py``, ``fp8_pass_probe_s21.txt``), and in the layer's profile 752 against 519 us, so the
+layer keeps the two launches (``fp8_launch.fp8_dswiglu``'s ``fused`` is False by default). Two earlier forms were
+slower still (BENCHMARKS.md, fifteenth and twenty-first sessions): the inputs kept in shared memory with layout
+conversions (0.797 ms, 1.110 in the twenty-first session's probe), and a persistent form that evaluated the derivative
+in both sweeps (1.4-3.8 ms).
 
-Measured (Qwen3-30B-A3B, T = 16384, one H200, ``scripts/fp8_pass_probe.py``; benchmarks/results/
-fp8_pass_probe_s15.txt): slower than the two launches, so the layer does not use it (``fp8_launch.fp8_dswiglu``'s
-``fused`` is False by default): with plain loads 0.888 ms against 0.671, with the copies asynchronous 0.797 against
-0.673 (the layer's backward 4.62 against 4.40 ms one call). What it spends that time on is not measured yet; the
-candidates: two programs an SM (128 registers, ~100 KB of shared memory each) with nothing overlapping a program's
-own phases, ~70 barriers a program (each layout conversion and column reduction), and phase B's transposed stores in
-8-byte pieces (16 rows a chunk). In the twenty-first session it took 1.110 ms against 0.527 for the two launches
-(fp8_pass_probe_s21.txt; its quantiser had lost the clamp before the saturating conversion, and the column launch had
-become faster); not looked into further.
-
-A persistent form was tried and dropped in that session (BENCHMARKS.md): one program an SM, the next item's inputs
-copied by cp.async into a second buffer while the program computes, one register layout for the row and the column
-outputs (4 columns of 4 rows a thread), no layout conversions. It took 1.4-3.8 ms: the two sweeps still evaluate the
-SwiGLU derivative twice (~112 SASS instructions an element against ~113 for the two launches together), and eight
-warps an SM with a barrier for each column reduction left the SM idle.
+The arithmetic is the Triton pass's, in its order, so every output is the same bits but dw_partial, whose 128-column
+sums run in another order (last bits). Rows past the tile's expert load zeros: the cols_t layout stores zeros there,
+and the row outputs are not stored. Gluon kernels have no interpreter: this one is tested on the GPU against the
+Triton pass and compiled for sm_90 on the CPU.
 """
 
 from __future__ import annotations

@@ -538,9 +538,9 @@ def fp8_dswiglu(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFor
     ``DSwiGLUOut``. ``fused=False`` (the layer's choice): two launches, ``dswiglu_rows`` then ``dswiglu_cols_t``
     (its Gluon form where it applies); True: the one-pass Gluon kernel (``kernels/swiglu_grad_fused.py``, g_a and h
     read once, the same bits but for dw's last bits) or an error saying why not (``fused_dswiglu_unavailable``);
-    None: that kernel where it applies. It is slower: 0.797 against 0.673 ms for the two launches in
-    ``scripts/fp8_pass_probe.py``, layer backward 4.62 against 4.40 ms (Qwen3-30B-A3B, T = 16384, one H200;
-    benchmarks/results/fp8_pass_probe_s15.txt); 1.110 against 0.527 in fp8_pass_probe_s21.txt."""
+    None: that kernel where it applies. It is slower: 0.771 against 0.525 ms for the two launches in
+    ``scripts/fp8_pass_probe.py``, the layer's backward GPU span 4.115 against 3.869 ms (Qwen3-30B-A3B, T = 16384,
+    one H200; benchmarks/results/fp8_pass_probe_s21.txt, backward_span_s21.txt)."""
     why_not = fused_dswiglu_unavailable(g_a, h, fmt) if fused is not False else "not asked for"
     if why_not is None:
         from ..kernels.swiglu_grad_fused import swiglu_backward_fused_kernel
