@@ -26,7 +26,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .swiglu_grad_cols import _store_cols
+from .swiglu_grad_cols import _column_block, _store_cols
 
 
 @gluon.jit
@@ -45,20 +45,10 @@ def gather_cols_t_kernel(
     store_layout: gl.constexpr = gl.BlockedLayout([16, CPT], [ROW_THREADS, BC // CPT], [num_warps, 1], [0, 1])
     t = gl.program_id(1)
     if t < gl.load(num_tiles_ptr):
-        expert = gl.load(tile_expert_ptr + t)
-        row0 = gl.load(tile_row_ptr + t)
-        row_end = gl.load(expert_offsets_ptr + expert + 1)
-        col = gl.program_id(0) * BC
-        r = gl.arange(0, TILE_M, layout=gl.SliceLayout(1, layout))
-        cols = gl.arange(0, BC, layout=gl.SliceLayout(0, layout))
-        col_ok = (col + cols) < K
-        rows = row0 + r
-        ok = rows < row_end
+        rows, ok, col, cols, col_ok, cols_s, pos = _column_block(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
+                                                                 t, K, TILE_M, BC, layout, store_layout)
         src = gl.load(row_src_ptr + rows, mask=ok, other=0).to(gl.int64)
         x = gl.load(x_ptr + src[:, None] * stride_xm + (col + cols)[None, :], mask=ok[:, None] & col_ok[None, :],
                     other=0.0).to(gl.float32)
-        # The transposed output's offsets (column col + j, tile-space row t * TILE_M + r) in the store layout.
-        r_s = gl.arange(0, TILE_M, layout=gl.SliceLayout(1, store_layout))
-        cols_s = col + gl.arange(0, BC, layout=gl.SliceLayout(0, store_layout))
-        offsets = cols_s.to(gl.int64)[None, :] * stride_qk + (t.to(gl.int64) * TILE_M + r_s)[:, None]
-        _store_cols(q_ptr, s_ptr, x, t, col, cols, col_ok, offsets, (cols_s < K)[None, :], stride_sr, POW2)
+        _store_cols(q_ptr, s_ptr, x, t, col, cols, col_ok, cols_s.to(gl.int64)[None, :] * stride_qk + pos,
+                    (cols_s < K)[None, :], stride_sr, POW2)

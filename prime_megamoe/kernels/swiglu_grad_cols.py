@@ -49,6 +49,23 @@ def _store_cols(q_ptr, s_ptr, x, t, col, cols, col_ok, q_offsets, q_ok, stride_s
 
 
 @gluon.jit
+def _column_block(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, t, n, TILE_M: gl.constexpr, BC: gl.constexpr,
+                  layout: gl.constexpr, store_layout: gl.constexpr):
+    """Program (c, t)'s block: routing tile t by columns [c * BC, c * BC + BC) of n. Returns, in ``layout``, the
+    tile's rows, which of them are its expert's, the first column, the block's columns and which are below n; and in
+    ``store_layout`` (the transposed stores') the column indices col + j and the tile-space rows t * TILE_M + r."""
+    expert = gl.load(tile_expert_ptr + t)
+    row0 = gl.load(tile_row_ptr + t)
+    row_end = gl.load(expert_offsets_ptr + expert + 1)
+    col = gl.program_id(0) * BC
+    rows = row0 + gl.arange(0, TILE_M, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, BC, layout=gl.SliceLayout(0, layout))
+    cols_s = col + gl.arange(0, BC, layout=gl.SliceLayout(0, store_layout))
+    pos = t.to(gl.int64) * TILE_M + gl.arange(0, TILE_M, layout=gl.SliceLayout(1, store_layout))
+    return rows, rows < row_end, col, cols, (col + cols) < n, cols_s, pos[:, None]
+
+
+@gluon.jit
 def swiglu_backward_cols_kernel(
     ga_ptr, h_ptr, row_weight_ptr, dhtq_ptr, dhts_ptr, awtq_ptr, awts_ptr,
     tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
@@ -65,15 +82,8 @@ def swiglu_backward_cols_kernel(
     store_layout: gl.constexpr = gl.BlockedLayout([16, CPT], [ROW_THREADS, BC // CPT], [num_warps, 1], [0, 1])
     t = gl.program_id(1)
     if t < gl.load(num_tiles_ptr):
-        expert = gl.load(tile_expert_ptr + t)
-        row0 = gl.load(tile_row_ptr + t)
-        row_end = gl.load(expert_offsets_ptr + expert + 1)
-        col = gl.program_id(0) * BC
-        r = gl.arange(0, TILE_M, layout=gl.SliceLayout(1, layout))
-        cols = gl.arange(0, BC, layout=gl.SliceLayout(0, layout))
-        col_ok = (col + cols) < I
-        rows = row0 + r
-        ok = rows < row_end
+        rows, ok, col, cols, col_ok, cols_s, pos = _column_block(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
+                                                                 t, I, TILE_M, BC, layout, store_layout)
         rows64 = rows.to(gl.int64)
         w = gl.load(row_weight_ptr + rows, mask=ok, other=0.0).to(gl.float32)
         mask = ok[:, None] & col_ok[None, :]
@@ -83,11 +93,7 @@ def swiglu_backward_cols_kernel(
         g = gl.load(h_ptrs, mask=mask, other=0.0).to(gl.float32)
         u = gl.load(h_ptrs + I, mask=mask, other=0.0).to(gl.float32)
         dg, du, aw, _ = _dswiglu_chunk(ga, g, u, w)
-        # The transposed outputs' offsets (column col + j, tile-space row t * TILE_M + r) in the store layout.
-        r_s = gl.arange(0, TILE_M, layout=gl.SliceLayout(1, store_layout))
-        cols_s = col + gl.arange(0, BC, layout=gl.SliceLayout(0, store_layout))
         q_ok = (cols_s < I)[None, :]
-        pos = (t.to(gl.int64) * TILE_M + r_s)[:, None]
         _store_cols(dhtq_ptr, dhts_ptr, dg, t, col, cols, col_ok, cols_s.to(gl.int64)[None, :] * stride_dhtk + pos,
                     q_ok, stride_dhtsr, POW2)
         _store_cols(dhtq_ptr, dhts_ptr, du, t, I + col, cols, col_ok,
