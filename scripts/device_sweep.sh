@@ -36,6 +36,7 @@
 #   bash scripts/device_sweep.sh s21b       # Gluon gather pass with vector loads: GPU tests, pass probe, layer A/B
 #   bash scripts/device_sweep.sh s21c       # the session's package: GPU tests, layer A/B (profiled), fp8 layer record
 #   bash scripts/device_sweep.sh s21d       # one-pass SwiGLU backward with an fp32 stash: tests, probe, layer with it
+#   bash scripts/device_sweep.sh s21e       # the transposing passes after sharing their set-up: GPU tests, probe
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -408,6 +409,14 @@ case "${1:-}" in
     step pass_probe 150 python scripts/fp8_pass_probe.py
     grep -E "cols|best" "$LOGS/pass_probe.log" | head -20
     layer_ab 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s16f" new base new2 base2 ;;
+  s21e)  # the two transposing Gluon passes after they came to share their block set-up: their GPU tests against
+         # the Triton launches, then the pass probe
+    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_s21e 150 python -m pytest -q tests/test_gather_cols_t.py \
+      tests/test_swiglu_grad_cols.py -k "matches or nothing" -rA
+    tail -3 "$LOGS/pytest_s21e.log"
+    grep -E "^(FAILED|E  )" "$LOGS/pytest_s21e.log" | head -10
+    step pass_probe_s21e 150 python scripts/fp8_pass_probe.py
+    grep -E "Gluon|SwiGLU bwd|best|  " "$LOGS/pass_probe_s21e.log" | tail -22 ;;
   s21d)  # the one-pass SwiGLU backward with dg, du and w * a stashed in shared memory (persistent, one program an
          # SM): its GPU tests against the two launches, the pass probe, then the layer (fp8, fp8_bwd) one call with
          # it (a copy of this tree whose fp8_fc2_dgrad_dswiglu defaults to fused=None) against this tree,
