@@ -37,6 +37,7 @@
 #   bash scripts/device_sweep.sh s21c       # the session's package: GPU tests, layer A/B (profiled), fp8 layer record
 #   bash scripts/device_sweep.sh s21d       # one-pass SwiGLU backward with an fp32 stash: tests, probe, layer with it
 #   bash scripts/device_sweep.sh s21e       # the transposing passes after sharing their set-up: GPU tests, probe
+#   bash scripts/device_sweep.sh s21f       # the session's final package: the fp8 layer record, the graph test
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -409,6 +410,12 @@ case "${1:-}" in
     step pass_probe 150 python scripts/fp8_pass_probe.py
     grep -E "cols|best" "$LOGS/pass_probe.log" | head -20
     layer_ab 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s16f" new base new2 base2 ;;
+  s21f)  # the session's final package: the fp8 layer one call (profiled) and back to back, a second one-call
+         # run, and the CUDA-graph capture test (the ws FC1's quantiser changed)
+    fp8_layer_one_gpu s21f
+    layer_run new 90 "fp8 fp8_bwd" ""
+    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_s21f 120 python -m pytest -q tests/test_mega_moe_gpu.py -k "graph" -rA
+    tail -3 "$LOGS/pytest_s21f.log" ;;
   s21e)  # the two transposing Gluon passes after they came to share their block set-up: their GPU tests against
          # the Triton launches, then the pass probe
     PRIME_MEGAMOE_AUTOTUNE=0 step pytest_s21e 150 python -m pytest -q tests/test_gather_cols_t.py \
