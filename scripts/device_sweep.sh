@@ -38,6 +38,7 @@
 #   bash scripts/device_sweep.sh s21d       # one-pass SwiGLU backward with an fp32 stash: tests, probe, layer with it
 #   bash scripts/device_sweep.sh s21e       # the transposing passes after sharing their set-up: GPU tests, probe
 #   bash scripts/device_sweep.sh s21f       # the session's final package: the fp8 layer record, the graph test
+#   bash scripts/device_sweep.sh s21g       # the one-pass kernel with 16 warps: its GPU tests, the pass probe
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -410,6 +411,14 @@ case "${1:-}" in
     step pass_probe 150 python scripts/fp8_pass_probe.py
     grep -E "cols|best" "$LOGS/pass_probe.log" | head -20
     layer_ab 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s16f" new base new2 base2 ;;
+  s21g)  # the one-pass SwiGLU backward with 16 warps an SM as well as 8: its GPU tests (8 warps, the default; the
+         # second sweep's layout now derived from RB and the warps), then the pass probe with both
+    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_s21g 120 python -m pytest -q tests/test_swiglu_grad_fused.py \
+      -k "matches or nothing" -rA
+    tail -3 "$LOGS/pytest_s21g.log"
+    grep -E "^(FAILED|E  )" "$LOGS/pytest_s21g.log" | head -10
+    step pass_probe_s21g 150 python scripts/fp8_pass_probe.py
+    grep -E "SwiGLU bwd|best|  " "$LOGS/pass_probe_s21g.log" | tail -9 ;;
   s21f)  # the session's final package: the fp8 layer one call (profiled) and back to back, a second one-call
          # run, and the CUDA-graph capture test (the ws FC1's quantiser changed)
     fp8_layer_one_gpu s21f

@@ -31,6 +31,8 @@ COLS_CONFIGS = [(128, 64, 4), (128, 64, 8), (128, 64, 16), (128, 32, 4), (128, 3
 GATHER_CONFIGS = [(64, 4), (64, 8), (32, 4), (32, 2), (16, 4), (128, 8), (128, 16)]
 # (BC, CPT, warps) of the column pass's Gluon form (kernels/swiglu_grad_cols.py), compared with the Triton launch.
 GLUON_COLS_CONFIGS = [(16, 1, 4), (32, 2, 4), (64, 2, 8), (16, 2, 2), (32, 4, 2)]
+# (RB, warps) of the one-pass kernel (kernels/swiglu_grad_fused.py), compared with the two launches.
+FUSED_CONFIGS = [(32, 8), (32, 16)]
 # (BC, CPT, warps) of the gather pass's Gluon form (kernels/gather_cols_t.py), compared with the Triton launch.
 GLUON_GATHER_CONFIGS = [(32, 4, 2), (16, 2, 2), (32, 2, 4), (64, 4, 4), (64, 8, 2), (16, 4, 1)]
 
@@ -124,14 +126,16 @@ def main():
     if fl.fused_dswiglu_unavailable(g_a, h, fmt) is None:
         two = lambda: fl.fp8_dswiglu(g_a, h, plan, fmt, fused=False)  # noqa: E731
         one = lambda: fl.fp8_dswiglu(g_a, h, plan, fmt, fused=True)  # noqa: E731
-        outs = []
-        for label, run in (("two launches", two), ("one pass", one)):
+        default, ref = fl.DSWIGLU_FUSED_BLOCK, None
+        for label, run, cfg in [("two launches", two, default)] + [(f"one pass {c}", one, c) for c in FUSED_CONFIGS]:
+            fl.DSWIGLU_FUSED_BLOCK = cfg
             d = run()
-            outs.append(snapshot([d.dh_rows]) + cols_t(d.dh_t, d.aw_t))
+            out = snapshot([d.dh_rows]) + cols_t(d.dh_t, d.aw_t)
             ms = bench(run)
-            moved = nbytes([g_a, h]) + nbytes(outs[-1])
-            same = label == "two launches" or all(torch.equal(a, b) for a, b in zip(*outs))
-            print(f"{'SwiGLU bwd':12s} {label:14s} {ms:7.3f} {moved / ms / 1e6:6.0f} {same}")
+            ref = ref or out
+            same = all(torch.equal(a, b) for a, b in zip(out, ref))
+            print(f"{'SwiGLU bwd':12s} {label:14s} {ms:7.3f} {(nbytes([g_a, h]) + nbytes(out)) / ms / 1e6:6.0f} {same}")
+        fl.DSWIGLU_FUSED_BLOCK = default
     print("\nbest per pass (ms):")
     for name, (ms, cfg) in best.items():
         print(f"  {name:12s} {ms:7.3f}  {cfg}")

@@ -125,9 +125,12 @@ def swiglu_backward_fused_kernel(
     # First sweep: a thread 8 adjacent columns (one 16-byte load) of RB // (2 * num_warps) rows, a row over 16
     # lanes (its maximum and sum: in-thread, then four shuffles).
     layout: gl.constexpr = gl.BlockedLayout([RB // (2 * num_warps), 8], [2, 16], [num_warps, 1], [1, 0])
-    # Second sweep: a thread 16 consecutive rows of one column (one 16-byte transposed store).
-    gl.static_assert(RB == 32 and num_warps == 8, "the second sweep's layout covers 32 x 128 with 8 warps")
-    t_layout: gl.constexpr = gl.BlockedLayout([16, 1], [2, 16], [1, num_warps], [0, 1])
+    # Second sweep: a thread T_ROWS consecutive rows of one column (one transposed store of T_ROWS bytes), the warps
+    # side by side over the columns.
+    T_ROWS: gl.constexpr = RB * BC // (32 * num_warps)
+    gl.static_assert((32 // (RB // T_ROWS)) * num_warps == BC, "the second sweep's layout must cover RB x 128")
+    t_layout: gl.constexpr = gl.BlockedLayout([T_ROWS, 1], [RB // T_ROWS, 32 // (RB // T_ROWS)], [1, num_warps],
+                                              [0, 1])
     cols_layout: gl.constexpr = gl.SliceLayout(0, layout)
     stash_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     # dg, du and w * a of one item in fp32: the column outputs are quantised from them once the column scales are
