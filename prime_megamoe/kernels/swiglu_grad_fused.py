@@ -17,12 +17,13 @@ rows by a 128-column group of I):
   rows of a column (one 16-byte store).
 
 That is ~78 instructions an element (``benchmarks/results/sass_counts_s21.txt``), but the stash leaves room for one
-program of eight warps an SM, too few to keep the SM issuing: it took 0.771 ms against 0.525 for the two launches
-(``scripts/fp8_pass_probe.py``, ``fp8_pass_probe_s21.txt``), and in the layer's profile 752 against 519 us, so the
-layer keeps the two launches (``fp8_launch.fp8_dswiglu``'s ``fused`` is False by default). Two earlier forms were
-slower still (BENCHMARKS.md, fifteenth and twenty-first sessions): the inputs kept in shared memory with layout
-conversions (0.797 ms, 1.110 in the twenty-first session's probe), and a persistent form that evaluated the derivative
-in both sweeps (1.4-3.8 ms).
+program an SM. With eight warps it ran at ~30% of the SM's issue rate: 0.771 ms against 0.525 for the two launches
+(``scripts/fp8_pass_probe.py``, ``fp8_pass_probe_s21.txt``), and in the layer's profile 752 against 519 us. With
+sixteen warps (125 registers) it took 1.003 ms: the per-item work (column reductions over more warps, the scales)
+grows to ~93 instructions an element in all. So the layer keeps the two launches (``fp8_launch.fp8_dswiglu``'s
+``fused`` is False by default). Two earlier forms were slower still (BENCHMARKS.md, fifteenth and twenty-first
+sessions): the inputs kept in shared memory with layout conversions (0.797 ms, 1.110 in the twenty-first session's
+probe), and a persistent form that evaluated the derivative in both sweeps (1.4-3.8 ms).
 
 The arithmetic is the Triton pass's, in its order, so every output is the same bits but dw_partial, whose 128-column
 sums run in another order (last bits). Rows past the tile's expert load zeros: the cols_t layout stores zeros there,
