@@ -9,17 +9,14 @@ each kernel name's summed time, largest first.
 
 from __future__ import annotations
 
-import gzip
-import json
 import sys
 from collections import defaultdict
 
+from trace_stages import gpu_events  # (scripts/ is on sys.path when run as a script)
+
 
 def backward_kernels(path: str) -> list[dict]:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as fh:
-        events = [e for e in json.load(fh)["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "kernel"]
-    events.sort(key=lambda e: e["ts"])
+    events = gpu_events(path, ("kernel",))
     starts = [i for i, e in enumerate(events) if e["name"].startswith("routing_keys_kernel")]
     if not starts:
         raise SystemExit(f"{path}: no routing kernel, not a layer trace")

@@ -15,12 +15,16 @@ import sys
 from collections import defaultdict
 
 
-def main(path: str) -> None:
+def gpu_events(path: str, categories=("kernel", "gpu_memcpy", "gpu_memset")) -> list[dict]:
+    """The trace's GPU operations of ``categories`` (kernels, copies, memsets), in order of their start."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as fh:
-        events = [e for e in json.load(fh)["traceEvents"]
-                  if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    events.sort(key=lambda e: e["ts"])
+        events = [e for e in json.load(fh)["traceEvents"] if e.get("ph") == "X" and e.get("cat") in categories]
+    return sorted(events, key=lambda e: e["ts"])
+
+
+def main(path: str) -> None:
+    events = gpu_events(path)
     starts = [i for i, e in enumerate(events) if e["name"].startswith("routing_keys_kernel")]
     if len(starts) < 2:
         raise SystemExit("no complete step in this trace (expected two routing kernels per 2F+1B step)")

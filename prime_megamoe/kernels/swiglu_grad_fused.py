@@ -69,23 +69,23 @@ def _store_rows_q(q_ptr, s_ptr, x, rows64, ok, col, cols, s_col, stride_q, strid
 
 
 @gluon.jit
-def _item(item, NC, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, valid):
-    """Work item ``item`` (routing tile item // NC by 128-column group item % NC): its tile, first column, first row
+def _item(item, NC, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, valid, BC: gl.constexpr):
+    """Work item ``item`` (routing tile item // NC by BC-column group item % NC): its tile, first column, first row
     and the end of its expert's rows; with ``valid`` False nothing is read (zeros)."""
     t = item // NC
     row0 = gl.load(tile_row_ptr + t, mask=valid, other=0)
     expert = gl.load(tile_expert_ptr + t, mask=valid, other=0)
     row_end = gl.load(expert_offsets_ptr + expert + 1, mask=valid, other=0)
-    return t, (item % NC) * 128, row0, row_end
+    return t, (item % NC) * BC, row0, row_end
 
 
 @gluon.jit
 def _load_chunk(ga_ptr, h_ptr, row_weight_ptr, row0, row_end, col, k, I, stride_gam, stride_hm,
-                RB: gl.constexpr, layout: gl.constexpr):
+                RB: gl.constexpr, BC: gl.constexpr, layout: gl.constexpr):
     """Rows [k * RB, k * RB + RB) of an item, in ``layout``: g_a, g, u (bf16) and the rows' weights; rows past the
     expert's end (or all, for an item past the end: row_end 0) read zeros, as the Triton pass's masked loads."""
     rows = row0 + k * RB + gl.arange(0, RB, layout=gl.SliceLayout(1, layout))
-    cols = col + gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
+    cols = col + gl.arange(0, BC, layout=gl.SliceLayout(0, layout))
     ok = rows < row_end
     rows64 = rows.to(gl.int64)
     ga = gl.load(ga_ptr + rows64[:, None] * stride_gam + cols[None, :], mask=ok[:, None], other=0.0)
@@ -144,13 +144,13 @@ def swiglu_backward_fused_kernel(
     cols = gl.arange(0, BC, layout=cols_layout)
     step = gl.num_programs(0)
     item = gl.program_id(0)
-    t, col, row0, row_end = _item(item, NC, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, item < total)
+    t, col, row0, row_end = _item(item, NC, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, item < total, BC)
     ga_n, g_n, u_n, w_n = _load_chunk(ga_ptr, h_ptr, row_weight_ptr, row0, row_end, col, 0, I, stride_gam,
-                                      stride_hm, RB, layout)
+                                      stride_hm, RB, BC, layout)
     while item < total:
         nxt = item + step
         t_n, col_n, row0_n, row_end_n = _item(nxt, NC, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
-                                              nxt < total)
+                                              nxt < total, BC)
         amax_g = gl.zeros([RB, BC], gl.float32, layout)
         amax_u = gl.zeros([RB, BC], gl.float32, layout)
         amax_a = gl.zeros([RB, BC], gl.float32, layout)
@@ -160,10 +160,10 @@ def swiglu_backward_fused_kernel(
             # The next chunk's loads (this item's, or the next item's first) fly while this one is computed.
             if k + 1 < CHUNKS:
                 ga_n, g_n, u_n, w_n = _load_chunk(ga_ptr, h_ptr, row_weight_ptr, row0, row_end, col, k + 1, I,
-                                                  stride_gam, stride_hm, RB, layout)
+                                                  stride_gam, stride_hm, RB, BC, layout)
             else:
                 ga_n, g_n, u_n, w_n = _load_chunk(ga_ptr, h_ptr, row_weight_ptr, row0_n, row_end_n, col_n, 0, I,
-                                                  stride_gam, stride_hm, RB, layout)
+                                                  stride_gam, stride_hm, RB, BC, layout)
             rows = row0 + k * RB + gl.arange(0, RB, layout=gl.SliceLayout(1, layout))
             ok = rows < row_end
             rows64 = rows.to(gl.int64)

@@ -290,6 +290,18 @@ def empty_cols_t(n: int, plan: RoutingPlan, fmt: QFormat, device) -> QTensor:
     )
 
 
+def _use_form(asked: bool | None, flag: str, what: str, why_not, *args, **kwargs) -> bool:
+    """Whether a launcher runs a kernel's other form (warp-specialised, Gluon, one-pass), as its ``flag`` argument
+    ``asked`` says: False: no (``why_not`` is not called); None: where ``why_not(*args, **kwargs)`` gives None;
+    True: yes, or a ValueError naming the flag, ``what`` and the reason."""
+    if asked is False:
+        return False
+    reason = why_not(*args, **kwargs)
+    if asked and reason is not None:
+        raise ValueError(f"{flag}=True: {what} cannot run here: {reason}")
+    return reason is None
+
+
 def gluon_gather_unavailable(x: torch.Tensor, fmt: QFormat) -> str | None:
     """Why the gather pass's Gluon form (``kernels/gather_cols_t.py``) cannot run, or None when it can."""
     if x.device.type != "cuda":
@@ -305,16 +317,14 @@ def quantize_sorted_cols_t(x: torch.Tensor, plan: RoutingPlan, fmt: QFormat, *, 
     quantised in one pass, with exactly the numerics of the in-epilogue column quantiser. ``gluon`` None: the Gluon
     form (``kernels/gather_cols_t.py``, the same bits) where ``gluon_gather_unavailable`` says it applies, else the
     Triton launch; True: the Gluon form or an error saying why not; False: the Triton launch."""
-    why_not = gluon_gather_unavailable(x, fmt) if gluon is not False else "not asked for"
-    if gluon and why_not is not None:
-        raise ValueError(f"gluon=True: the Gluon gather pass cannot run here: {why_not}")
+    use_gluon = _use_form(gluon, "gluon", "the Gluon gather pass", gluon_gather_unavailable, x, fmt)
     _check_tile_space_plan(plan)
     if x.dim() != 2 or x.shape[0] != plan.num_rows:
         raise ValueError(f"x must be [{plan.num_rows}, K] (the plan's source rows), got {list(x.shape)}")
     x = x.contiguous()
     k = x.shape[1]
     out = empty_cols_t(k, plan, fmt, x.device)
-    if why_not is None:
+    if use_gluon:
         from ..kernels.gather_cols_t import gather_cols_t_kernel
 
         bc, cpt, warps = GATHER_COLS_T_GLUON_BLOCK
@@ -375,14 +385,10 @@ def fp8_fc1_swiglu(xq: QTensor, w1q: QTensor, plan: RoutingPlan, fmt: QFormat, *
     a_s = torch.empty(num_pairs, ng_out, dtype=fmt.scale_dtype, device=xq.data.device)
     save_h = h_dtype is not None
     h = torch.empty(num_pairs, 2 * inter, dtype=h_dtype, device=xq.data.device) if save_h else a_s
-    if use_ws is not False:
-        why_not = ws_fc1_unavailable(xq.data, w1q.data, mx=fmt.mx, group=fmt.group, weight_rows=fmt.weight_rows,
-                                     inter=inter)
-        if why_not is None:
-            fp8_fc1_swiglu_ws(xq, w1q, plan, h if save_h else None, aq, a_s, inter=inter, pow2=fmt.pow2)
-            return (h if save_h else None), QTensor(aq, a_s)
-        if use_ws:
-            raise ValueError(f"use_ws=True: the warp-specialised fp8 FC1 + SwiGLU cannot run here: {why_not}")
+    if _use_form(use_ws, "use_ws", "the warp-specialised fp8 FC1 + SwiGLU", ws_fc1_unavailable, xq.data, w1q.data,
+                 mx=fmt.mx, group=fmt.group, weight_rows=fmt.weight_rows, inter=inter):
+        fp8_fc1_swiglu_ws(xq, w1q, plan, h if save_h else None, aq, a_s, inter=inter, pow2=fmt.pow2)
+        return (h if save_h else None), QTensor(aq, a_s)
     up_scale_off = cdiv(inter, fmt.weight_rows)
     b_desc = _weight_descriptor(w1q, use_tma)
     launch(fp8_fc1_swiglu_kernel, _tile_grid(plan, inter),
@@ -408,13 +414,10 @@ def fp8_grouped_gemm(aq: QTensor, bq: QTensor, plan: RoutingPlan, fmt: QFormat, 
     n, k_total = bq.data.shape[1], bq.data.shape[2]
     k = k_total // segments
     c = torch.empty(plan.num_pairs, n, dtype=out_dtype, device=aq.data.device)
-    if use_ws is not False:
-        why_not = ws_gemm_unavailable(aq.data, bq.data, mx=fmt.mx, gather=gather, segments=segments, k=k)
-        if why_not is None:
-            fp8_grouped_gemm_ws(aq, bq, plan, c, segments=segments, row_scale=row_scale, gather=gather)
-            return c
-        if use_ws:
-            raise ValueError(f"use_ws=True: the warp-specialised fp8 GEMM cannot run here: {why_not}")
+    if _use_form(use_ws, "use_ws", "the warp-specialised fp8 GEMM", ws_gemm_unavailable, aq.data, bq.data,
+                 mx=fmt.mx, gather=gather, segments=segments, k=k):
+        fp8_grouped_gemm_ws(aq, bq, plan, c, segments=segments, row_scale=row_scale, gather=gather)
+        return c
     b_desc = _weight_descriptor(bq, use_tma)
     a_tma = b_desc is not None and not gather and (segments == 1 or k % 128 == 0) and (
         use_tma or tma_readable(aq.data))
@@ -481,14 +484,12 @@ def dswiglu_rows(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan,
 
 
 def gluon_cols_unavailable(g_a: torch.Tensor, h: torch.Tensor, fmt: QFormat) -> str | None:
-    """Why the column launch's Gluon form (``kernels/swiglu_grad_cols.py``) cannot run, or None when it can."""
-    if g_a.device.type != "cuda":
-        return "it runs on a CUDA GPU only (Gluon kernels have no interpreter)"
-    if fmt.mx or fmt.group != QTILE_M:
-        return f"it takes the fp8 format ({QTILE_M}-row column groups, fp32 scales), not mx"
-    if g_a.stride(1) != 1 or h.stride(1) != 1:
+    """Why the column launch's Gluon form (``kernels/swiglu_grad_cols.py``) cannot run, or None when it can: the
+    gather pass's reasons (the same kind of kernel), then contiguous rows."""
+    why_not = gluon_gather_unavailable(g_a, fmt)
+    if why_not is None and (g_a.stride(1) != 1 or h.stride(1) != 1):
         return "g_a's and h's rows must be contiguous"
-    return None
+    return why_not
 
 
 def dswiglu_cols_t(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFormat, *,
@@ -497,14 +498,12 @@ def dswiglu_cols_t(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: Q
     layout, the K-major operands of the two weight gradients. ``gluon`` None: the Gluon form
     (``kernels/swiglu_grad_cols.py``, the same bits) where ``gluon_cols_unavailable`` says it applies, else the
     Triton launch; True: the Gluon form or an error saying why not; False: the Triton launch."""
-    why_not = gluon_cols_unavailable(g_a, h, fmt) if gluon is not False else "not asked for"
-    if gluon and why_not is not None:
-        raise ValueError(f"gluon=True: the Gluon column pass cannot run here: {why_not}")
+    use_gluon = _use_form(gluon, "gluon", "the Gluon column pass", gluon_cols_unavailable, g_a, h, fmt)
     _check_tile_space_plan(plan)
     inter, device = g_a.shape[1], g_a.device
     dh_t = empty_cols_t(2 * inter, plan, fmt, device)
     aw_t = empty_cols_t(inter, plan, fmt, device)
-    if why_not is None:
+    if use_gluon:
         from ..kernels.swiglu_grad_cols import swiglu_backward_cols_kernel
 
         bc, cpt, warps = DSWIGLU_COLS_GLUON_BLOCK
@@ -541,8 +540,7 @@ def fp8_dswiglu(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFor
     None: that kernel where it applies. It is slower: 0.771 against 0.525 ms for the two launches in
     ``scripts/fp8_pass_probe.py``, the layer's backward GPU span 4.115 against 3.869 ms (Qwen3-30B-A3B, T = 16384,
     one H200; benchmarks/results/fp8_pass_probe_s21.txt, backward_span_s21.txt)."""
-    why_not = fused_dswiglu_unavailable(g_a, h, fmt) if fused is not False else "not asked for"
-    if why_not is None:
+    if _use_form(fused, "fused", "the one-pass SwiGLU backward", fused_dswiglu_unavailable, g_a, h, fmt):
         from ..kernels.swiglu_grad_fused import swiglu_backward_fused_kernel
 
         _check_tile_space_plan(plan)
@@ -562,8 +560,6 @@ def fp8_dswiglu(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFor
             POW2=fmt.pow2, TILE_M=QTILE_M, RB=rb, num_warps=warps,
         )
         return DSwiGLUOut(dh_rows, dh_t, aw_t, dw_partial.sum(0))
-    if fused:
-        raise ValueError(f"fused=True: the one-pass SwiGLU backward cannot run here: {why_not}")
     dh_rows, dw_row = dswiglu_rows(g_a, h, plan, fmt)
     dh_t, aw_t = dswiglu_cols_t(g_a, h, plan, fmt)
     return DSwiGLUOut(dh_rows, dh_t, aw_t, dw_row)
@@ -607,13 +603,10 @@ def fp8_grouped_wgrad(a_t: QTensor, b_t: QTensor, plan: RoutingPlan, fmt: QForma
             )
     if out.shape != (plan.num_local_experts, m, n):
         raise ValueError(f"out must be [{plan.num_local_experts}, {m}, {n}], got {list(out.shape)}")
-    if use_ws is not False:
-        why_not = ws_wgrad_unavailable(a_t.data, b_t.data, mx=fmt.mx)
-        if why_not is None:
-            fp8_grouped_wgrad_ws(a_t, b_t, out, expert_tiles=expert_tiles)
-            return out
-        if use_ws:
-            raise ValueError(f"use_ws=True: the warp-specialised fp8 weight gradient cannot run here: {why_not}")
+    if _use_form(use_ws, "use_ws", "the warp-specialised fp8 weight gradient", ws_wgrad_unavailable, a_t.data,
+                 b_t.data, mx=fmt.mx):
+        fp8_grouped_wgrad_ws(a_t, b_t, out, expert_tiles=expert_tiles)
+        return out
     if use_tma is None:
         use_tma = tma_readable(a_t.data) and tma_readable(b_t.data)
     a_desc, b_desc = (tma_descriptor(a_t.data), tma_descriptor(b_t.data)) if use_tma else (None, None)
