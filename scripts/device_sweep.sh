@@ -39,6 +39,7 @@
 #   bash scripts/device_sweep.sh s21e       # the transposing passes after sharing their set-up: GPU tests, probe
 #   bash scripts/device_sweep.sh s21f       # the session's final package: the fp8 layer record, the graph test
 #   bash scripts/device_sweep.sh s21g       # the one-pass kernel with 16 warps: its GPU tests, the pass probe
+#   bash scripts/device_sweep.sh s22a       # pipelined promotion in the ws GEMMs: GPU tests, probe
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -411,6 +412,16 @@ case "${1:-}" in
     step pass_probe 150 python scripts/fp8_pass_probe.py
     grep -E "cols|best" "$LOGS/pass_probe.log" | head -20
     layer_ab 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s16f" new base new2 base2 ;;
+  s22a)  # pipelined promotion (WS_CONFIGS[6]: each step's promotion under the next step's wgmma): the ws GEMMs'
+         # GPU tests (every config against the Triton kernels), then the probe: configs 0 (128 columns), 1 (the
+         # default, 256 columns) and 6 (pipelined) on every ws GEMM of the layer
+    PRIME_MEGAMOE_AUTOTUNE=0 step pytest_s22a 240 python -m pytest -q tests/test_fp8_gemm_ws.py -m gpu \
+      -k "matches or nothing" -rA
+    tail -3 "$LOGS/pytest_s22a.log"
+    grep -E "^(FAILED|E  )" "$LOGS/pytest_s22a.log" | head -10
+    step probe_s22a 200 python scripts/fp8_probe.py --ws-only --gemms FC2 "FC2 dgrad" "FC1 dgrad" dW1 dW2 \
+      --configs 0 1 6
+    tail -24 "$LOGS/probe_s22a.log" ;;
   s21g)  # the one-pass SwiGLU backward with 16 warps an SM as well as 8: its GPU tests (8 warps, the default; the
          # second sweep's layout now derived from RB and the warps), then the pass probe with both
     PRIME_MEGAMOE_AUTOTUNE=0 step pytest_s21g 120 python -m pytest -q tests/test_swiglu_grad_fused.py \

@@ -121,6 +121,7 @@ def resource_usage(kernel, constexprs: dict, num_warps: int, num_stages: int, dt
     if sass:
         use["sass_counts"] = sass_counts(listing)
         use["sass_loops"] = sass_loops(listing)
+        use["sass_listing"] = listing
     return use
 
 
@@ -175,6 +176,7 @@ def main():
     p.add_argument("--types", default="{}", help='JSON object of argument types by name, e.g. {"as_ptr": "*fp32"}')
     p.add_argument("--maxnreg", type=int, default=None, help="launch-time register cap (warp-specialised kernels)")
     p.add_argument("--sass", action="store_true", help="also print static SASS instruction counts by opcode")
+    p.add_argument("--listing", default=None, help="with --sass: write the SASS listing to this file")
     args = p.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: the interpreter has no compiled kernels")
@@ -201,6 +203,9 @@ def main():
             print(f"  SASS: {sum(counts.values())} instructions; " + ", ".join(f"{k} {v}" for k, v in counts.items()))
             loops = ", ".join(f"{n} at {first:#x}" for first, n in use["sass_loops"]) or "none"
             print(f"  loops (instructions a trip, first address): {loops}")
+            if args.listing:
+                with open(args.listing, "w") as f:
+                    f.write(use["sass_listing"])
 
 
 if __name__ == "__main__":
