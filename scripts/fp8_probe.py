@@ -193,8 +193,7 @@ def main():
         same = all(torch.equal(a, b) for a, b in zip(out, ref))
         diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(out, ref))
         desc = (f"{cfg.block_m}x{cfg.block_n}x128 w{cfg.num_warps}{'+4' if cfg.halves == 2 else ''}+1 s{cfg.stages}"
-                f"{' tmast' if cfg.tma_store else ''}{' sfirst' if cfg.scales_first else ''}"
-                f"{' pipe' if cfg.pipelined else ''}")
+                f"{' tmast' if cfg.tma_store else ''}{' sfirst' if cfg.scales_first else ''}")
         print(f"{label:14s} {desc:32s} {ms:7.3f} {flop[name] / ms / 1e9:8.1f} {same} (max diff {diff:.3g})")
         if ms < best[name][0]:
             best[name] = (ms, f"ws {desc}")

@@ -233,76 +233,6 @@ def _mma_step2(acc0, acc1, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, m
 
 
 @gluon.jit
-def _issue_part(a_buf, b_buf, spare, PART: gl.constexpr):
-    """Column part PART of one step's wgmma, issued into ``spare``'s registers (their values are not read:
-    use_acc=False), so no instruction writes a fresh tile's registers while another wgmma runs."""
-    SUB_N: gl.constexpr = spare.type.shape[1]
-    return warpgroup_mma(a_buf, b_buf.slice(PART * SUB_N, SUB_N).permute((1, 0)), spare, use_acc=False,
-                         is_async=True)
-
-
-@gluon.jit
-def _promote_pending(acc, pending, sa_buf, sb_buf, mma_layout: gl.constexpr, HALF: gl.constexpr,
-                     OUTSTANDING: gl.constexpr, OUTER: gl.constexpr):
-    """Wait until at most OUTSTANDING wgmma groups (the ones issued after ``pending``'s) are in flight, then add
-    ``pending`` scaled by its step's scales (read from its stage) to ``acc``: one per row (A's) times B's block scale
-    staged per row, or with OUTER (the weight gradient) one per row times one per column. Returns acc and the
-    waited tile, whose registers a later issue reuses."""
-    BLOCK_M: gl.constexpr = acc.type.shape[0]
-    SUB_N: gl.constexpr = acc.type.shape[1]
-    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-    done = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(pending, ))
-    sa = sa_buf.slice(HALF * BLOCK_M, BLOCK_M).load(row_layout)
-    if OUTER:
-        sb = sb_buf.slice(0, SUB_N).load(gl.SliceLayout(0, mma_layout))
-        acc = acc + done * (sa[:, None] * sb[None, :])
-    else:
-        sb = sb_buf.slice(HALF * BLOCK_M, BLOCK_M).load(row_layout)
-        acc = acc + done * (sa * sb)[:, None]
-    return acc, done
-
-
-@gluon.jit
-def _pipelined_steps(acc, slot0, slot1, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout: gl.constexpr,
-                     HALF: gl.constexpr, HALVES: gl.constexpr, GATHER: gl.constexpr, OUTER: gl.constexpr,
-                     STEPS: gl.constexpr):
-    """Ring steps it .. it + STEPS - 1 (one 128-column part) added to ``acc``, each step's promotion under the next
-    step's wgmma: step j runs in slot j % 2 (``slot0`` / ``slot1``: waited tiles whose registers the wgmma reuses)
-    and is waited for and promoted once step j + 1 is issued; the last one is waited for at the end. The steps are
-    unrolled, so no tile in flight is a loop-carried value: a register copy of one (a loop's back edge) makes ptxas
-    serialise every wgmma of the kernel (C7514). Returns acc and the two waited slots."""
-    STAGES: gl.constexpr = b_bufs.type.shape[0]
-    s_prev = it % STAGES
-    mbarrier.wait(ready.index(s_prev), (it // STAGES) & 1)
-    if GATHER:  # A was written by cp.async (the generic proxy); the wgmma reads it through the async proxy
-        fence_async_shared()
-    slot0 = _issue_part(a_bufs.index(HALVES * s_prev + HALF), b_bufs.index(s_prev), slot0, 0)
-    for j in gl.static_range(1, STEPS):
-        s = (it + j) % STAGES
-        mbarrier.wait(ready.index(s), ((it + j) // STAGES) & 1)
-        if GATHER:
-            fence_async_shared()
-        if j % 2 == 1:
-            slot1 = _issue_part(a_bufs.index(HALVES * s + HALF), b_bufs.index(s), slot1, 0)
-            acc, slot0 = _promote_pending(acc, slot0, sa_bufs.index(s_prev), sb_bufs.index(s_prev), mma_layout, HALF,
-                                          1, OUTER)
-        else:
-            slot0 = _issue_part(a_bufs.index(HALVES * s + HALF), b_bufs.index(s), slot0, 0)
-            acc, slot1 = _promote_pending(acc, slot1, sa_bufs.index(s_prev), sb_bufs.index(s_prev), mma_layout, HALF,
-                                          1, OUTER)
-        mbarrier.arrive(empty.index(s_prev), count=1)
-        s_prev = s
-    if (STEPS - 1) % 2 == 0:
-        acc, slot0 = _promote_pending(acc, slot0, sa_bufs.index(s_prev), sb_bufs.index(s_prev), mma_layout, HALF, 0,
-                                      OUTER)
-    else:
-        acc, slot1 = _promote_pending(acc, slot1, sa_bufs.index(s_prev), sb_bufs.index(s_prev), mma_layout, HALF, 0,
-                                      OUTER)
-    mbarrier.arrive(empty.index(s_prev), count=1)
-    return acc, slot0, slot1
-
-
-@gluon.jit
 def _store_by_tma(out, c_desc, c_smem, row, col):
     """``out`` to ``c_desc`` at [row, col] through shared memory and a TMA store, which runs while the partition
     goes on to its next tile (the previous tile's store has long left the buffer; waited for anyway)."""
@@ -338,9 +268,9 @@ def _mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_sme
                    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N, K, stride_cm,
                    SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, TILE_M: gl.constexpr, HALF: gl.constexpr,
                    HALVES: gl.constexpr, TMA_STORE: gl.constexpr, GATHER: gl.constexpr,
-                   SCALES_FIRST: gl.constexpr, SUBS: gl.constexpr, PIPE_STEPS: gl.constexpr):
+                   SCALES_FIRST: gl.constexpr, SUBS: gl.constexpr):
     """Rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of every tile of this program (HALVES partitions split a tile),
-    in SUBS column parts; PIPE_STEPS > 0: each tile's PIPE_STEPS steps pipelined (``_pipelined_steps``, SUBS = 1)."""
+    in SUBS column parts."""
     num_warps: gl.constexpr = gl.num_warps()
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     TILE_ROWS: gl.constexpr = HALVES * BLOCK_M
@@ -366,9 +296,6 @@ def _mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_sme
     if SCALE_ROWS:
         rs_next = gl.load(row_scale_ptr + rows, mask=rows < M, other=0.0).to(gl.float32)
     it = 0
-    if PIPE_STEPS > 0:  # the two slots' registers, reused by every tile
-        slot0 = gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout)
-        slot1 = gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout)
     for t in range(gl.program_id(0), total, programs):
         row0_n, col0_n, row_end_n = _tile_with_end(gl.minimum(t + programs, total - 1), n_col_tiles, tile_expert_ptr,
                                                    tile_row_ptr, expert_offsets_ptr, TILE_ROWS, BLOCK_N, TILE_M)
@@ -376,17 +303,7 @@ def _mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_sme
         # Each step's MMA into a fresh fp32 tile, waited for, then scaled and added. (Waiting for the previous step's
         # only, with the next in flight, makes ptxas serialise every wgmma of the kernel: a wgmma's accumulator
         # registers must not be written while another wgmma runs, and each fresh tile is.)
-        if PIPE_STEPS > 0:
-            gl.static_assert(SUBS == 1, "the pipelined steps take one 128-column part a tile")
-            acc = gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout)
-            acc, slot0, slot1 = _pipelined_steps(acc, slot0, slot1, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it,
-                                                 mma_layout, HALF, HALVES, GATHER, False, PIPE_STEPS)
-            it += PIPE_STEPS
-            if SCALE_ROWS:
-                acc = acc * rs_next[:, None]
-            _store_part(acc.to(c_ptr.dtype.element_ty), c_desc, c_smem, c_ptr, row_s0, col0, row_end, N, stride_cm,
-                        TMA_STORE)
-        elif SUBS == 1:
+        if SUBS == 1:
             acc = gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout)
             for j in range(n_steps):
                 acc = _mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout, HALF, HALVES,
@@ -458,7 +375,7 @@ def fp8_grouped_gemm_ws_kernel(
     SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, B_GROUP_N: gl.constexpr, STAGES: gl.constexpr,
     TILE_M: gl.constexpr, HALVES: gl.constexpr, TMA_STORE: gl.constexpr, GATHER: gl.constexpr,
     SCALES_FIRST: gl.constexpr, SUBS: gl.constexpr, LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,
-    MMA_REGS: gl.constexpr, num_warps: gl.constexpr, PIPE_STEPS: gl.constexpr = 0,
+    MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """HALVES = 1: one MMA partition (``num_warps`` warps, 64 rows a warp group) computes each tile. HALVES = 2: two
     4-warp MMA partitions (the default one and a worker with MMA_REGS registers) compute the two 64-row halves of
@@ -477,7 +394,7 @@ def fp8_grouped_gemm_ws_kernel(
             (_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
                               row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N,
                               K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 0, HALVES, TMA_STORE, GATHER,
-                              SCALES_FIRST, SUBS, PIPE_STEPS)),
+                              SCALES_FIRST, SUBS)),
             (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_ptr, row_src_ptr,
                                as_ptr, bs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, N, K, NKG, stride_am,
                                stride_asm, stride_bse, stride_bsn, SEGS, B_GROUP_N, TILE_M, HALVES, GATHER,
@@ -488,11 +405,11 @@ def fp8_grouped_gemm_ws_kernel(
             (_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
                               row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N,
                               K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 0, HALVES, TMA_STORE, GATHER,
-                              SCALES_FIRST, SUBS, PIPE_STEPS)),
+                              SCALES_FIRST, SUBS)),
             (_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(1), c_ptr,
                               row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N,
                               K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 1, HALVES, TMA_STORE, GATHER,
-                              SCALES_FIRST, SUBS, PIPE_STEPS)),
+                              SCALES_FIRST, SUBS)),
             (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_ptr, row_src_ptr,
                                as_ptr, bs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, N, K, NKG, stride_am,
                                stride_asm, stride_bse, stride_bsn, SEGS, B_GROUP_N, TILE_M, HALVES, GATHER,

@@ -36,7 +36,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .fp8_gemm_ws import _allocate_stages, _cp_async, _pipelined_steps, _store_by_tma, _tma_load
+from .fp8_gemm_ws import _allocate_stages, _cp_async, _store_by_tma, _tma_load
 
 
 @gluon.jit
@@ -130,29 +130,6 @@ def _wgrad_mma_step2(acc0, acc1, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
 
 
 @gluon.jit
-def _wgrad_pipelined_tile(steps, slot0, slot1, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it,
-                          mma_layout: gl.constexpr, HALF: gl.constexpr, HALVES: gl.constexpr, CHUNK: gl.constexpr):
-    """One output tile's ``steps`` row tiles (one 128-column part) with each step's promotion under the next step's
-    wgmma (``fp8_gemm_ws._pipelined_steps``) within chunks of CHUNK steps, then the rest (fewer than CHUNK) in one
-    more: each chunk is unrolled and ends waited for, because a tile in flight carried across a loop's back edge is
-    copied, which makes ptxas serialise every wgmma. Returns the tile, the two waited slots and the ring position
-    after the tile."""
-    acc = gl.zeros(slot0.type.shape, gl.float32, mma_layout)
-    left = steps
-    while left >= CHUNK:
-        acc, slot0, slot1 = _pipelined_steps(acc, slot0, slot1, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it,
-                                             mma_layout, HALF, HALVES, False, True, CHUNK)
-        it += CHUNK
-        left -= CHUNK
-    for rest in gl.static_range(1, CHUNK):
-        if left == rest:
-            acc, slot0, slot1 = _pipelined_steps(acc, slot0, slot1, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
-                                                 it, mma_layout, HALF, HALVES, False, True, rest)
-    it += left
-    return acc, slot0, slot1, it
-
-
-@gluon.jit
 def _wgrad_store(acc, c_desc, c_smem, c_ptr, expert, row_s0, col0, M, N, stride_ce, stride_cm, stride_cn,
                  TMA_STORE: gl.constexpr):
     """One partition's rows of one column part of an output tile: by TMA, or from registers with masks."""
@@ -176,10 +153,8 @@ def _wgrad_store(acc, c_desc, c_smem, c_ptr, expert, row_s0, col0, M, N, stride_
 @gluon.jit
 def _wgrad_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_smem, c_ptr, expert_tiles_ptr,
                          M, N, E, stride_ce, stride_cm, stride_cn, HALF: gl.constexpr, HALVES: gl.constexpr,
-                         SUBS: gl.constexpr, TMA_STORE: gl.constexpr, PIPE: gl.constexpr):
-    """Rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of every output tile of this program, in SUBS column parts;
-    PIPE > 0: each step's promotion under the next step's wgmma, in chunks of PIPE steps
-    (``_wgrad_pipelined_tile``, SUBS = 1)."""
+                         SUBS: gl.constexpr, TMA_STORE: gl.constexpr):
+    """Rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of every output tile of this program, in SUBS column parts."""
     num_warps: gl.constexpr = gl.num_warps()
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]  # the whole tile's columns
@@ -197,9 +172,6 @@ def _wgrad_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc,
     steps = (gl.load(expert_tiles_ptr + expert + 1, mask=total > 0, other=0)
              - gl.load(expert_tiles_ptr + expert, mask=total > 0, other=0))
     it = 0
-    if PIPE > 0:  # the two slots' registers, reused by every tile
-        slot0 = gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout)
-        slot1 = gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout)
     for t in range(gl.program_id(0), total, programs):
         expert_n, m0_n, n0_n = _wgrad_tile_of(gl.minimum(t + programs, total - 1), m_tiles, n_tiles, TILE_ROWS,
                                               BLOCK_N)
@@ -209,13 +181,7 @@ def _wgrad_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc,
         # is only an inner for loop's bound by its first value (every tile then ran the first tile's step count:
         # wrong sums, or a hang when the counts differ in total; scripts/fp8_ws_smoke.py found it).
         j = 0
-        if PIPE > 0:
-            gl.static_assert(SUBS == 1, "the pipelined steps take one 128-column part a tile")
-            acc, slot0, slot1, it = _wgrad_pipelined_tile(steps, slot0, slot1, a_bufs, b_bufs, sa_bufs, sb_bufs,
-                                                          ready, empty, it, mma_layout, HALF, HALVES, PIPE)
-            _wgrad_store(acc, c_desc, c_smem, c_ptr, expert, row_s0, n0, M, N, stride_ce, stride_cm, stride_cn,
-                         TMA_STORE)
-        elif SUBS == 1:
+        if SUBS == 1:
             acc = gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout)
             while j < steps:
                 acc = _wgrad_mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout, HALF,
@@ -247,7 +213,7 @@ def fp8_grouped_wgrad_ws_kernel(
     a_desc, b_desc, c_desc, as_ptr, bs_ptr, c_ptr, expert_tiles_ptr,
     M, N, E, stride_asr, stride_bsr, stride_ce, stride_cm, stride_cn,
     STAGES: gl.constexpr, HALVES: gl.constexpr, SUBS: gl.constexpr, TMA_STORE: gl.constexpr,
-    LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr, PIPE: gl.constexpr = 0,
+    LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """HALVES = 1: one MMA partition of ``num_warps`` warps; HALVES = 2: two 4-warp partitions (the default one and
     a worker with MMA_REGS registers) on the two 64-row halves of each output tile, from the same B buffers. SUBS:
@@ -261,7 +227,7 @@ def fp8_grouped_wgrad_ws_kernel(
         gl.warp_specialize([
             (_wgrad_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
                                     expert_tiles_ptr, M, N, E, stride_ce, stride_cm, stride_cn, 0, HALVES,
-                                    SUBS, TMA_STORE, PIPE)),
+                                    SUBS, TMA_STORE)),
             (_wgrad_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, as_ptr, bs_ptr,
                                      expert_tiles_ptr, M, N, E, stride_asr, stride_bsr, HALVES)),
         ], [1], [LOAD_REGS])
@@ -269,10 +235,10 @@ def fp8_grouped_wgrad_ws_kernel(
         gl.warp_specialize([
             (_wgrad_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
                                     expert_tiles_ptr, M, N, E, stride_ce, stride_cm, stride_cn, 0, HALVES,
-                                    SUBS, TMA_STORE, PIPE)),
+                                    SUBS, TMA_STORE)),
             (_wgrad_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(1), c_ptr,
                                     expert_tiles_ptr, M, N, E, stride_ce, stride_cm, stride_cn, 1, HALVES,
-                                    SUBS, TMA_STORE, PIPE)),
+                                    SUBS, TMA_STORE)),
             (_wgrad_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, as_ptr, bs_ptr,
                                      expert_tiles_ptr, M, N, E, stride_asr, stride_bsr, HALVES)),
         ], [4, 1], [MMA_REGS, LOAD_REGS])

@@ -50,9 +50,7 @@ class WSConfig:
     fit beside the ring; other outputs are stored from registers, the same values). scales_first: each step reads
     its scales before issuing its wgmma (see ``_mma_step``): no faster (fp8_probe_s14.txt), so not the default.
     subs = 2: 256-column tiles whose two 128-column parts each MMA partition computes in turn, one accumulator
-    each, so that every A box is read once per 256 output columns. pipelined (subs = 1): each step's promotion runs
-    while the next step's wgmma does, in the same MMA partition (two fresh tiles in turn; the row-tiled GEMM's steps
-    unrolled, the weight gradient's in unrolled chunks of ``WS_WGRAD_PIPE_CHUNK``)."""
+    each, so that every A box is read once per 256 output columns."""
 
     block_m: int = 128
     stages: int = 4
@@ -60,11 +58,6 @@ class WSConfig:
     tma_store: bool = False
     scales_first: bool = False
     subs: int = 1
-    pipelined: bool = False
-
-    def __post_init__(self):
-        if self.pipelined and self.subs != 1:
-            raise ValueError("WSConfig: pipelined steps take one 128-column part a tile (subs = 1)")
 
     @property
     def block_n(self) -> int:  # output columns of a tile: ``subs`` parts of 128, each MMA partition takes in turn
@@ -101,9 +94,7 @@ WS_CONFIGS = (
     WSConfig(128, 4, halves=2),
     WSConfig(128, 4, tma_store=True),
     WSConfig(64, 4),
-    WSConfig(128, 4, halves=2, tma_store=True, pipelined=True),
 )
-WS_WGRAD_PIPE_CHUNK = 2  # steps of the weight gradient's unrolled pipelined chunks (the rest in one more)
 # The weight gradient reads its scales in one order (no scales_first): the configs that differ for it.
 WS_WGRAD_CONFIGS = tuple(c for c in WS_CONFIGS if not c.scales_first)
 WS_GEMM_DEFAULT = WS_WGRAD_DEFAULT = WS_CONFIGS[1]
@@ -215,8 +206,8 @@ def fp8_grouped_gemm_ws(aq: QTensor, bq: QTensor, plan: RoutingPlan, c: torch.Te
         bq_scale.stride(1), c.stride(0), SEGS=segments, SCALE_ROWS=row_scale is not None, B_GROUP_N=WS_WEIGHT_BLOCK,
         STAGES=config.stages, TILE_M=QTILE_M, HALVES=config.halves, TMA_STORE=tma_store, GATHER=gather,
         SCALES_FIRST=config.scales_first, SUBS=config.subs,
-        PIPE_STEPS=segments * cdiv(k, WS_BLOCK_K) if config.pipelined else 0, LOAD_WARPS=load_warps,
-        LOAD_REGS=load_regs, MMA_REGS=mma_regs, num_warps=config.num_warps, maxnreg=config.maxnreg,
+        LOAD_WARPS=load_warps, LOAD_REGS=load_regs, MMA_REGS=mma_regs, num_warps=config.num_warps,
+        maxnreg=config.maxnreg,
     )
 
 
@@ -245,8 +236,7 @@ def fp8_grouped_wgrad_ws(a_t: QTensor, b_t: QTensor, out: torch.Tensor, *, exper
     launch(
         fp8_grouped_wgrad_ws_kernel, grid, a_desc, b_desc, c_desc, a_t.scale, b_t.scale, out, expert_tiles, m, n,
         experts, a_t.scale.stride(0), b_t.scale.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        STAGES=config.stages, HALVES=config.halves, SUBS=config.subs, TMA_STORE=tma_store,
-        PIPE=WS_WGRAD_PIPE_CHUNK if config.pipelined else 0, LOAD_REGS=WS_LOAD_REGS,
+        STAGES=config.stages, HALVES=config.halves, SUBS=config.subs, TMA_STORE=tma_store, LOAD_REGS=WS_LOAD_REGS,
         MMA_REGS=WS_MMA_REGS, num_warps=config.num_warps, maxnreg=config.maxnreg,
     )
 
