@@ -40,6 +40,7 @@
 #   bash scripts/device_sweep.sh s21f       # the session's final package: the fp8 layer record, the graph test
 #   bash scripts/device_sweep.sh s21g       # the one-pass kernel with 16 warps: its GPU tests, the pass probe
 #   bash scripts/device_sweep.sh s22a       # pipelined promotion in the ws GEMMs: GPU tests, probe
+#   bash scripts/device_sweep.sh s22b       # ceiling with n256 accumulators; the layer with fp8_bwd first
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -412,6 +413,19 @@ case "${1:-}" in
     step pass_probe 150 python scripts/fp8_pass_probe.py
     grep -E "cols|best" "$LOGS/pass_probe.log" | head -20
     layer_ab 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s16f" new base new2 base2 ;;
+  s22b)  # the ceiling script with one 64 x 256 accumulator a partition (n256 wgmma; plain, and rescaled by row each
+         # step), then the layer with fp8_bwd first and fp8 second (profiled), the SM clocks sampled beside it
+    python3 -c "from triton.experimental import gluon; print('gluon.constexpr_function:', hasattr(gluon, 'constexpr_function'))"
+    step ceiling_s22b 200 python scripts/fp8_ws_ceiling.py
+    tail -22 "$LOGS/ceiling_s22b.log"
+    nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active --format=csv -lms 200 \
+      > "$LOGS/smi_s22b.csv" 2>&1 &
+    smi=$!
+    step layer_s22b 120 python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --precisions fp8_bwd fp8 \
+      --backends mega_moe --iters 5 --warmup 2 --profile-dir "$LOGS/prof_s22b" --out "$LOGS/layer_s22b.json"
+    kill $smi
+    tail -3 "$LOGS/layer_s22b.log"
+    for f in "$LOGS"/prof_s22b/*.trace.json.gz; do python scripts/backward_span.py "$f" | head -4; done ;;
   s22a)  # pipelined promotion (WS_CONFIGS[6]: each step's promotion under the next step's wgmma): the ws GEMMs'
          # GPU tests (every config against the Triton kernels), then the probe: configs 0 (128 columns), 1 (the
          # default, 256 columns) and 6 (pipelined) on every ws GEMM of the layer

@@ -38,7 +38,7 @@ from prime_megamoe.ops.sizes import cdiv
 @gluon.jit
 def _variant_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, tile_expert_ptr, tile_row_ptr,
                        num_tiles_ptr, expert_offsets_ptr, N, K, stride_cm, store, SEGS: gl.constexpr,
-                       TILE_M: gl.constexpr, HALF: gl.constexpr, PROMOTE: gl.constexpr):
+                       TILE_M: gl.constexpr, HALF: gl.constexpr, MODE: gl.constexpr):
     num_warps: gl.constexpr = gl.num_warps()
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
@@ -56,10 +56,23 @@ def _variant_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, ti
         row0, col0, row_end = _tile_with_end(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
                                              2 * BLOCK_M, BLOCK_N, TILE_M)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
-        if PROMOTE:  # as the layer's kernel
+        if MODE == 1:  # as the layer's kernel
             for j in range(n_steps):
                 acc = _mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout, HALF, 2, False,
                                 False)
+                it += 1
+        elif MODE == 2:  # one accumulator, each step waited for and rescaled by row before the next accumulates
+            row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+            for j in range(n_steps):
+                s = it % STAGES
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                acc = warpgroup_mma(a_bufs.index(2 * s + HALF), b_bufs.index(s).permute((1, 0)), acc,
+                                    is_async=True)
+                sa = sa_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(row_layout)
+                sb = sb_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(row_layout)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc = acc * (sa * sb)[:, None]
                 it += 1
         else:  # one accumulator, the previous step's MMA waited for after the next one is issued
             prev = 0
@@ -86,42 +99,49 @@ def _variant_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, ti
 @gluon.jit
 def ws_variant_kernel(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
                       expert_offsets_ptr, M, N, K, NKG, stride_asm, stride_bse, stride_bsn, stride_cm, store,
-                      SEGS: gl.constexpr, STAGES: gl.constexpr, TILE_M: gl.constexpr, PROMOTE: gl.constexpr,
-                      LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr):
+                      SEGS: gl.constexpr, STAGES: gl.constexpr, TILE_M: gl.constexpr, MODE: gl.constexpr,
+                      SUBS: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 2 * a_desc.block_type.shape[0]],
                                         gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    sb_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 2 * a_desc.block_type.shape[0]],
+    sb_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, SUBS * 2 * a_desc.block_type.shape[0]],
                                         gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready, empty = _stage_barriers(STAGES, 2)
     gl.warp_specialize([
         (_variant_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, tile_expert_ptr, tile_row_ptr,
-                              num_tiles_ptr, expert_offsets_ptr, N, K, stride_cm, store, SEGS, TILE_M, 0, PROMOTE)),
+                              num_tiles_ptr, expert_offsets_ptr, N, K, stride_cm, store, SEGS, TILE_M, 0, MODE)),
         (_variant_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, tile_expert_ptr, tile_row_ptr,
-                              num_tiles_ptr, expert_offsets_ptr, N, K, stride_cm, store, SEGS, TILE_M, 1, PROMOTE)),
+                              num_tiles_ptr, expert_offsets_ptr, N, K, stride_cm, store, SEGS, TILE_M, 1, MODE)),
         # (A is read by TMA: the gather arguments, here as_ptr twice and stride 0, are not read.)
         (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, as_ptr, as_ptr, as_ptr,
                            bs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, N, K, NKG, 0, stride_asm,
-                           stride_bse, stride_bsn, SEGS, 128, TILE_M, 2, False, 1)),
+                           stride_bse, stride_bsn, SEGS, 128, TILE_M, 2, False, SUBS)),
     ], [4, 1], [MMA_REGS, LOAD_REGS])
 
 
-def run_variant(aq, bq, plan, c, *, segments: int, promote: bool, store: bool) -> None:
+MODES = {"plain": 0, "promote": 1, "rescale": 2}
+
+
+def run_variant(aq, bq, plan, c, *, segments: int, mode: str, store: bool, block_n: int = 128) -> None:
+    """mode: "promote" (the layer's main loop; 128 columns only: a fresh 64 x 256 tile beside its accumulator
+    spills), "plain" or "rescale" (one accumulator of 64 x block_n a partition, one wgmma of N = block_n a step)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     cfg = WS_CONFIGS[0]  # (the 128-column, two-halves config the variants are built on)
     assert cfg.halves == 2 and cfg.block_m == 128 and cfg.subs == 1
+    assert block_n in (128, 256) and not (mode == "promote" and block_n == 256)
     rows, n, k = aq.data.shape[0], bq.data.shape[1], bq.data.shape[2] // segments
     a_desc = TensorDescriptor.from_tensor(aq.data, [cfg.a_rows, 128], box_layout(cfg.a_rows))
-    b_desc = weight_descriptor(bq)  # 128-row boxes, as the config's
-    tiles = plan.max_tiles * cdiv(n, 128)
+    b_desc = weight_descriptor(bq, block_n)  # block_n-row boxes
+    stages = cfg.stages if block_n == 128 else 3  # (a stage holds twice the B box)
+    tiles = plan.max_tiles * cdiv(n, block_n)
     grid = (min(_num_sms(c.device), tiles),)
     ws_variant_kernel[grid](
         a_desc, b_desc, aq.scale, bq.scale, c, plan.tile_expert, plan.tile_row, plan.num_tiles,
         plan.expert_offsets, rows, n, k, aq.scale.shape[1] // segments, aq.scale.stride(0), bq.scale.stride(0),
-        bq.scale.stride(1), c.stride(0), int(store), SEGS=segments, STAGES=cfg.stages, TILE_M=QTILE_M,
-        PROMOTE=promote, LOAD_REGS=WS_LOAD_REGS, MMA_REGS=WS_MMA_REGS, num_warps=cfg.num_warps,
+        bq.scale.stride(1), c.stride(0), int(store), SEGS=segments, STAGES=stages, TILE_M=QTILE_M,
+        MODE=MODES[mode], SUBS=block_n // 128, LOAD_REGS=WS_LOAD_REGS, MMA_REGS=WS_MMA_REGS, num_warps=cfg.num_warps,
         maxnreg=cfg.maxnreg)
 
 
@@ -147,22 +167,29 @@ def main():
         c = torch.empty(plan.num_pairs, b.data.shape[1], dtype=x.dtype, device="cuda")
         ref = torch.empty_like(c)
         fp8_grouped_gemm_ws(a, b, plan, ref, segments=segments, row_scale=None)
-        run_variant(a, b, plan, c, segments=segments, promote=True, store=True)
+        run_variant(a, b, plan, c, segments=segments, mode="promote", store=True)
         # The variant with promotion and stores is the layer's kernel without the row scale: the same bits.
         print(f"{name}: promote + store variant equals the layer's kernel: {torch.equal(c, ref)}")
         runs = {
             "ws (layer)": lambda: fp8_grouped_gemm_ws(a, b, plan, c, segments=segments, row_scale=None),
-            "promote, no store": lambda: run_variant(a, b, plan, c, segments=segments, promote=True, store=False),
-            "plain": lambda: run_variant(a, b, plan, c, segments=segments, promote=False, store=True),
-            "plain, no store": lambda: run_variant(a, b, plan, c, segments=segments, promote=False, store=False),
+            "promote, no store": lambda: run_variant(a, b, plan, c, segments=segments, mode="promote", store=False),
+            "plain": lambda: run_variant(a, b, plan, c, segments=segments, mode="plain", store=True),
+            "plain, no store": lambda: run_variant(a, b, plan, c, segments=segments, mode="plain", store=False),
+            "rescale, no store": lambda: run_variant(a, b, plan, c, segments=segments, mode="rescale", store=False),
+            "n256 plain, no store": lambda: run_variant(a, b, plan, c, segments=segments, mode="plain", store=False,
+                                                        block_n=256),
+            "n256 rescale, no st": lambda: run_variant(a, b, plan, c, segments=segments, mode="rescale",
+                                                       store=False, block_n=256),
+            "n256 rescale": lambda: run_variant(a, b, plan, c, segments=segments, mode="rescale", store=True,
+                                                block_n=256),
         }
         for label, fn in runs.items():
             ms = do_bench(fn, warmup=5, rep=40)
             rows.append((name, label, ms, flop / ms / 1e9))
     print(f"\n{args.shape}, T = {args.tokens}, {plan.num_pairs} rows, one {torch.cuda.get_device_name()}")
-    print(f"{'GEMM':10s} {'variant':18s} {'ms':>7s} {'TFLOP/s':>8s}")
+    print(f"{'GEMM':10s} {'variant':21s} {'ms':>7s} {'TFLOP/s':>8s}")
     for name, label, ms, tflops in rows:
-        print(f"{name:10s} {label:18s} {ms:7.3f} {tflops:8.1f}")
+        print(f"{name:10s} {label:21s} {ms:7.3f} {tflops:8.1f}")
 
 
 if __name__ == "__main__":

@@ -366,12 +366,16 @@ def test_ws_wgrad_on_a_rank_that_receives_nothing():
     assert torch.equal(out, torch.zeros_like(out))
 
 
-@pytest.mark.parametrize("promote", [True, False])
-def test_ceiling_script_kernel_compiles(promote):
+@pytest.mark.parametrize("mode,cfg", [(1, WSConfig(128, 4, halves=2)), (0, WSConfig(128, 4, halves=2)),
+                                      (2, WSConfig(128, 4, halves=2)), (0, WSConfig(128, 3, halves=2, subs=2)),
+                                      (2, WSConfig(128, 3, halves=2, subs=2))],
+                         ids=["promote", "plain", "rescale", "plain_n256", "rescale_n256"])
+def test_ceiling_script_kernel_compiles(mode, cfg):
     """scripts/fp8_ws_ceiling.py builds its variants from the kernel's own partitions: it must keep up with them.
-    (Its kernel is the two-halves, 4-stage one, storing from registers.)"""
+    (Its kernel is the two-halves one, storing from registers; the 256-column variants keep one 64 x 256
+    accumulator a partition.)"""
     _assert_compiles_with_register_split(
-        "scripts.fp8_ws_ceiling:ws_variant_kernel", WSConfig(128, 4, halves=2),
-        {"SEGS": 2, "STAGES": 4, "TILE_M": QTILE_M, "PROMOTE": promote, "LOAD_REGS": WS_LOAD_REGS,
-         "MMA_REGS": WS_MMA_REGS},
+        "scripts.fp8_ws_ceiling:ws_variant_kernel", cfg,
+        {"SEGS": 2, "STAGES": cfg.stages, "TILE_M": QTILE_M, "MODE": mode, "SUBS": cfg.subs,
+         "LOAD_REGS": WS_LOAD_REGS, "MMA_REGS": WS_MMA_REGS},
         {"as_ptr": "*fp32", "bs_ptr": "*fp32", "c_ptr": "*bf16"})
