@@ -12,7 +12,8 @@ non-constexpr arguments are int32, divisible by 16 unless named in --ones (speci
 run time); --types overrides any of these by name (a TMA descriptor: "tensordesc<bf16[64, 256]>"; a descriptor the
 config leaves unused: null in --constexprs). --sass adds the kernel's static SASS instruction count by opcode (loops
 counted once: for unrolled kernels it is what a program issues) and each loop body's instruction count (a trip's,
-for kernels with loops). Uses Triton's own ptxas and cuobjdump; needs TRITON_INTERPRET unset.
+for kernels with loops); --listing FILE writes the SASS listing there. Uses Triton's own ptxas and cuobjdump;
+needs TRITON_INTERPRET unset.
 
 Gluon kernels (``@gluon.jit``) compile the same way; a descriptor type without a layout gets the default NVMMA shared
 layout of its block, ``num_warps`` comes from --warps and --maxnreg caps the launch-time registers (warp-specialised
