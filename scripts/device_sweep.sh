@@ -41,6 +41,7 @@
 #   bash scripts/device_sweep.sh s21g       # the one-pass kernel with 16 warps: its GPU tests, the pass probe
 #   bash scripts/device_sweep.sh s22a       # pipelined promotion in the ws GEMMs: GPU tests, probe
 #   bash scripts/device_sweep.sh s22b       # ceiling with n256 accumulators; the layer with fp8_bwd first
+#   bash scripts/device_sweep.sh s22c       # ncu: the FC1 dgrad's n256 plain main loop and the layer's kernel
 # Logs are packed into $OUT/logs.tgz at the end (the device tool returns few files).
 # Run from the repository root on a two-GPU machine; source scripts/device_env.sh first.
 set -u
@@ -413,6 +414,19 @@ case "${1:-}" in
     step pass_probe 150 python scripts/fp8_pass_probe.py
     grep -E "cols|best" "$LOGS/pass_probe.log" | head -20
     layer_ab 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s16f" new base new2 base2 ;;
+  s22c)  # Nsight Compute on the FC1 dgrad: the n256 plain main loop (the ceiling script's variant) and the layer's
+         # kernel (default config), memory and tensor throughput
+    ncu_args="--clock-control none --launch-skip 1 --launch-count 1 --section SpeedOfLight"
+    ncu_args="$ncu_args --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis"
+    # shellcheck disable=SC2086
+    step ncu_n256 150 ncu $ncu_args --kernel-name regex:ws_variant_kernel python scripts/fp8_ws_ceiling.py \
+      --gemm "FC1 dgrad" --variant "n256 plain, no store"
+    # shellcheck disable=SC2086
+    step ncu_layer 150 ncu $ncu_args --kernel-name regex:fp8_grouped_gemm_ws python scripts/fp8_ws_ceiling.py \
+      --gemm "FC1 dgrad" --variant "ws (layer)"
+    for f in ncu_n256 ncu_layer; do
+      grep -E "Duration|Throughput|L2 Hit|Pipe|Busy|Bandwidth" "$LOGS/$f.log" | head -24
+    done ;;
   s22b)  # the ceiling script with one 64 x 256 accumulator a partition (n256 wgmma; plain, and rescaled by row each
          # step), then the layer with fp8_bwd first and fp8 second (profiled), the SM clocks sampled beside it
     python3 -c "from triton.experimental import gluon; print('gluon.constexpr_function:', hasattr(gluon, 'constexpr_function'))"

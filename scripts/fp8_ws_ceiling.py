@@ -9,7 +9,14 @@ Variants (same producer, same tiles, same two 4-warp MMA partitions on the halve
   producer staged, added), no stores;
 - ``plain``: no promotion: every step accumulates into one tile, the next step's MMA is issued before the previous
   one is waited for (the bf16 main loop: the tensor cores never wait for the scaling), stores from registers;
-- ``plain, no store``: that main loop alone.
+- ``plain, no store``: that main loop alone;
+- ``rescale``: one accumulator, each step waited for and multiplied by a per-row factor before the next step's
+  wgmma accumulates on it (the instruction mix of a promotion that rescales the running sum instead of adding a fresh
+  tile; its values are not the GEMM's);
+- ``n256 ...``: 256-column tiles with one 64 x 256 accumulator a partition (one N = 256 wgmma a step): plain and
+  rescaled (the layer's 256-column tiles are two N = 128 parts, because a fresh 64 x 256 tile beside its
+  accumulator spills).
+``--gemm G --variant V`` runs one variant a few times untimed, for a profiler.
 Only ``ws`` computes the layer's result; the others measure what the tile shape, the pipeline and the stores cost
 on this GPU (a ceiling for this kernel's structure). Prints a table last.
 """
@@ -149,6 +156,10 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="qwen3-30b-a3b")
     p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--gemm", choices=["FC2", "FC1 dgrad"], default=None, help="only this GEMM")
+    p.add_argument("--variant", default=None,
+                   help="only this variant, run --calls times untimed (for a profiler), e.g. 'n256 plain, no store'")
+    p.add_argument("--calls", type=int, default=3)
     args = p.parse_args()
     x, index, weights, w1, w2 = make_inputs(args.shape, args.tokens, 0, 1, seed=0, device="cuda")
     num_experts, hidden, inter = w2.shape
@@ -163,13 +174,10 @@ def main():
     }
     rows = []
     for name, (a, b, segments) in gemms.items():
+        if args.gemm not in (None, name):
+            continue
         flop = 2 * plan.num_pairs * b.data.shape[1] * b.data.shape[2]
         c = torch.empty(plan.num_pairs, b.data.shape[1], dtype=x.dtype, device="cuda")
-        ref = torch.empty_like(c)
-        fp8_grouped_gemm_ws(a, b, plan, ref, segments=segments, row_scale=None)
-        run_variant(a, b, plan, c, segments=segments, mode="promote", store=True)
-        # The variant with promotion and stores is the layer's kernel without the row scale: the same bits.
-        print(f"{name}: promote + store variant equals the layer's kernel: {torch.equal(c, ref)}")
         runs = {
             "ws (layer)": lambda: fp8_grouped_gemm_ws(a, b, plan, c, segments=segments, row_scale=None),
             "promote, no store": lambda: run_variant(a, b, plan, c, segments=segments, mode="promote", store=False),
@@ -183,9 +191,22 @@ def main():
             "n256 rescale": lambda: run_variant(a, b, plan, c, segments=segments, mode="rescale", store=True,
                                                 block_n=256),
         }
+        if args.variant is not None:
+            for _ in range(args.calls):
+                runs[args.variant]()
+            torch.cuda.synchronize()
+            print(f"{name}: {args.variant} ran {args.calls} times")
+            continue
+        ref = torch.empty_like(c)
+        fp8_grouped_gemm_ws(a, b, plan, ref, segments=segments, row_scale=None)
+        run_variant(a, b, plan, c, segments=segments, mode="promote", store=True)
+        # The variant with promotion and stores is the layer's kernel without the row scale: the same bits.
+        print(f"{name}: promote + store variant equals the layer's kernel: {torch.equal(c, ref)}")
         for label, fn in runs.items():
             ms = do_bench(fn, warmup=5, rep=40)
             rows.append((name, label, ms, flop / ms / 1e9))
+    if args.variant is not None:
+        return
     print(f"\n{args.shape}, T = {args.tokens}, {plan.num_pairs} rows, one {torch.cuda.get_device_name()}")
     print(f"{'GEMM':10s} {'variant':21s} {'ms':>7s} {'TFLOP/s':>8s}")
     for name, label, ms, tflops in rows:
