@@ -26,7 +26,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .swiglu_grad_cols import _column_block, _store_cols
+from .swiglu_grad_cols import _column_block, _column_layout, _store_cols
 
 
 @gluon.jit
@@ -39,10 +39,8 @@ def gather_cols_t_kernel(
     """Program (c, t): routing tile t (past the device-side tile count: nothing) by columns [c * BC, c * BC + BC) of
     x [R, K] (those below K; rows contiguous). A thread holds 16 rows of CPT adjacent columns; a warp TILE_M //
     num_warps rows of all BC columns."""
-    ROW_THREADS: gl.constexpr = TILE_M // (16 * num_warps)
-    gl.static_assert(ROW_THREADS * (BC // CPT) == 32, "a warp must cover TILE_M // num_warps rows of BC columns")
-    layout: gl.constexpr = gl.BlockedLayout([16, CPT], [ROW_THREADS, BC // CPT], [num_warps, 1], [1, 0])
-    store_layout: gl.constexpr = gl.BlockedLayout([16, CPT], [ROW_THREADS, BC // CPT], [num_warps, 1], [0, 1])
+    layout: gl.constexpr = _column_layout(TILE_M, BC, CPT, num_warps, False)
+    store_layout: gl.constexpr = _column_layout(TILE_M, BC, CPT, num_warps, True)
     t = gl.program_id(1)
     if t < gl.load(num_tiles_ptr):
         rows, ok, col, cols, col_ok, cols_s, pos = _column_block(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,

@@ -37,6 +37,18 @@ from .fp8_fc1_ws import _scale_from_amax
 from .swiglu_grad_fused import _dswiglu_chunk, _quantise
 
 
+@gluon.constexpr_function
+def _column_layout(tile_m, bc, cpt, num_warps, for_stores):
+    """The transposing passes' register layout: a thread holds 16 rows of ``cpt`` adjacent columns, a warp
+    ``tile_m // num_warps`` rows of all ``bc`` columns; for the transposed stores the same arrangement with each
+    thread's registers ordered rows first (so converting between the two moves no data)."""
+    row_threads = tile_m // (16 * num_warps)
+    if row_threads * (bc // cpt) != 32:
+        raise ValueError(f"a warp must cover TILE_M // num_warps rows of BC columns (TILE_M {tile_m}, BC {bc}, "
+                         f"CPT {cpt}, {num_warps} warps)")
+    return gl.BlockedLayout([16, cpt], [row_threads, bc // cpt], [num_warps, 1], [0, 1] if for_stores else [1, 0])
+
+
 @gluon.jit
 def _store_cols(q_ptr, s_ptr, x, t, col, cols, col_ok, q_offsets, q_ok, stride_s, POW2: gl.constexpr):
     """x [TILE, BC] fp32 (tile t, columns col + cols) quantised per column over the tile's rows: values at
@@ -76,10 +88,8 @@ def swiglu_backward_cols_kernel(
     BC) of I (those below I) and the same up columns, I further. A thread holds 16 rows of CPT adjacent columns; a
     warp TILE_M // num_warps rows of all BC columns. The loads take the CPT columns as one vector (CPT * 2 bytes);
     the transposed stores take each column's 16 rows as one (16 bytes), from the same registers in another order."""
-    ROW_THREADS: gl.constexpr = TILE_M // (16 * num_warps)
-    gl.static_assert(ROW_THREADS * (BC // CPT) == 32, "a warp must cover TILE_M // num_warps rows of BC columns")
-    layout: gl.constexpr = gl.BlockedLayout([16, CPT], [ROW_THREADS, BC // CPT], [num_warps, 1], [1, 0])
-    store_layout: gl.constexpr = gl.BlockedLayout([16, CPT], [ROW_THREADS, BC // CPT], [num_warps, 1], [0, 1])
+    layout: gl.constexpr = _column_layout(TILE_M, BC, CPT, num_warps, False)
+    store_layout: gl.constexpr = _column_layout(TILE_M, BC, CPT, num_warps, True)
     t = gl.program_id(1)
     if t < gl.load(num_tiles_ptr):
         rows, ok, col, cols, col_ok, cols_s, pos = _column_block(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
