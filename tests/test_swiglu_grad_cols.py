@@ -28,13 +28,13 @@ def test_gluon_cols_compiles_for_hopper(pow2):
     assert int(smem) <= 4096
 
 
-
 def test_column_layout_rejects_a_block_a_warp_does_not_cover():
     """Both transposing Gluon passes take their layouts from ``_column_layout``: a (BC, CPT, warps) whose warp does
     not cover TILE_M // num_warps rows of BC columns is a compile error that names the block."""
     with pytest.raises(Exception, match=r"a warp must cover .*BC 32, CPT 2, 2 warps"):
         compile_for_hopper("prime_megamoe.kernels.swiglu_grad_cols:swiglu_backward_cols_kernel",
                            {"POW2": False, "TILE_M": QTILE_M, "BC": 32, "CPT": 2}, ["--warps", "2", "--types", TYPES])
+
 
 def test_gluon_cols_applicability_says_why_not():
     g_a, h = torch.empty(8, 256, dtype=torch.bfloat16), torch.empty(8, 512, dtype=torch.bfloat16)
