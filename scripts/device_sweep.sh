@@ -416,13 +416,16 @@ case "${1:-}" in
     grep -E "cols|best" "$LOGS/pass_probe.log" | head -20
     layer_ab 100 "fp8 fp8_bwd" "--profile-dir $LOGS/prof_s16f" new base new2 base2 ;;
   s22d)  # the transposing Gluon passes with their layouts from one constexpr function: their GPU tests and the
-         # quantised oracle tests, then the fp8 layer record (one call profiled, back to back)
+         # quantised oracle tests, then the fp8 layer record (one call profiled, back to back), then the error of
+         # the whole K summed in the tensor cores against the promotion (the ceiling script's --accuracy)
     PRIME_MEGAMOE_AUTOTUNE=0 step pytest_s22d 200 python -m pytest -q tests/test_gather_cols_t.py \
       tests/test_swiglu_grad_cols.py tests/test_fp8_experts.py -m gpu -rA
     tail -3 "$LOGS/pytest_s22d.log"
     grep -E "^(FAILED|E  )" "$LOGS/pytest_s22d.log" | head -10
     fp8_layer_one_gpu s22d
-    for f in "$LOGS"/prof_s22d/*.trace.json.gz; do python scripts/backward_span.py "$f" | head -4; done ;;
+    for f in "$LOGS"/prof_s22d/*.trace.json.gz; do python scripts/backward_span.py "$f" | head -4; done
+    step accuracy_s22d 150 python scripts/fp8_ws_ceiling.py --accuracy
+    tail -3 "$LOGS/accuracy_s22d.log" ;;
   s22c)  # Nsight Compute on the FC1 dgrad: the n256 plain main loop (the ceiling script's variant) and the layer's
          # kernel (default config), memory and tensor throughput
     ncu_args="--clock-control none --launch-skip 1 --launch-count 1 --section SpeedOfLight"

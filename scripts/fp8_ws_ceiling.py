@@ -16,7 +16,8 @@ Variants (same producer, same tiles, same two 4-warp MMA partitions on the halve
 - ``n256 ...``: 256-column tiles with one 64 x 256 accumulator a partition (one N = 256 wgmma a step): plain and
   rescaled (the layer's 256-column tiles are two N = 128 parts, because a fresh 64 x 256 tile beside its
   accumulator spills).
-``--gemm G --variant V`` runs one variant a few times untimed, for a profiler.
+``--gemm G --variant V`` runs one variant a few times untimed, for a profiler; ``--accuracy`` prints the error of the
+whole K summed in the tensor cores (plain) against the layer's promotion every 128 products, against float64.
 Only ``ws`` computes the layer's result; the others measure what the tile shape, the pipeline and the stores cost
 on this GPU (a ceiling for this kernel's structure). Prints a table last.
 """
@@ -152,6 +153,30 @@ def run_variant(aq, bq, plan, c, *, segments: int, mode: str, store: bool, block
         maxnreg=cfg.maxnreg)
 
 
+def accuracy(name, a, b, plan, fmt, segments: int, experts: int = 4) -> None:
+    """Relative errors (max over the elements / max of the reference, and Frobenius) on the rows of the first
+    ``experts`` experts, fp32 outputs: plain (the fp8 products of the whole K summed in the tensor cores, unscaled,
+    against the float64 sum of the same products) for 128 and 256 columns, and the layer's promotion (each 128-deep
+    step's product scaled and added in fp32) against float64 on the dequantised operands."""
+    r0, r1 = (int(v) for v in plan.expert_offsets[[0, experts]])
+    n = b.data.shape[1]
+    a_q, a_deq = a.data[r0:r1].float().double(), fl.dequantize_rows(a, fmt, segments=segments)[r0:r1].double()
+    b_deq = fl.dequantize_weight(b, fmt, k_halves=segments).double()
+    cases = []
+    for label, mode, block_n in (("plain", "plain", 128), ("n256 plain", "plain", 256), ("promote", "promote", 128)):
+        c = torch.full((plan.num_pairs, n), float("nan"), device=a.data.device)
+        run_variant(a, b, plan, c, segments=segments, mode=mode, store=True, block_n=block_n)
+        ref = torch.empty(r1 - r0, n, dtype=torch.float64, device=c.device)
+        for e in range(experts):
+            e0, e1 = (int(v) - r0 for v in plan.expert_offsets[[e, e + 1]])
+            ops = (a_q, b.data[e].float().double()) if mode == "plain" else (a_deq, b_deq[e])
+            ref[e0:e1] = ops[0][e0:e1] @ ops[1].T
+        diff = c[r0:r1].double() - ref
+        cases.append(f"{label} {float(diff.abs().max() / ref.abs().max()):.2e} / "
+                     f"{float(diff.norm() / ref.norm()):.2e}")
+    print(f"{name} ({r1 - r0} rows, K = {b.data.shape[2]}): relative error max / Frobenius: " + ", ".join(cases))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="qwen3-30b-a3b")
@@ -160,6 +185,9 @@ def main():
     p.add_argument("--variant", default=None,
                    help="only this variant, run --calls times untimed (for a profiler), e.g. 'n256 plain, no store'")
     p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--accuracy", action="store_true",
+                   help="instead of timing: the error of the whole K summed in the tensor cores (plain) against the "
+                        "layer's promotion every 128, both against float64")
     args = p.parse_args()
     x, index, weights, w1, w2 = make_inputs(args.shape, args.tokens, 0, 1, seed=0, device="cuda")
     num_experts, hidden, inter = w2.shape
@@ -175,6 +203,9 @@ def main():
     rows = []
     for name, (a, b, segments) in gemms.items():
         if args.gemm not in (None, name):
+            continue
+        if args.accuracy:
+            accuracy(name, a, b, plan, fmt, segments)
             continue
         flop = 2 * plan.num_pairs * b.data.shape[1] * b.data.shape[2]
         c = torch.empty(plan.num_pairs, b.data.shape[1], dtype=x.dtype, device="cuda")
