@@ -236,7 +236,7 @@ def main():
         for label, fn in runs.items():
             ms = do_bench(fn, warmup=5, rep=40)
             rows.append((name, label, ms, flop / ms / 1e9))
-    if args.variant is not None:
+    if args.variant is not None or args.accuracy:
         return
     print(f"\n{args.shape}, T = {args.tokens}, {plan.num_pairs} rows, one {torch.cuda.get_device_name()}")
     print(f"{'GEMM':10s} {'variant':21s} {'ms':>7s} {'TFLOP/s':>8s}")
