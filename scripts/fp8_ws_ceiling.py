@@ -36,7 +36,7 @@ from prime_megamoe.bench import make_inputs
 from prime_megamoe.kernels.fp8_gemm import QTILE_M
 from prime_megamoe.kernels.fp8_gemm_ws import _load_partition, _mma_step, _stage_barriers, _tile_with_end
 from prime_megamoe.ops import fp8_launch as fl
-from prime_megamoe.ops.fp8_ws_launch import (WS_CONFIGS, WS_LOAD_REGS, WS_MMA_REGS, box_layout,
+from prime_megamoe.ops.fp8_ws_launch import (WS_CONFIGS, WS_GEMM_DEFAULT, WS_LOAD_REGS, WS_MMA_REGS, box_layout,
                                              fp8_grouped_gemm_ws, weight_descriptor)
 from prime_megamoe.ops.launch import _num_sms
 from prime_megamoe.ops.routing_plan import build_routing_plan
@@ -142,7 +142,7 @@ def run_variant(aq, bq, plan, c, *, segments: int, mode: str, store: bool, block
     rows, n, k = aq.data.shape[0], bq.data.shape[1], bq.data.shape[2] // segments
     a_desc = TensorDescriptor.from_tensor(aq.data, [cfg.a_rows, 128], box_layout(cfg.a_rows))
     b_desc = weight_descriptor(bq, block_n)  # block_n-row boxes
-    stages = cfg.stages if block_n == 128 else 3  # (a stage holds twice the B box)
+    stages = cfg.stages if block_n == 128 else WS_GEMM_DEFAULT.stages  # (the layer's 256-column ring)
     tiles = plan.max_tiles * cdiv(n, block_n)
     grid = (min(_num_sms(c.device), tiles),)
     ws_variant_kernel[grid](
@@ -160,8 +160,10 @@ def accuracy(name, a, b, plan, fmt, segments: int, experts: int = 4) -> None:
     step's product scaled and added in fp32) against float64 on the dequantised operands."""
     r0, r1 = (int(v) for v in plan.expert_offsets[[0, experts]])
     n = b.data.shape[1]
-    a_q, a_deq = a.data[r0:r1].float().double(), fl.dequantize_rows(a, fmt, segments=segments)[r0:r1].double()
-    b_deq = fl.dequantize_weight(b, fmt, k_halves=segments).double()
+    # Only the rows and experts compared are dequantised.
+    a_q = a.data[r0:r1].float().double()
+    a_deq = fl.dequantize_rows(fl.QTensor(a.data[r0:r1], a.scale[r0:r1]), fmt, segments=segments).double()
+    b_deq = fl.dequantize_weight(fl.QTensor(b.data[:experts], b.scale[:experts]), fmt, k_halves=segments).double()
     cases = []
     for label, mode, block_n in (("plain", "plain", 128), ("n256 plain", "plain", 256), ("promote", "promote", 128)):
         c = torch.full((plan.num_pairs, n), float("nan"), device=a.data.device)
