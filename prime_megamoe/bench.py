@@ -22,8 +22,8 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -116,8 +116,9 @@ class Workload:
         self.fwd_bwd()
 
 
-def make_workload(shape, tokens, backend, precision, group, max_tokens=None, device="cuda",
-                  transport="auto") -> Workload:
+def make_workload(
+    shape, tokens, backend, precision, group, max_tokens=None, device="cuda", transport="auto"
+) -> Workload:
     rank = 0 if group is None else dist.get_rank(group)
     world = 1 if group is None else dist.get_world_size(group)
     x, index, weights, w1, w2 = make_inputs(shape, tokens, rank, world, seed=0, device=device)
@@ -140,8 +141,9 @@ def make_workload(shape, tokens, backend, precision, group, max_tokens=None, dev
     return Workload(fwd, fwd_grad, fwd_bwd)
 
 
-def bench_one(shape, tokens, backend, precision, group, iters, warmup, reference=None, max_tokens=None,
-              transport="auto", repeat=1):
+def bench_one(
+    shape, tokens, backend, precision, group, iters, warmup, reference=None, max_tokens=None, transport="auto", repeat=1
+):
     world = 1 if group is None else dist.get_world_size(group)
     hidden, inter, _, top_k = SHAPES[shape]
     work = make_workload(shape, tokens, backend, precision, group, max_tokens, transport=transport)
@@ -171,12 +173,23 @@ def bench_one(shape, tokens, backend, precision, group, iters, warmup, reference
     flops = tokens * top_k * 6 * hidden * inter
     t_b = max(t_fb - t_fg, 1e-6)
     res = Result(
-        shape, tokens, world, backend, precision,
-        round(t_f, 4), round(t_b, 4), round(t_2f1b, 4),
-        round(flops / t_f / 1e9, 1), round(2 * flops / t_b / 1e9, 1), round(4 * flops / t_2f1b / 1e9, 1),
-        round(peak, 3), round(host_ms, 3), None if err is None else round(err, 6),
+        shape,
+        tokens,
+        world,
+        backend,
+        precision,
+        round(t_f, 4),
+        round(t_b, 4),
+        round(t_2f1b, 4),
+        round(flops / t_f / 1e9, 1),
+        round(2 * flops / t_b / 1e9, 1),
+        round(4 * flops / t_2f1b / 1e9, 1),
+        round(peak, 3),
+        round(host_ms, 3),
+        None if err is None else round(err, 6),
         transport if backend == "mega_moe" and world > 1 else "",
-        round(t_fg, 4), round(t_fb, 4),
+        round(t_fg, 4),
+        round(t_fb, 4),
     )
     return res, out
 
@@ -188,8 +201,11 @@ def hidden_transfer_time(trace_path: str) -> dict:
     with open(trace_path) as fh:
         events = [e for e in json.load(fh).get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     kernels = [(e["ts"], e["ts"] + e["dur"], e.get("tid")) for e in events if e.get("cat") == "kernel"]
-    copies = [(e["ts"], e["ts"] + e["dur"], e.get("tid")) for e in events
-              if e.get("cat") == "gpu_memcpy" and any(k in e.get("name", "") for k in ("PtoP", "DtoD"))]
+    copies = [
+        (e["ts"], e["ts"] + e["dur"], e.get("tid"))
+        for e in events
+        if e.get("cat") == "gpu_memcpy" and any(k in e.get("name", "") for k in ("PtoP", "DtoD"))
+    ]
     total = hidden = 0.0
     for start, end, stream in copies:
         spans = sorted((max(s, start), min(e, end)) for s, e, t in kernels if t != stream and s < end and e > start)
@@ -201,8 +217,11 @@ def hidden_transfer_time(trace_path: str) -> dict:
                 cursor = e
         total += end - start
         hidden += covered
-    return {"copy_us": round(total, 1), "hidden_us": round(hidden, 1),
-            "hidden_fraction": round(hidden / total, 3) if total else None}
+    return {
+        "copy_us": round(total, 1),
+        "hidden_us": round(hidden, 1),
+        "hidden_fraction": round(hidden / total, 3) if total else None,
+    }
 
 
 def profile_one(shape, tokens, backend, precision, group, path, transport="auto"):
@@ -230,12 +249,15 @@ def profile_one(shape, tokens, backend, precision, group, path, transport="auto"
             dst.write(src.read())
         os.remove(trace)
         with open(path, "w") as fh:
-            fh.write(f"# {shape} T={tokens} ep={world} {backend} {precision} {transport}: 3 x (no-grad forward, "
-                     f"forward + backward)\n")
+            fh.write(
+                f"# {shape} T={tokens} ep={world} {backend} {precision} {transport}: 3 x (no-grad forward, "
+                f"forward + backward)\n"
+            )
             if overlap is not None:
                 fh.write(f"# GPU-to-GPU copies: {json.dumps(overlap)}\n")
-                print(f"transfers {shape} T={tokens} ep={world} {backend} {transport}: {json.dumps(overlap)}",
-                      flush=True)
+                print(
+                    f"transfers {shape} T={tokens} ep={world} {backend} {transport}: {json.dumps(overlap)}", flush=True
+                )
             fh.write(f"{table}\n")
     return table
 
@@ -267,12 +289,16 @@ def format_table(results: list[Result]) -> str:
     base = {(r.shape, r.tokens_per_rank, r.ep): r for r in results if r.backend == "torch"}
     for r in results:
         b = base.get((r.shape, r.tokens_per_rank, r.ep))
-        ratio = lambda a, c: f"{a / c:6.2f}" if b else "   n/a"  # noqa: E731
+
+        def ratio(a, c, b=b):
+            return f"{a / c:6.2f}" if b else "   n/a"
+
         backend = r.backend + _TRANSPORT_TAG.get(r.transport, "")
         lines.append(
             f"{r.shape:16} {r.tokens_per_rank:6d} {r.ep:2d} {backend:12} {r.precision:7} {r.forward_ms:8.3f} "
             f"{r.backward_ms:8.3f} {r.f2b1_ms:8.3f} {r.forward_tflops:7.1f} {r.backward_tflops:7.1f} "
-            f"{ratio(b.forward_ms, r.forward_ms) if b else '   n/a'} {ratio(b.backward_ms, r.backward_ms) if b else '   n/a'} "
+            f"{ratio(b.forward_ms, r.forward_ms) if b else '   n/a'} "
+            f"{ratio(b.backward_ms, r.backward_ms) if b else '   n/a'} "
             f"{ratio(b.f2b1_ms, r.f2b1_ms) if b else '   n/a'} {r.peak_mem_gib:7.2f} {r.host_fwd_ms:7.3f} "
             f"{'' if r.max_rel_err_vs_torch is None else f'{r.max_rel_err_vs_torch:9.2e}'}"
         )
@@ -296,12 +322,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384], help="tokens per rank")
     p.add_argument("--backends", nargs="+", default=["torch", "mega_moe"])
     p.add_argument("--precisions", nargs="+", default=["bf16"], help="precisions for mega_moe (torch runs bf16)")
-    p.add_argument("--transports", nargs="+", default=["auto"],
-                   help="mega_moe with expert parallelism: auto, symmetric_memory, collectives")
+    p.add_argument(
+        "--transports",
+        nargs="+",
+        default=["auto"],
+        help="mega_moe with expert parallelism: auto, symmetric_memory, collectives",
+    )
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--repeat", type=int, default=1,
-                   help="calls per timed sample, issued back to back (1: each call starts from an idle GPU and a "
-                        "synchronised host, so host launch time shows; >1: the host runs ahead, as in training)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="calls per timed sample, issued back to back (1: each call starts from an idle GPU and a "
+        "synchronised host, so host launch time shows; >1: the host runs ahead, as in training)",
+    )
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", default=None, help="JSON file for the results")
     p.add_argument("--profile-dir", default=None, help="write per-kernel profiler tables and traces here")
@@ -324,15 +358,25 @@ def main(argv: list[str] | None = None) -> None:
                 for precision, transport in [(p, t) for p in precisions for t in transports]:
                     try:
                         res, out = bench_one(
-                            shape, tokens, backend, precision, group, args.iters, args.warmup,
-                            reference=reference if backend != "torch" else None, transport=transport,
+                            shape,
+                            tokens,
+                            backend,
+                            precision,
+                            group,
+                            args.iters,
+                            args.warmup,
+                            reference=reference if backend != "torch" else None,
+                            transport=transport,
                             repeat=args.repeat,
                         )
                     except Exception as err:  # noqa: BLE001 - report the failure, measure the rest
                         if rank == 0:
                             msg = str(err).strip().splitlines()
-                            print(f"FAILED {shape} T={tokens} {backend} {precision} {transport}: {type(err).__name__}: "
-                                  f"{' | '.join(msg[-6:])}", flush=True)
+                            print(
+                                f"FAILED {shape} T={tokens} {backend} {precision} {transport}: {type(err).__name__}: "
+                                f"{' | '.join(msg[-6:])}",
+                                flush=True,
+                            )
                         torch.cuda.empty_cache()
                         continue
                     if backend == "torch":
@@ -343,17 +387,22 @@ def main(argv: list[str] | None = None) -> None:
                     if args.profile_dir and backend in args.profile_backends and tokens in args.profile_tokens:
                         os.makedirs(args.profile_dir, exist_ok=True)
                         tag = f"_{transport}" if res.transport else ""
-                        path = os.path.join(args.profile_dir,
-                                            f"profile_{shape}_T{tokens}_ep{res.ep}_{backend}_{precision}{tag}.txt")
+                        path = os.path.join(
+                            args.profile_dir, f"profile_{shape}_T{tokens}_ep{res.ep}_{backend}_{precision}{tag}.txt"
+                        )
                         profile_one(shape, tokens, backend, precision, group, path, transport=transport)
                     del out
                     torch.cuda.empty_cache()
     if rank == 0:
         from .comm.symmetric_memory import workspace_info
 
-        payload = {"command": " ".join(["python -m prime_megamoe.bench", *sys.argv[1:]]), "env": environment(),
-                   "calls_per_sample": args.repeat,
-                   "results": [asdict(r) for r in results], "symmetric_workspaces": workspace_info()}
+        payload = {
+            "command": " ".join(["python -m prime_megamoe.bench", *sys.argv[1:]]),
+            "env": environment(),
+            "calls_per_sample": args.repeat,
+            "results": [asdict(r) for r in results],
+            "symmetric_workspaces": workspace_info(),
+        }
         for ws in workspace_info():
             print(f"symmetric-memory workspace: {json.dumps(ws)}", flush=True)
         if args.out:

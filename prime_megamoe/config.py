@@ -85,8 +85,7 @@ class ModelConfig(_Strict):
     )
     overrides: dict[str, int | float | bool | str] = Field(
         default_factory=dict,
-        description="transformers config fields set on top of the preset / loaded config "
-        "(e.g. num_hidden_layers = 4)",
+        description="transformers config fields set on top of the preset / loaded config (e.g. num_hidden_layers = 4)",
     )
     dtype: Literal["float32", "bfloat16"] = Field(
         default="float32",
@@ -115,7 +114,7 @@ class DataConfig(_Strict):
     )
 
     @model_validator(mode="after")
-    def _path_for_jsonl(self) -> "DataConfig":
+    def _path_for_jsonl(self) -> DataConfig:
         if self.source == "jsonl" and not self.path:
             raise ValueError("data.path is required when data.source = 'jsonl'")
         return self

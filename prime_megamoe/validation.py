@@ -53,7 +53,8 @@ def check_expert_inputs(
     """Validate shapes and dtypes of a ``fused_experts`` call and return its sizes."""
     if hidden_states.dim() != 2:
         raise ValueError(
-            f"hidden_states must be 2-D [T, H], got shape {tuple(hidden_states.shape)}; flatten batch and sequence first"
+            f"hidden_states must be 2-D [T, H], got shape {tuple(hidden_states.shape)}; flatten batch and sequence "
+            "first"
         )
     if top_k_index.dim() != 2 or top_k_weights.dim() != 2:
         raise ValueError(
@@ -79,9 +80,7 @@ def check_expert_inputs(
         )
     num_local, two_i, h_w = gate_up_proj.shape
     if h_w != hidden or two_i % 2:
-        raise ValueError(
-            f"gate_up_proj must be [E_local, 2*I, H] with H = {hidden}, got {tuple(gate_up_proj.shape)}"
-        )
+        raise ValueError(f"gate_up_proj must be [E_local, 2*I, H] with H = {hidden}, got {tuple(gate_up_proj.shape)}")
     inter = two_i // 2
     if tuple(down_proj.shape) != (num_local, hidden, inter):
         raise ValueError(
@@ -131,6 +130,14 @@ def expert_ids_in_range(top_k_index: torch.Tensor, num_experts: int) -> torch.Te
     """int32 [1] on the ids' device: 1 if every id lies in [0, num_experts), else 0; computed on the device."""
     ok = torch.ones(1, dtype=torch.int32, device=top_k_index.device)
     block = 64 if interpreting() else 4096
-    launch(expert_ids_in_range_kernel, (cdiv(top_k_index.numel(), block),), top_k_index.reshape(-1), ok,
-           top_k_index.numel(), num_experts, BLOCK=block, num_warps=4)
+    launch(
+        expert_ids_in_range_kernel,
+        (cdiv(top_k_index.numel(), block),),
+        top_k_index.reshape(-1),
+        ok,
+        top_k_index.numel(),
+        num_experts,
+        BLOCK=block,
+        num_warps=4,
+    )
     return ok

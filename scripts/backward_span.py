@@ -20,11 +20,11 @@ def backward_kernels(path: str) -> list[dict]:
     starts = [i for i, e in enumerate(events) if e["name"].startswith("routing_keys_kernel")]
     if not starts:
         raise SystemExit(f"{path}: no routing kernel, not a layer trace")
-    step = events[starts[-1]:]
+    step = events[starts[-1] :]
     combines = [i for i, e in enumerate(step) if e["name"].startswith("combine_rows_kernel")]
     if len(combines) < 2:
         raise SystemExit(f"{path}: the last step has no backward (one combine a forward, one a backward expected)")
-    return step[combines[0] + 1:]
+    return step[combines[0] + 1 :]
 
 
 def main(paths: list[str]) -> None:

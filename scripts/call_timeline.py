@@ -48,8 +48,11 @@ GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 def timeline(trace_path: str) -> list[str]:
     with open(trace_path) as fh:
         events = json.load(fh)["traceEvents"]
-    launches = {e["args"]["correlation"]: e for e in events
-                if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    launches = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
     gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS), key=lambda e: e["ts"])
     if not gpu:
         return ["no GPU operations recorded"]
@@ -60,16 +63,19 @@ def timeline(trace_path: str) -> list[str]:
         host = launches.get(e["args"].get("correlation"))
         issued = host["ts"] - t0 if host else float("nan")
         start = e["ts"] - t0
-        lines.append(f"{issued:9.1f} {start:9.1f} {e['dur']:8.1f} {start - issued:8.1f}  {e.get('tid')!s:>6}  "
-                     f"{e['name'][:70]}")
+        lines.append(
+            f"{issued:9.1f} {start:9.1f} {e['dur']:8.1f} {start - issued:8.1f}  {e.get('tid')!s:>6}  {e['name'][:70]}"
+        )
     # Idle time of the union of all streams between the first GPU operation and the last one's end.
     for e in gpu:
         if busy_until is not None and e["ts"] > busy_until:
             idle += e["ts"] - busy_until
         busy_until = max(busy_until or e["ts"], e["ts"] + e["dur"])
     span = busy_until - gpu[0]["ts"]
-    lines.append(f"GPU span {span:.1f} us, idle inside it {idle:.1f} us; first GPU op at {gpu[0]['ts'] - t0:.1f} us "
-                 f"after the first launch; last launch at {max(h['ts'] for h in launches.values()) - t0:.1f} us")
+    lines.append(
+        f"GPU span {span:.1f} us, idle inside it {idle:.1f} us; first GPU op at {gpu[0]['ts'] - t0:.1f} us "
+        f"after the first launch; last launch at {max(h['ts'] for h in launches.values()) - t0:.1f} us"
+    )
     return lines
 
 
@@ -92,8 +98,14 @@ def event_timeline(step, repeat: int = 1) -> list[str]:
         if repeat > 1:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-            marks.append((time.perf_counter(), event, torch.cuda.current_stream().stream_id,
-                          f"-- call {i} of {repeat} back to back"))
+            marks.append(
+                (
+                    time.perf_counter(),
+                    event,
+                    torch.cuda.current_stream().stream_id,
+                    f"-- call {i} of {repeat} back to back",
+                )
+            )
         step()
     host_done = time.perf_counter()
     end.record()
@@ -103,8 +115,10 @@ def event_timeline(step, repeat: int = 1) -> list[str]:
     lines = [f"{'host':>9s} {'stream':>9s}  stream_id  kernel   (us from the call's start)"]
     for t, event, stream, name in marks:
         lines.append(f"{(t - began) * 1e6:9.1f} {start.elapsed_time(event) * 1e3:9.1f}  {stream:9d}  {name}")
-    lines.append(f"call: {start.elapsed_time(end) * 1e3:.1f} us on the GPU; the host returned after "
-                 f"{(host_done - began) * 1e6:.1f} us")
+    lines.append(
+        f"call: {start.elapsed_time(end) * 1e3:.1f} us on the GPU; the host returned after "
+        f"{(host_done - began) * 1e6:.1f} us"
+    )
     return lines
 
 
@@ -127,36 +141,63 @@ def host_sections(step, deep: bool = False) -> list[str]:
             finally:
                 depth[0] -= 1
                 marks.append((began, time.perf_counter(), depth[0], name))
+
         return wrapped
 
     targets = [
-        (functional, "check_expert_inputs"), (functional, "check_expert_ids"), (functional, "get_backend"),
-        (mega_moe, "make_transport"), (mega_moe, "check_group_within_node"), (mega_moe, "expert_parallel_experts"),
-        (ep_pipeline, "lease_forward_plan"), (ep_pipeline, "fill_routing_plan"),
-        (ops_launch, "fc1_swiglu"), (ops_launch, "grouped_gemm"), (ops_launch, "combine_rows"),
-        (ops_launch, "sum_blocks"), (ops_launch, "fc2_dgrad_dswiglu"), (ops_launch, "grouped_wgrad"),
+        (functional, "check_expert_inputs"),
+        (functional, "check_expert_ids"),
+        (functional, "get_backend"),
+        (mega_moe, "make_transport"),
+        (mega_moe, "check_group_within_node"),
+        (mega_moe, "expert_parallel_experts"),
+        (ep_pipeline, "lease_forward_plan"),
+        (ep_pipeline, "fill_routing_plan"),
+        (ops_launch, "fc1_swiglu"),
+        (ops_launch, "grouped_gemm"),
+        (ops_launch, "combine_rows"),
+        (ops_launch, "sum_blocks"),
+        (ops_launch, "fc2_dgrad_dswiglu"),
+        (ops_launch, "grouped_wgrad"),
         (ops_launch, "dswiglu_buffers"),
-        (SymmetricMemoryTransport, "start"), (SymmetricMemoryTransport, "_push"),
+        (SymmetricMemoryTransport, "start"),
+        (SymmetricMemoryTransport, "_push"),
         (SymmetricMemoryTransport, "_await_peers"),
-        (SymmetricMemoryTransport, "routing"), (SymmetricMemoryTransport, "wait_rows"),
-        (SymmetricMemoryTransport, "partial_buffers"), (SymmetricMemoryTransport, "send"),
-        (SymmetricMemoryTransport, "finish"), (RoutingPlan, "segment"),
-        (quantized_experts, "check_precision_supported"), (quantized_experts, "_plan"),
-        (quantized_experts, "cached_weight_operand"), (quantized_experts, "combine_with_pair_values"),
-        (fp8_launch, "quantize_rows"), (fp8_launch, "row_quantization"), (fp8_launch, "fp8_fc1_swiglu"),
+        (SymmetricMemoryTransport, "routing"),
+        (SymmetricMemoryTransport, "wait_rows"),
+        (SymmetricMemoryTransport, "partial_buffers"),
+        (SymmetricMemoryTransport, "send"),
+        (SymmetricMemoryTransport, "finish"),
+        (RoutingPlan, "segment"),
+        (quantized_experts, "check_precision_supported"),
+        (quantized_experts, "_plan"),
+        (quantized_experts, "cached_weight_operand"),
+        (quantized_experts, "combine_with_pair_values"),
+        (fp8_launch, "quantize_rows"),
+        (fp8_launch, "row_quantization"),
+        (fp8_launch, "fp8_fc1_swiglu"),
         (fp8_launch, "fp8_grouped_gemm"),
-        (fp8_launch, "fp8_fc2_dgrad_dswiglu"), (fp8_launch, "quantize_sorted_cols_t"),
-        (fp8_launch, "fp8_grouped_wgrad"), (fp8_launch, "expert_tile_offsets"),
+        (fp8_launch, "fp8_fc2_dgrad_dswiglu"),
+        (fp8_launch, "quantize_sorted_cols_t"),
+        (fp8_launch, "fp8_grouped_wgrad"),
+        (fp8_launch, "expert_tile_offsets"),
     ]
     if deep:  # the pieces of the quantised path's steps, down to each launch, allocation and TMA descriptor
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         targets += [
-            (routing_plan, "allocate_routing_plan"), (routing_plan, "fill_routing_plan"),
-            (routing_plan, "routing_keys"), (fp8_launch, "quantize_view"), (fp8_launch, "ws_fc1_unavailable"),
-            (fp8_launch, "ws_gemm_unavailable"), (fp8_launch, "fp8_fc1_swiglu_ws"),
-            (fp8_launch, "fp8_grouped_gemm_ws"), (fp8_ws_launch, "_descriptors"), (fp8_ws_launch, "_grid"),
-            (TensorDescriptor, "from_tensor"), (torch, "empty"),
+            (routing_plan, "allocate_routing_plan"),
+            (routing_plan, "fill_routing_plan"),
+            (routing_plan, "routing_keys"),
+            (fp8_launch, "quantize_view"),
+            (fp8_launch, "ws_fc1_unavailable"),
+            (fp8_launch, "ws_gemm_unavailable"),
+            (fp8_launch, "fp8_fc1_swiglu_ws"),
+            (fp8_launch, "fp8_grouped_gemm_ws"),
+            (fp8_ws_launch, "_descriptors"),
+            (fp8_ws_launch, "_grid"),
+            (TensorDescriptor, "from_tensor"),
+            (torch, "empty"),
         ] + [(module, "launch") for module in LAUNCHING_MODULES]
     saved = [(obj, attr, getattr(obj, attr)) for obj, attr in targets]
     for obj, attr, fn in saved:
@@ -182,15 +223,25 @@ def main():
     p.add_argument("--shape", default="qwen3-30b-a3b")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--grad", action="store_true", help="forward + backward instead of the no-grad forward")
-    p.add_argument("--forward-grad", action="store_true", help="the forward with autograd alone (what the benchmark "
-                   "subtracts from forward + backward)")
+    p.add_argument(
+        "--forward-grad",
+        action="store_true",
+        help="the forward with autograd alone (what the benchmark subtracts from forward + backward)",
+    )
     p.add_argument("--precision", default="bf16", help="the layer's precision (bf16, fp8, fp8_bwd, mxfp8)")
     p.add_argument("--profiler", action="store_true", help="torch.profiler timeline instead of launch events")
     p.add_argument("--host-sections", action="store_true", help="host time per step of the call, no CUDA events")
-    p.add_argument("--deep", action="store_true", help="with --host-sections: also the steps' pieces (each launch, "
-                   "allocation, descriptor, plan part)")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="calls issued back to back per timeline (as the benchmark's --repeat); events only")
+    p.add_argument(
+        "--deep",
+        action="store_true",
+        help="with --host-sections: also the steps' pieces (each launch, allocation, descriptor, plan part)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="calls issued back to back per timeline (as the benchmark's --repeat); events only",
+    )
     p.add_argument("--out", default=None, help="write each rank's timeline to OUT.rankN.txt as well")
     args = p.parse_args()
     group = torchrun_group()
@@ -216,8 +267,9 @@ def main():
             torch.cuda.synchronize()
             if group is not None:
                 dist.barrier(group)
-            lines += [f"call {i}"] + (host_sections(step, args.deep) if args.host_sections
-                                      else event_timeline(step, args.repeat))
+            lines += [f"call {i}"] + (
+                host_sections(step, args.deep) if args.host_sections else event_timeline(step, args.repeat)
+            )
     text = "\n".join(f"rank {rank} {line}" for line in lines)
     print(text, flush=True)
     if args.out:

@@ -41,8 +41,15 @@ def main():
     num_local, hidden, inter = w2.shape
     index = torch.cat([b[1] for b in blocks])
     weights = torch.cat([b[2] for b in blocks])
-    plan = build_routing_plan(index, weights, expert_base=0, num_local_experts=num_local, tile_m=tuning.tile_m(),
-                              num_segments=args.world, split_expert=num_local // 2)
+    plan = build_routing_plan(
+        index,
+        weights,
+        expert_base=0,
+        num_local_experts=num_local,
+        tile_m=tuning.tile_m(),
+        num_segments=args.world,
+        split_expert=num_local // 2,
+    )
     pieces = [plan.segment(0, 0), *[plan.segment(s) for s in range(1, args.world)], plan.segment(0, 1)]
     dy = torch.randn(args.world * args.tokens, hidden, device=dev, dtype=torch.bfloat16)
     h = torch.randn(plan.sorted_rows, 2 * inter, device=dev, dtype=torch.bfloat16)
@@ -71,23 +78,44 @@ def main():
 
     ms = bench(gemm_only, warmup=5, rep=50)
     print(f"{'  GEMM alone':64s} {ms:7.3f} {rows_flops / ms / 1e9:8.1f}")
-    row_configs = [(16, 128, 4), (8, 256, 4), (32, 128, 8), (16, 256, 8), (4, 256, 2)] if dev == "cuda" else [(8, 16, 1)]
+    row_configs = (
+        [(16, 128, 4), (8, 256, 4), (32, 128, 8), (16, 256, 8), (4, 256, 2)] if dev == "cuda" else [(8, 16, 1)]
+    )
     for block_r, block_c, warps in row_configs:
         dh, aw, dw = (torch.full_like(t, float("nan")) for t in buffers[1:])
 
         def rows_pass():
             for piece in pieces:
                 swiglu_backward_rows_kernel[(piece.max_tiles * (piece.tile_m // block_r),)](
-                    g_a, h, piece.row_weight, dh, aw, dw, piece.tile_expert, piece.tile_row, piece.num_tiles,
-                    piece.expert_offsets, inter, g_a.stride(0), h.stride(0), dh.stride(0), aw.stride(0),
-                    TILE_M=piece.tile_m, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+                    g_a,
+                    h,
+                    piece.row_weight,
+                    dh,
+                    aw,
+                    dw,
+                    piece.tile_expert,
+                    piece.tile_row,
+                    piece.num_tiles,
+                    piece.expert_offsets,
+                    inter,
+                    g_a.stride(0),
+                    h.stride(0),
+                    dh.stride(0),
+                    aw.stride(0),
+                    TILE_M=piece.tile_m,
+                    BLOCK_R=block_r,
+                    BLOCK_C=block_c,
+                    num_warps=warps,
+                )
 
         rows_pass()
         err = max(rel(dh[used], dh_ref[used]), rel(aw[used], aw_ref[used]), rel(dw[used], dw_ref[used]))
         ms = bench(rows_pass, warmup=5, rep=50)
         gbytes = rows_used * inter * 2 * 6 / 1e9  # read g_a, h (2I); write dh (2I), aw
-        print(f"{f'  row pass BLOCK_R={block_r} BLOCK_C={block_c} warps={warps}':64s} {ms:7.3f} "
-              f"{gbytes / ms * 1e3:5.0f} GB/s {err:8.1e}")
+        print(
+            f"{f'  row pass BLOCK_R={block_r} BLOCK_C={block_c} warps={warps}':64s} {ms:7.3f} "
+            f"{gbytes / ms * 1e3:5.0f} GB/s {err:8.1e}"
+        )
 
 
 if __name__ == "__main__":

@@ -48,8 +48,9 @@ def main():
         fp8_gemm.fp8_fc1_swiglu_kernel.configs = fp8_gemm.fp8_fc1_swiglu_kernel.configs[:1]
         fp8_gemm.fp8_fc1_swiglu_kernel.cache.clear()
         for _ in range(args.calls):
-            fl.fp8_fc1_swiglu(xq, w1q, plan, fmt, inter=inter, h_dtype=x.dtype, use_tma=True,
-                              use_ws=args.kernel == "ws")
+            fl.fp8_fc1_swiglu(
+                xq, w1q, plan, fmt, inter=inter, h_dtype=x.dtype, use_tma=True, use_ws=args.kernel == "ws"
+            )
         torch.cuda.synchronize()
         print(f"fc1 {args.kernel}: {args.calls} calls done")
         return

@@ -17,17 +17,26 @@ from __future__ import annotations
 import argparse
 
 import torch
+from fp8_probe import snapshot  # (scripts/ is on sys.path when run as a script)
 
 from prime_megamoe.bench import make_inputs
 from prime_megamoe.kernels import fp8_gemm
 from prime_megamoe.ops import fp8_launch as fl
 from prime_megamoe.ops.routing_plan import build_routing_plan
-from fp8_probe import snapshot  # (scripts/ is on sys.path when run as a script)
 
 # (BLOCK_R, BLOCK_C, warps) of the SwiGLU pass's two launches; (columns, warps) of the gather-quantise pass.
 ROWS_CONFIGS = [(16, 128, 4), (16, 128, 2), (32, 128, 4), (32, 128, 8), (8, 128, 2)]
-COLS_CONFIGS = [(128, 64, 4), (128, 64, 8), (128, 64, 16), (128, 32, 4), (128, 32, 8), (128, 16, 4), (128, 16, 2),
-                (128, 8, 4), (128, 128, 16)]
+COLS_CONFIGS = [
+    (128, 64, 4),
+    (128, 64, 8),
+    (128, 64, 16),
+    (128, 32, 4),
+    (128, 32, 8),
+    (128, 16, 4),
+    (128, 16, 2),
+    (128, 8, 4),
+    (128, 128, 16),
+]
 GATHER_CONFIGS = [(64, 4), (64, 8), (32, 4), (32, 2), (16, 4), (128, 8), (128, 16)]
 # (BC, CPT, warps) of the column pass's Gluon form (kernels/swiglu_grad_cols.py), compared with the Triton launch.
 GLUON_COLS_CONFIGS = [(16, 1, 4), (32, 2, 4), (64, 2, 8), (16, 2, 2), (32, 4, 2)]
@@ -59,8 +68,11 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="qwen3-30b-a3b")
     p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--device", default="cuda",
-                   help="cpu: a smoke run of the script itself (TRITON_INTERPRET=1; with --shape tiny --tokens 64)")
+    p.add_argument(
+        "--device",
+        default="cuda",
+        help="cpu: a smoke run of the script itself (TRITON_INTERPRET=1; with --shape tiny --tokens 64)",
+    )
     args = p.parse_args()
     bench = time_ms if args.device == "cuda" else (lambda fn: (fn(), 1.0)[1])  # no timing on the CPU
     x, index, weights, w1, w2 = make_inputs(args.shape, args.tokens, 0, 1, seed=0, device=args.device)
@@ -74,7 +86,7 @@ def main():
     written = int(plan.num_tiles[0]) * fp8_gemm.QTILE_M
 
     def cols_t(*operands):
-        return [t for q in operands for t in snapshot(fl.QTensor(q.data[:, :written], q.scale[:written // fmt.group]))]
+        return [t for q in operands for t in snapshot(fl.QTensor(q.data[:, :written], q.scale[: written // fmt.group]))]
 
     def cols_triton():
         return fl.dswiglu_cols_t(g_a, h, plan, fmt, gluon=False)
@@ -88,20 +100,51 @@ def main():
     # (pass, knob, configs, launch (timed), its outputs as compared copies, bytes read, the reference launch: the
     # first config's where None). The column pass's Gluon form is compared with the Triton launch.
     cases = [
-        ("SwiGLU rows", "DSWIGLU_ROWS_BLOCK", ROWS_CONFIGS, lambda: fl.dswiglu_rows(g_a, h, plan, fmt), snapshot,
-         nbytes([g_a, h]), None),
-        ("SwiGLU cols", "DSWIGLU_COLS_BLOCK", COLS_CONFIGS, cols_triton, lambda out: cols_t(*out), nbytes([g_a, h]),
-         None),
-        ("x^T gather", "GATHER_COLS_T_BLOCK", GATHER_CONFIGS, gather_triton, cols_t, plan.num_pairs * hidden * 2,
-         None),
+        (
+            "SwiGLU rows",
+            "DSWIGLU_ROWS_BLOCK",
+            ROWS_CONFIGS,
+            lambda: fl.dswiglu_rows(g_a, h, plan, fmt),
+            snapshot,
+            nbytes([g_a, h]),
+            None,
+        ),
+        (
+            "SwiGLU cols",
+            "DSWIGLU_COLS_BLOCK",
+            COLS_CONFIGS,
+            cols_triton,
+            lambda out: cols_t(*out),
+            nbytes([g_a, h]),
+            None,
+        ),
+        ("x^T gather", "GATHER_COLS_T_BLOCK", GATHER_CONFIGS, gather_triton, cols_t, plan.num_pairs * hidden * 2, None),
     ]
     if fl.gluon_gather_unavailable(x, fmt) is None:
-        cases.append(("gather Gluon", "GATHER_COLS_T_GLUON_BLOCK", GLUON_GATHER_CONFIGS,
-                      lambda: fl.quantize_sorted_cols_t(x, plan, fmt, gluon=True), cols_t, plan.num_pairs * hidden * 2,
-                      gather_triton))
+        cases.append(
+            (
+                "gather Gluon",
+                "GATHER_COLS_T_GLUON_BLOCK",
+                GLUON_GATHER_CONFIGS,
+                lambda: fl.quantize_sorted_cols_t(x, plan, fmt, gluon=True),
+                cols_t,
+                plan.num_pairs * hidden * 2,
+                gather_triton,
+            )
+        )
     if fl.gluon_cols_unavailable(g_a, h, fmt) is None:
-        cases.insert(2, ("cols Gluon", "DSWIGLU_COLS_GLUON_BLOCK", GLUON_COLS_CONFIGS, cols_gluon,
-                         lambda out: cols_t(*out), nbytes([g_a, h]), cols_triton))
+        cases.insert(
+            2,
+            (
+                "cols Gluon",
+                "DSWIGLU_COLS_GLUON_BLOCK",
+                GLUON_COLS_CONFIGS,
+                cols_gluon,
+                lambda out: cols_t(*out),
+                nbytes([g_a, h]),
+                cols_triton,
+            ),
+        )
     print(f"{args.shape}, T = {args.tokens}, {plan.num_pairs} rows, H = {hidden}, I = {inter}")
     print(f"{'pass':12s} {'config':14s} {'ms':>7s} {'GB/s':>6s} same")
     best = {}

@@ -61,8 +61,11 @@ def smoke_wgrad(args, plan, fmt, tokens, gen):
                 for programs in (p or None for p in args.programs):
                     what = f"wgrad M={m} N={n} {out_dtype} {cfg} programs={programs}"
                     out = torch.full((EXPERTS, m, n), float("nan"), dtype=out_dtype, device="cuda")
-                    watched(what, args.watchdog, lambda: fp8_grouped_wgrad_ws(
-                        a_t, b_t, out, expert_tiles=tiles, config=cfg, programs=programs))
+                    watched(
+                        what,
+                        args.watchdog,
+                        lambda: fp8_grouped_wgrad_ws(a_t, b_t, out, expert_tiles=tiles, config=cfg, programs=programs),
+                    )
                     err = float((out.float() - ref.to(out_dtype).float()).abs().max())
                     print(f"  max diff {err:.3g}", flush=True)
                     if not err <= (0.0 if out_dtype == torch.float32 else 2**-8 * float(ref.abs().max())):
@@ -80,19 +83,34 @@ def smoke_fc1(args, plan, fmt_plain, tokens, gen):
             a_ref_f = fl.dequantize_rows(a_ref, fmt)
             for save_h, stages in ((s, n) for s in (True, False) for n in args.stages):
                 for programs in (p or None for p in args.programs):
-                    what = (f"fc1 H={hidden} I={inter} pow2={fmt.pow2} save_h={save_h} stages={stages} "
-                            f"programs={programs}")
+                    what = (
+                        f"fc1 H={hidden} I={inter} pow2={fmt.pow2} save_h={save_h} stages={stages} programs={programs}"
+                    )
                     pairs = plan.num_pairs
                     h = torch.full((pairs, 2 * inter), float("nan"), dtype=torch.bfloat16, device="cuda")
                     aq = torch.full((pairs, inter), 0x7F, dtype=torch.uint8, device="cuda").view(fl.FP8_DTYPE)
                     a_s = torch.full((pairs, inter // 128), float("nan"), device="cuda")
-                    watched(what, args.watchdog, lambda: fp8_fc1_swiglu_ws(
-                        xq, w1q, plan, h if save_h else None, aq, a_s, inter=inter, pow2=fmt.pow2,
-                        programs=programs, stages=stages))
+                    watched(
+                        what,
+                        args.watchdog,
+                        lambda: fp8_fc1_swiglu_ws(
+                            xq,
+                            w1q,
+                            plan,
+                            h if save_h else None,
+                            aq,
+                            a_s,
+                            inter=inter,
+                            pow2=fmt.pow2,
+                            programs=programs,
+                            stages=stages,
+                        ),
+                    )
                     a_f = fl.dequantize_rows(fl.QTensor(aq, a_s), fmt)
                     a_err = float((a_f - a_ref_f).abs().max()) / max(float(a_ref_f.abs().max()), 1e-30)
                     same_a = torch.equal(aq.view(torch.uint8), a_ref.data.view(torch.uint8)) and torch.equal(
-                        a_s, a_ref.scale)
+                        a_s, a_ref.scale
+                    )
                     line = f"  a: same bits {same_a}, max diff / max {a_err:.3g}"
                     ok = a_err <= 2**-3
                     if save_h:
@@ -112,20 +130,29 @@ def main():
     p.add_argument("--no-empty-expert", action="store_true", help="every expert gets rows")
     p.add_argument("--programs", type=int, nargs="+", default=[0, 1, 3], help="0: as many as the launcher picks")
     p.add_argument("--stages", type=int, nargs="+", default=[4, 3], help="ring stages (fc1)")
-    p.add_argument("--configs", type=int, nargs="+", default=list(range(len(WS_WGRAD_CONFIGS))),
-                   help="WS_WGRAD_CONFIGS indices (wgrad)")
-    p.add_argument("--shapes", nargs="+", default=None,
-                   help="wgrad: MxN of the gradient (default 256x384 96x200); fc1: HxI (default 256x256 208x384)")
+    p.add_argument(
+        "--configs",
+        type=int,
+        nargs="+",
+        default=list(range(len(WS_WGRAD_CONFIGS))),
+        help="WS_WGRAD_CONFIGS indices (wgrad)",
+    )
+    p.add_argument(
+        "--shapes",
+        nargs="+",
+        default=None,
+        help="wgrad: MxN of the gradient (default 256x384 96x200); fc1: HxI (default 256x256 208x384)",
+    )
     args = p.parse_args()
     default_shapes = {"wgrad": ["256x384", "96x200"], "fc1": ["256x256", "208x384"]}[args.kernel]
     args.shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes or default_shapes]
     gen = torch.Generator().manual_seed(0)
     # Expert 0 empty (unless --no-empty-expert), expert 1 most rows (several row tiles), the rest a few (the GPU
     # tests' routing).
-    index, weights = ragged_routing(args.tokens, EXPERTS, 2, seed=7, hot_fraction=0.8,
-                                    empty_expert=None if args.no_empty_expert else 0)
-    plan = build_routing_plan(index.cuda(), weights.cuda(), expert_base=0, num_local_experts=EXPERTS,
-                              tile_m=QTILE_M)
+    index, weights = ragged_routing(
+        args.tokens, EXPERTS, 2, seed=7, hot_fraction=0.8, empty_expert=None if args.no_empty_expert else 0
+    )
+    plan = build_routing_plan(index.cuda(), weights.cuda(), expert_base=0, num_local_experts=EXPERTS, tile_m=QTILE_M)
     {"wgrad": smoke_wgrad, "fc1": smoke_fc1}[args.kernel](args, plan, fl.fp8_format(), args.tokens, gen)
     print("PASS every case")
 

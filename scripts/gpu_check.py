@@ -1,6 +1,6 @@
 """Quick correctness check of the fused path on a GPU against a float64 reference (prints one line per case).
 
-    python scripts/gpu_check.py [--shape qwen3-30b-a3b] [--tokens 4096]
+python scripts/gpu_check.py [--shape qwen3-30b-a3b] [--tokens 4096]
 """
 
 from __future__ import annotations
@@ -50,8 +50,10 @@ def check(shape, tokens, dtype, tol, device):
         errs.append((name, float((a.double() - b).norm() / b.norm())))
     worst = max(e for _, e in errs)
     status = "PASS" if worst <= tol and bitwise else "FAIL"
-    print(f"{status} {shape} T={tokens} {dtype}: " + " ".join(f"{n}={e:.2e}" for n, e in errs) + f" bitwise={bitwise}",
-          flush=True)
+    print(
+        f"{status} {shape} T={tokens} {dtype}: " + " ".join(f"{n}={e:.2e}" for n, e in errs) + f" bitwise={bitwise}",
+        flush=True,
+    )
     return status == "PASS"
 
 

@@ -14,14 +14,12 @@ third case the last rank also sends no tokens.
 
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
+from gpu_check import reference  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
 from prime_megamoe import DispatchConfig, fused_experts
 from prime_megamoe.bench import torchrun_group
-
-from gpu_check import reference  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
 
 def main():
@@ -41,7 +39,7 @@ def main():
         logits = [torch.randn(c, experts, device="cuda", generator=gen) for c in counts]
         per_rank = experts // world
         for lg in logits:
-            lg[:, (world - 1) * per_rank:] = -1e9  # the last rank's experts are never chosen
+            lg[:, (world - 1) * per_rank :] = -1e9  # the last rank's experts are never chosen
             lg[: lg.shape[0] // 2, 1] += 50.0  # expert 1 takes half of all tokens
         routes = [torch.softmax(lg, -1).topk(top_k) for lg in logits]
         routes = [(i, (w / w.sum(-1, keepdim=True)).to(dtype)) for w, i in routes]
@@ -54,8 +52,9 @@ def main():
         for transport in ("symmetric_memory", "collectives"):
             for attempt in range(2):
                 leaves = [t.clone().requires_grad_() for t in (xs[rank], routes[rank][1], w1[shard], w2[shard])]
-                opts = DispatchConfig(type="mega_moe", max_tokens_per_rank=tokens, transport=transport,
-                                      comm_timeout_s=30)
+                opts = DispatchConfig(
+                    type="mega_moe", max_tokens_per_rank=tokens, transport=transport, comm_timeout_s=30
+                )
                 out = fused_experts(leaves[0], routes[rank][0], *leaves[1:], dispatch=opts, group=dist.group.WORLD)
                 grads = torch.autograd.grad(out, leaves, dys[rank])
                 runs[transport, attempt] = [out.detach(), *grads]
@@ -86,8 +85,11 @@ def main():
         errs = {n: float((a.detach().double() - b).norm() / b.norm().clamp_min(1e-30)) for n, a, b in pairs}
         status = "PASS" if max(errs.values()) <= tol else "FAIL"
         ok &= status == "PASS"
-        print(f"{status} rank {rank}/{world} {dtype} T={counts[rank]}: " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()),
-              flush=True)
+        print(
+            f"{status} rank {rank}/{world} {dtype} T={counts[rank]}: "
+            + " ".join(f"{k}={v:.2e}" for k, v in errs.items()),
+            flush=True,
+        )
     ok &= check_layer_stack(rank, world)
     dist.destroy_process_group()
     raise SystemExit(0 if ok else 1)
@@ -120,8 +122,10 @@ def check_layer_stack(rank: int, world: int, layers: int = 3) -> bool:
     same = all(torch.equal(a, b) for a, b in zip(runs["symmetric_memory"], runs["collectives"]))
     finite = all(bool(t.float().isfinite().all()) for t in runs["symmetric_memory"])
     status = "PASS" if same and finite else "FAIL"
-    print(f"{status} rank {rank}/{world} stack of {layers} layers: transports bitwise equal {same}, finite {finite}",
-          flush=True)
+    print(
+        f"{status} rank {rank}/{world} stack of {layers} layers: transports bitwise equal {same}, finite {finite}",
+        flush=True,
+    )
     return same and finite
 
 

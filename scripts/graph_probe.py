@@ -41,8 +41,11 @@ def probe(shape: str, tokens: int, precision: str, iters: int, error_mode: str) 
         with torch.cuda.graph(graph, capture_error_mode=error_mode):
             graph_out = work.fwd()
     except Exception as exc:  # what stops capture is the finding: report it and where in the package it happened
-        frames = [f"{f.filename.split('prime_megamoe/')[-1]}:{f.lineno} {f.name}"
-                  for f in traceback.extract_tb(exc.__traceback__) if "prime_megamoe/" in f.filename]
+        frames = [
+            f"{f.filename.split('prime_megamoe/')[-1]}:{f.lineno} {f.name}"
+            for f in traceback.extract_tb(exc.__traceback__)
+            if "prime_megamoe/" in f.filename
+        ]
         print(f"{precision}: capture failed at {' <- '.join(reversed(frames[-4:]))}", flush=True)
         return f"{precision:8s} capture failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}", False
     graph.replay()
@@ -63,8 +66,12 @@ def main():
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--precisions", nargs="+", default=["fp8", "bf16"])
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--error-mode", default="global", choices=["global", "thread_local", "relaxed"],
-                   help="the capture's error mode (relaxed lets calls that are unsafe during capture through)")
+    p.add_argument(
+        "--error-mode",
+        default="global",
+        choices=["global", "thread_local", "relaxed"],
+        help="the capture's error mode (relaxed lets calls that are unsafe during capture through)",
+    )
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("graph_probe.py captures CUDA graphs: it needs a CUDA GPU")

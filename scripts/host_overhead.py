@@ -60,8 +60,11 @@ def main():
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--grad", action="store_true", help="profile forward + backward instead of the no-grad forward")
-    p.add_argument("--no-profile", action="store_true",
-                   help="only time single calls: host time to the first FC1 launch and to the call's return")
+    p.add_argument(
+        "--no-profile",
+        action="store_true",
+        help="only time single calls: host time to the first FC1 launch and to the call's return",
+    )
     p.add_argument("--sort", default="cumulative", choices=("cumulative", "tottime"), help="cProfile order")
     args = p.parse_args()
     group = torchrun_group()
@@ -73,9 +76,12 @@ def main():
     torch.cuda.synchronize()
     if args.no_profile:
         first, ends = single_call_times(step, args.calls, group)
-        print(f"rank {rank}: {args.calls} single calls, host us (median, min): first FC1 launched "
-              f"{statistics.median(first):.1f} ({min(first):.1f}), call returned {statistics.median(ends):.1f} "
-              f"({min(ends):.1f})", flush=True)
+        print(
+            f"rank {rank}: {args.calls} single calls, host us (median, min): first FC1 launched "
+            f"{statistics.median(first):.1f} ({min(first):.1f}), call returned {statistics.median(ends):.1f} "
+            f"({min(ends):.1f})",
+            flush=True,
+        )
         if group is not None:
             dist.destroy_process_group()
         return

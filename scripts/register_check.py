@@ -63,7 +63,7 @@ def gluon_descriptor_type(ty: str) -> str:
     """'tensordesc<fp8e4nv[128, 128]>' -> the same with the block's default NVMMA shared layout, as Gluon needs."""
     from triton.experimental.gluon import language as gl
 
-    inner = ty[len("tensordesc<"):-1]
+    inner = ty[len("tensordesc<") : -1]
     if "]," in inner:
         return ty  # a layout is given
     dtype, shape = inner.split("[")
@@ -73,8 +73,17 @@ def gluon_descriptor_type(ty: str) -> str:
     return f"tensordesc<{inner},{layout!r}>"
 
 
-def resource_usage(kernel, constexprs: dict, num_warps: int, num_stages: int, dtype: str, ones=(),
-                   types: dict | None = None, maxnreg: int | None = None, sass: bool = False) -> dict:
+def resource_usage(
+    kernel,
+    constexprs: dict,
+    num_warps: int,
+    num_stages: int,
+    dtype: str,
+    ones=(),
+    types: dict | None = None,
+    maxnreg: int | None = None,
+    sass: bool = False,
+) -> dict:
     """Compile for sm_90 and return {"registers", "spill_bytes", "shared_bytes", "partition_registers"} (and with
     ``sass`` "sass_counts": {opcode: static count}); ``types`` overrides argument types by name (e.g. {"as_ptr":
     "*fp32"})."""
@@ -88,11 +97,15 @@ def resource_usage(kernel, constexprs: dict, num_warps: int, num_stages: int, dt
     missing = [n for n in names if n not in constexprs and fn.params[names.index(n)].is_constexpr]
     if missing:
         raise SystemExit(f"give these constexprs (--constexprs / --config): {missing}")
-    signature = {n: "constexpr" if n in constexprs else pointer_type(n, dtype) if n.endswith("_ptr") else "i32"
-                 for n in names}
+    signature = {
+        n: "constexpr" if n in constexprs else pointer_type(n, dtype) if n.endswith("_ptr") else "i32" for n in names
+    }
     signature.update({n: t for n, t in (types or {}).items() if n in signature and signature[n] != "constexpr"})
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if signature[n] != "constexpr" and not signature[n].startswith("tensordesc")}
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(names)
+        if signature[n] != "constexpr" and not signature[n].startswith("tensordesc")
+    }
     constants = {(names.index(k),): v for k, v in constexprs.items() if k in names}
     if gluon:
         from triton.experimental.gluon._runtime import GluonASTSource
@@ -108,17 +121,27 @@ def resource_usage(kernel, constexprs: dict, num_warps: int, num_stages: int, dt
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
-        out = subprocess.run([tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True,
-                             check=True).stdout
-        listing = (subprocess.run([tool, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
-                   if sass else "")
-    fields = dict(item.split(":", 1) for item in next(line for line in out.splitlines() if "REG:" in line).split()
-                  if ":" in item)
-    partitions = sorted({int(v) for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
-                                                     compiled.asm["ptx"])})
-    use = {"registers": int(fields["REG"]), "spill_bytes": int(fields["STACK"]),
-           "shared_bytes": int(compiled.metadata.shared), "partition_registers": partitions,
-           "wgmma_serialised": wgmma_serialised(compiled.asm["ptx"])}
+        out = subprocess.run(
+            [tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True, check=True
+        ).stdout
+        listing = (
+            subprocess.run([tool, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
+            if sass
+            else ""
+        )
+    fields = dict(
+        item.split(":", 1) for item in next(line for line in out.splitlines() if "REG:" in line).split() if ":" in item
+    )
+    partitions = sorted(
+        {int(v) for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"])}
+    )
+    use = {
+        "registers": int(fields["REG"]),
+        "spill_bytes": int(fields["STACK"]),
+        "shared_bytes": int(compiled.metadata.shared),
+        "partition_registers": partitions,
+        "wgmma_serialised": wgmma_serialised(compiled.asm["ptx"]),
+    }
     if sass:
         use["sass_counts"] = sass_counts(listing)
         use["sass_loops"] = sass_loops(listing)
@@ -140,8 +163,11 @@ def sass_loops(listing: str) -> list[tuple[int, int]]:
     backward branch's target through the branch, in address order (a body counts its inner loops' once)."""
     addresses = [int(a, 16) for a in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?[A-Z]", listing)]
     loops = []
-    for branch, target in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\S*\s+`?\(?\.?L?_?x?_?(?:0x)?"
-                                     r"([0-9a-f]+)", listing):
+    for branch, target in re.findall(
+        r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\S*\s+`?\(?\.?L?_?x?_?(?:0x)?"
+        r"([0-9a-f]+)",
+        listing,
+    ):
         branch, target = int(branch, 16), int(target, 16)
         if target < branch:
             loops.append((target, sum(target <= a <= branch for a in addresses)))
@@ -160,8 +186,9 @@ def wgmma_serialised(ptx: str) -> bool:
         src = os.path.join(tmp, "kernel.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "kernel.o")],
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            [ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "kernel.o")], capture_output=True, text=True
+        )
     return "wgmma.mma_async instructions are serialized" in out.stdout + out.stderr
 
 
@@ -193,12 +220,22 @@ def main():
         runs.append((config, {**base, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, warps, stages))
     print(f"{'config':22s} {'registers':>9s} {'spill B':>8s} {'smem B':>8s} {'partition':>15s} wgmma")
     for label, constexprs, warps, stages in runs:
-        use = resource_usage(kernel, constexprs, warps, stages, args.dtype, args.ones, json.loads(args.types),
-                             args.maxnreg, sass=args.sass)
+        use = resource_usage(
+            kernel,
+            constexprs,
+            warps,
+            stages,
+            args.dtype,
+            args.ones,
+            json.loads(args.types),
+            args.maxnreg,
+            sass=args.sass,
+        )
         parts = ",".join(str(r) for r in use["partition_registers"]) or "-"
         wgmma = "serialised" if use["wgmma_serialised"] else "ok"
-        print(f"{label:22s} {use['registers']:9d} {use['spill_bytes']:8d} {use['shared_bytes']:8d} {parts:>15s} "
-              f"{wgmma}")
+        print(
+            f"{label:22s} {use['registers']:9d} {use['spill_bytes']:8d} {use['shared_bytes']:8d} {parts:>15s} {wgmma}"
+        )
         if args.sass:
             counts = use["sass_counts"]
             print(f"  SASS: {sum(counts.values())} instructions; " + ", ".join(f"{k} {v}" for k, v in counts.items()))

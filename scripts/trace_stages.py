@@ -28,7 +28,7 @@ def main(path: str) -> None:
     starts = [i for i, e in enumerate(events) if e["name"].startswith("routing_keys_kernel")]
     if len(starts) < 2:
         raise SystemExit("no complete step in this trace (expected two routing kernels per 2F+1B step)")
-    step = events[starts[-2]:]
+    step = events[starts[-2] :]
     t0 = step[0]["ts"]
     busy, copies = defaultdict(float), defaultdict(float)
     for e in step:

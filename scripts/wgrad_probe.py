@@ -47,8 +47,9 @@ def main():
     if args.experts:
         index, num_experts = index % args.experts, args.experts
     index[index == 0] = 1  # expert 0: no rows
-    plan = build_routing_plan(index, weights, expert_base=0, num_local_experts=num_experts, tile_m=tile_m(),
-                              num_segments=args.segments)
+    plan = build_routing_plan(
+        index, weights, expert_base=0, num_local_experts=num_experts, tile_m=tile_m(), num_segments=args.segments
+    )
     src = plan.row_src.long()
     dh = torch.randn(plan.sorted_rows, w1.shape[1], device="cuda", dtype=torch.bfloat16)
     aw = torch.randn(plan.sorted_rows, w2.shape[2], device="cuda", dtype=torch.bfloat16)
@@ -59,7 +60,7 @@ def main():
     }
     print(f"{'case':5s} {'config':64s} {'rel err':>9s} {'ms':>7s} {'TFLOP/s':>8s}")
     best = {}
-    for name, (a, b, gather_a, gather_b, want) in cases.items():
+    for name, (a, b, gather_a, _gather_b, want) in cases.items():
         m, n = a.shape[1], b.shape[1]
         flops = 2 * plan.num_pairs * m * n
         dense, gathered = (b, a) if gather_a else (a, b)
@@ -70,16 +71,38 @@ def main():
                 grid = (triton.cdiv(m, kw["BLOCK_M"]) * triton.cdiv(n, kw["BLOCK_N"]), num_experts)
                 desc = None
                 if use_tma:
-                    desc = TensorDescriptor(dense, list(dense.shape), list(dense.stride()),
-                                            [kw["BLOCK_K"], kw["BLOCK_M"] if not gather_a else kw["BLOCK_N"]])
+                    desc = TensorDescriptor(
+                        dense,
+                        list(dense.shape),
+                        list(dense.stride()),
+                        [kw["BLOCK_K"], kw["BLOCK_M"] if not gather_a else kw["BLOCK_N"]],
+                    )
 
                 def run(kw=kw, cfg=cfg, out=out, grid=grid, desc=desc, use_tma=use_tma):
                     grouped_wgrad_kernel.fn[grid](
-                        desc, dense, gathered, plan.row_src, out, plan.expert_offsets,
-                        m, n, plan.num_pairs, plan.num_segments, num_experts + 1,
-                        dense.stride(0), gathered.stride(0), out.stride(0), out.stride(1), out.stride(2),
-                        DENSE_A=not gather_a, USE_TMA=use_tma, CAST_F32=False, IEEE=False,
-                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **kw,
+                        desc,
+                        dense,
+                        gathered,
+                        plan.row_src,
+                        out,
+                        plan.expert_offsets,
+                        m,
+                        n,
+                        plan.num_pairs,
+                        plan.num_segments,
+                        num_experts + 1,
+                        dense.stride(0),
+                        gathered.stride(0),
+                        out.stride(0),
+                        out.stride(1),
+                        out.stride(2),
+                        DENSE_A=not gather_a,
+                        USE_TMA=use_tma,
+                        CAST_F32=False,
+                        IEEE=False,
+                        num_warps=cfg.num_warps,
+                        num_stages=cfg.num_stages,
+                        **kw,
                     )
 
                 run()

@@ -31,7 +31,10 @@ def qwen3_experts_reference(x, top_k_index, top_k_weights, gate_up_proj, down_pr
 
     num_experts, two_i, hidden = gate_up_proj.shape
     cfg = Qwen3MoeConfig(
-        hidden_size=hidden, moe_intermediate_size=two_i // 2, num_experts=num_experts, num_experts_per_tok=top_k_index.shape[1]
+        hidden_size=hidden,
+        moe_intermediate_size=two_i // 2,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k_index.shape[1],
     )
     cfg._experts_implementation = "eager"
     experts = Qwen3MoeExperts(cfg).to(gate_up_proj.dtype)
@@ -59,8 +62,17 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / denom)
 
 
-def ragged_routing(num_tokens: int, num_experts: int, top_k: int, *, seed: int, empty_expert: int | None = 0,
-                   hot_expert: int | None = 1, hot_fraction: float = 0.7, forbid: range | None = None):
+def ragged_routing(
+    num_tokens: int,
+    num_experts: int,
+    top_k: int,
+    *,
+    seed: int,
+    empty_expert: int | None = 0,
+    hot_expert: int | None = 1,
+    hot_fraction: float = 0.7,
+    forbid: range | None = None,
+):
     """Router-like (top_k_index, top_k_weights): distinct experts per token, weights that sum to one, with one
     expert never chosen, one chosen by most tokens, and optionally a range of experts (a rank's) never chosen."""
     gen = torch.Generator().manual_seed(seed)
@@ -71,7 +83,7 @@ def ragged_routing(num_tokens: int, num_experts: int, top_k: int, *, seed: int, 
     if empty_expert is not None:
         logits[:, empty_expert] = -1e9
     if forbid is not None:
-        logits[:, forbid.start:forbid.stop] = -1e9
+        logits[:, forbid.start : forbid.stop] = -1e9
     probs = torch.softmax(logits, dim=-1)
     weights, index = probs.topk(top_k, dim=-1)
     return index, weights / weights.sum(-1, keepdim=True)
@@ -99,8 +111,9 @@ def assert_matches_oracle(got, x, index, weights, w1, w2, grad_out, tol):
         assert err <= tol, f"{name}: relative error {err:.3e} > {tol:.0e}"
 
 
-def make_problem(num_tokens, hidden, inter, experts, top_k, dtype, *, seed, routing="uniform", hot_fraction=0.7,
-                 device="cpu"):
+def make_problem(
+    num_tokens, hidden, inter, experts, top_k, dtype, *, seed, routing="uniform", hot_fraction=0.7, device="cpu"
+):
     """Random inputs in ``dtype``: tokens, router-like routing, weights at a unit-variance scale, upstream grad."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(num_tokens, hidden, generator=gen)
@@ -124,7 +137,8 @@ def only_config(monkeypatch, kernel, **changes):
     compiled before the change."""
     monkeypatch.setenv("PRIME_MEGAMOE_DIRECT_LAUNCH", "0")
     first = kernel.configs[0]
-    config = triton.Config({**first.kwargs, **changes}, num_warps=first.num_warps, num_stages=first.num_stages,
-                           pre_hook=first.pre_hook)
+    config = triton.Config(
+        {**first.kwargs, **changes}, num_warps=first.num_warps, num_stages=first.num_stages, pre_hook=first.pre_hook
+    )
     monkeypatch.setattr(kernel, "configs", [config])
     monkeypatch.setattr(kernel, "cache", {})

@@ -30,8 +30,16 @@ def _trace(path: Path, names: list[str]) -> None:
 
 
 def test_backward_is_what_follows_the_last_forwards_combine(tmp_path, capsys):
-    step = ["routing_keys_kernel", "fc1", "fc2", "combine_rows_kernel", "quantize_blocks_kernel", "dgrad",
-            "combine_rows_kernel", "wgrad"]
+    step = [
+        "routing_keys_kernel",
+        "fc1",
+        "fc2",
+        "combine_rows_kernel",
+        "quantize_blocks_kernel",
+        "dgrad",
+        "combine_rows_kernel",
+        "wgrad",
+    ]
     path = tmp_path / "t.trace.json.gz"
     _trace(path, step + step)
     script = _script()

@@ -35,8 +35,18 @@ def test_hidden_transfer_time_without_copies(tmp_path):
 
 
 def test_table_names_the_transport_and_ratios_to_torch():
-    common = dict(shape="qwen3-30b-a3b", tokens_per_rank=16384, ep=2, precision="bf16", f2b1_ms=1.0,
-                  forward_tflops=1.0, backward_tflops=1.0, f2b1_tflops=1.0, peak_mem_gib=1.0, host_fwd_ms=1.0)
+    common = dict(
+        shape="qwen3-30b-a3b",
+        tokens_per_rank=16384,
+        ep=2,
+        precision="bf16",
+        f2b1_ms=1.0,
+        forward_tflops=1.0,
+        backward_tflops=1.0,
+        f2b1_tflops=1.0,
+        peak_mem_gib=1.0,
+        host_fwd_ms=1.0,
+    )
     rows = [
         Result(backend="torch", forward_ms=8.0, backward_ms=10.0, **common),
         Result(backend="mega_moe", forward_ms=4.0, backward_ms=5.0, transport="symmetric_memory", **common),

@@ -80,7 +80,7 @@ def test_dispatch_forms_agree(tmp_path):
 
 
 def test_defaults_without_moe_section(tmp_path):
-    cfg = load_config(write_toml(tmp_path, '[train]\nsteps = 3\n'))
+    cfg = load_config(write_toml(tmp_path, "[train]\nsteps = 3\n"))
     assert cfg.train.steps == 3
     assert cfg.model.moe == MoEConfig()
     assert cfg.model.moe.dispatch.type in DISPATCH_TYPES
@@ -114,7 +114,7 @@ def test_precision_list_is_the_documented_one():
     [
         ('[model.moe]\ndispatch = "torch"\nprecison = "bf16"\n', "precison"),
         ('[model.moe.dispatch]\ntype = "torch"\nmax_tokens = 8\n', "max_tokens"),
-        ('[train]\nstepz = 4\n', "stepz"),
+        ("[train]\nstepz = 4\n", "stepz"),
         ('[modle]\nname = "tiny"\n', "modle"),
     ],
 )

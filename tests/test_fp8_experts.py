@@ -44,8 +44,17 @@ def _problem(tokens, hidden, inter, experts, top_k, seed, **routing):
 
 def _run(precision, x, index, weights, w1, w2, grad_out, *, expert_base=0, pow2=False):
     leaves = [t.clone().requires_grad_() for t in (x, weights, w1, w2)]
-    out = routed_experts_quantized(leaves[0], index, leaves[1], leaves[2], leaves[3], expert_base=expert_base,
-                                   tile_m=tuning.tile_m(), precision=precision, pow2_scales=pow2)
+    out = routed_experts_quantized(
+        leaves[0],
+        index,
+        leaves[1],
+        leaves[2],
+        leaves[3],
+        expert_base=expert_base,
+        tile_m=tuning.tile_m(),
+        precision=precision,
+        pow2_scales=pow2,
+    )
     out.backward(grad_out)
     return [out.detach()] + [t.grad for t in leaves]
 
@@ -86,8 +95,12 @@ def _emulate(precision, x, index, weights, w1, w2, grad_out, *, pow2=False, tile
     bf16_fwd = precision == "fp8_bwd"
 
     xq = x.double() if bf16_fwd else fq(x)
-    h = torch.cat([xq[src[r]] @ (w1[e].double() if bf16_fwd else _fake_quant_halves(w1[e], w_rows, g_k, pow2, 0)).T
-                   for e, r in enumerate(spans)])
+    h = torch.cat(
+        [
+            xq[src[r]] @ (w1[e].double() if bf16_fwd else _fake_quant_halves(w1[e], w_rows, g_k, pow2, 0)).T
+            for e, r in enumerate(spans)
+        ]
+    )
     g, u = h[:, :inter], h[:, inter:]
     a = F.silu(g) * u
     aq = a if bf16_fwd else fq(a)
@@ -101,8 +114,9 @@ def _emulate(precision, x, index, weights, w1, w2, grad_out, *, pow2=False, tile
     dh = torch.cat([da * u * (sig + silu * (1 - sig)), da * silu], 1)
     aw = a * w_row
     dh_rows = _fake_quant_halves(dh, 1, g_k, pow2, 1)
-    dx_sorted = torch.cat([dh_rows[r] @ _fake_quant_halves(w1[e].T.contiguous(), w_rows, g_k, pow2, 1).T
-                           for e, r in enumerate(spans)])
+    dx_sorted = torch.cat(
+        [dh_rows[r] @ _fake_quant_halves(w1[e].T.contiguous(), w_rows, g_k, pow2, 1).T for e, r in enumerate(spans)]
+    )
     d_rows = torch.zeros(tokens, x.shape[1], dtype=torch.float64).index_add_(0, src, dx_sorted)
     d_weights = torch.zeros(tokens * top_k, dtype=torch.float64)
     d_weights[order] = (g_a * a).sum(1)
@@ -120,8 +134,12 @@ def _emulate(precision, x, index, weights, w1, w2, grad_out, *, pow2=False, tile
 def _check(got, oracle, emulated, label):
     errs = {n: rel_err(a, b) for n, a, b in zip(NAMES, got, oracle)}
     emu = {n: rel_err(a, b) for n, a, b in zip(NAMES, got, emulated)}
-    print(f"\n{label}: vs oracle " + ", ".join(f"{n} {v:.4f}" for n, v in errs.items())
-          + " | vs emulation " + ", ".join(f"{v:.1e}" for v in emu.values()))
+    print(
+        f"\n{label}: vs oracle "
+        + ", ".join(f"{n} {v:.4f}" for n, v in errs.items())
+        + " | vs emulation "
+        + ", ".join(f"{v:.1e}" for v in emu.values())
+    )
     for n in NAMES:
         assert errs[n] < ORACLE_TOL, f"{label} {n}: {errs[n]:.4f} vs the oracle"
         assert emu[n] < EMULATION_TOL, f"{label} {n}: {emu[n]:.2e} vs the emulated recipe"
@@ -132,8 +150,11 @@ def _check(got, oracle, emulated, label):
 SHAPE = dict(tokens=48, hidden=192, inter=96, experts=4, top_k=2)
 
 
-@pytest.mark.parametrize("precision,pow2", [("fp8", False), ("fp8", True), ("fp8_bwd", False), ("mxfp8", False)],
-                         ids=["fp8", "fp8_pow2", "fp8_bwd", "mxfp8"])
+@pytest.mark.parametrize(
+    "precision,pow2",
+    [("fp8", False), ("fp8", True), ("fp8_bwd", False), ("mxfp8", False)],
+    ids=["fp8", "fp8_pow2", "fp8_bwd", "mxfp8"],
+)
 def test_against_oracle_and_emulation(precision, pow2):
     problem = _problem(**SHAPE, seed=1)
     got = _run(precision, *problem, pow2=pow2)
@@ -190,8 +211,9 @@ def test_bitwise_repeatable(precision):
 def test_weight_cache_reuse_and_invalidation():
     """Quantised weights are reused while the parameter is unchanged, rebuilt after an in-place update (its
     _version moves) or invalidate_weight_cache(), and dropped with the parameter."""
-    x, index, weights, w1, w2, _ = _problem(tokens=16, hidden=128, inter=64, experts=2, top_k=1, seed=7,
-                                            empty_expert=None, hot_expert=None)
+    x, index, weights, w1, w2, _ = _problem(
+        tokens=16, hidden=128, inter=64, experts=2, top_k=1, seed=7, empty_expert=None, hot_expert=None
+    )
     params = {"w1": torch.nn.Parameter(w1), "w2": torch.nn.Parameter(w2)}
     kw = dict(expert_base=0, tile_m=tuning.tile_m(), precision="fp8", pow2_scales=False)
 
@@ -201,8 +223,9 @@ def test_weight_cache_reuse_and_invalidation():
 
     def uncached():  # fresh tensors with the same values: never served from another tensor's entry
         with torch.no_grad():
-            return routed_experts_quantized(x, index, weights, params["w1"].detach().clone(),
-                                            params["w2"].detach().clone(), **kw)
+            return routed_experts_quantized(
+                x, index, weights, params["w1"].detach().clone(), params["w2"].detach().clone(), **kw
+            )
 
     invalidate_weight_cache()
     before = weight_cache_info()
@@ -235,8 +258,9 @@ def test_weight_cache_reuse_and_invalidation():
 
 def test_forward_without_grad_matches():
     """The no-grad forward (h not stored) gives the same bits as the training forward."""
-    x, index, weights, w1, w2, _ = _problem(tokens=16, hidden=128, inter=64, experts=2, top_k=2, seed=8,
-                                            empty_expert=None)
+    x, index, weights, w1, w2, _ = _problem(
+        tokens=16, hidden=128, inter=64, experts=2, top_k=2, seed=8, empty_expert=None
+    )
     kw = dict(expert_base=0, tile_m=tuning.tile_m(), precision="mxfp8", pow2_scales=False)
     with torch.no_grad():
         plain = routed_experts_quantized(x, index, weights, w1, w2, **kw)
@@ -253,8 +277,9 @@ def _dequant_cols_t(qt, fmt):
     return qt.data.double() * s.T.repeat_interleave(fmt.group, 1)
 
 
-@pytest.mark.parametrize("fmt", [fl.fp8_format(), fl.fp8_format(pow2=True), fl.MX_FORMAT],
-                         ids=["fp8", "fp8_pow2", "mx"])
+@pytest.mark.parametrize(
+    "fmt", [fl.fp8_format(), fl.fp8_format(pow2=True), fl.MX_FORMAT], ids=["fp8", "fp8_pow2", "mx"]
+)
 def test_wgrad_kernel_against_float64_recipe(fmt):
     """out[e] = sum over e's tiles of A_t @ B_t^T with scales promoted per tile (fp32 accumulation) matches the
     float64 GEMM of the dequantised operands, and the operands match the emulated recipe (per-tile column
@@ -276,8 +301,12 @@ def test_wgrad_kernel_against_float64_recipe(fmt):
 
     a_deq, b_deq = _dequant_cols_t(a_t, fmt), _dequant_cols_t(b_t, fmt)
     bounds = tiles.tolist()
-    ref = torch.stack([a_deq[:, 128 * bounds[e]:128 * bounds[e + 1]] @ b_deq[:, 128 * bounds[e]:128 * bounds[e + 1]].T
-                       for e in range(experts)])
+    ref = torch.stack(
+        [
+            a_deq[:, 128 * bounds[e] : 128 * bounds[e + 1]] @ b_deq[:, 128 * bounds[e] : 128 * bounds[e + 1]].T
+            for e in range(experts)
+        ]
+    )
     assert torch.equal(out[0], torch.zeros(m, n))
     for e in range(1, experts):
         err = rel_err(out[e].double(), ref[e])
@@ -288,15 +317,16 @@ def test_wgrad_kernel_against_float64_recipe(fmt):
     src, offsets = plan.row_src.long(), plan.expert_offsets.tolist()
     for t in range(int(plan.num_tiles[0])):
         e, r0 = int(plan.tile_expert[t]), int(plan.tile_row[t])
-        rows = src[r0:min(r0 + 128, offsets[e + 1])]
+        rows = src[r0 : min(r0 + 128, offsets[e + 1])]
         for deq, x in ((a_deq, a_src), (b_deq, b_src)):
             tile = torch.zeros(128, x.shape[1])
             tile[: len(rows)] = x[rows].float()
-            assert torch.equal(deq[:, 128 * t:128 * (t + 1)], _fake_quant(tile.T.contiguous(), 1, g_k, pow2)), t
+            assert torch.equal(deq[:, 128 * t : 128 * (t + 1)], _fake_quant(tile.T.contiguous(), 1, g_k, pow2)), t
 
 
-@pytest.mark.parametrize("fmt", [fl.fp8_format(), fl.fp8_format(pow2=True), fl.MX_FORMAT],
-                         ids=["fp8", "fp8_pow2", "mx"])
+@pytest.mark.parametrize(
+    "fmt", [fl.fp8_format(), fl.fp8_format(pow2=True), fl.MX_FORMAT], ids=["fp8", "fp8_pow2", "mx"]
+)
 def test_fc2_dgrad_and_swiglu_backward_pass_against_float64(fmt):
     """The fp8 FC2 dgrad GEMM and the quantising SwiGLU backward pass, against float64 torch on the same quantised
     operands: dw exactly up to fp32 sums; dh (row-scaled), dh^T and (w * a)^T (column-scaled, tile space) against
@@ -317,7 +347,7 @@ def test_fc2_dgrad_and_swiglu_backward_pass_against_float64(fmt):
     dy_deq = fl.dequantize_rows(dyq, fmt).double()
     w2t_deq = fl.dequantize_weight(w2q, fmt).double()  # [E, I, H]
     src, offsets = plan.row_src.long(), plan.expert_offsets.tolist()
-    g_a = torch.cat([dy_deq[src[offsets[e]:offsets[e + 1]]] @ w2t_deq[e].T for e in range(experts)])
+    g_a = torch.cat([dy_deq[src[offsets[e] : offsets[e + 1]]] @ w2t_deq[e].T for e in range(experts)])
     w = plan.row_weight.double()[:, None]
     g, u = h.double().chunk(2, dim=1)
     sig = torch.sigmoid(g)
@@ -337,13 +367,16 @@ def test_fc2_dgrad_and_swiglu_backward_pass_against_float64(fmt):
         for got, ref in ((dh_t, dh), (aw_t, aw)):
             tile = torch.zeros(128, ref.shape[1], dtype=torch.float64)
             tile[: r1 - r0] = ref[r0:r1]
-            cols = got[:, 128 * t:128 * (t + 1)]
+            cols = got[:, 128 * t : 128 * (t + 1)]
             assert rel_err(cols, _fake_quant(tile.T.contiguous(), 1, g_k, pow2)) < 1e-3, t
-            assert torch.equal(cols[:, r1 - r0:], torch.zeros_like(cols[:, r1 - r0:])), t
+            assert torch.equal(cols[:, r1 - r0 :], torch.zeros_like(cols[:, r1 - r0 :])), t
 
 
-@pytest.mark.parametrize("fmt,hidden,inter", [(fl.fp8_format(), 192, 96), (fl.fp8_format(), 256, 128),
-                                               (fl.MX_FORMAT, 192, 96)], ids=["fp8_ragged", "fp8_aligned", "mx"])
+@pytest.mark.parametrize(
+    "fmt,hidden,inter",
+    [(fl.fp8_format(), 192, 96), (fl.fp8_format(), 256, 128), (fl.MX_FORMAT, 192, 96)],
+    ids=["fp8_ragged", "fp8_aligned", "mx"],
+)
 def test_tma_reads_compute_the_same(fmt, hidden, inter):
     """The fp8 GEMMs may read their operands by TMA (the row-tiled ones their weights and a sorted, not gathered A;
     the weight gradient both cols_t operands): FC1, FC2, the FC2 dgrad, the two-segment FC1 dgrad and the weight
@@ -352,27 +385,44 @@ def test_tma_reads_compute_the_same(fmt, hidden, inter):
     device = "cuda" if torch.cuda.is_available() else "cpu"  # (the interpreter emulates TMA on a CPU)
     tokens, experts, top_k = 150, 4, 2
     index, weights = ragged_routing(tokens, experts, top_k, seed=21, hot_fraction=0.9)
-    plan = build_routing_plan(index.to(device), weights.to(device), expert_base=0, num_local_experts=experts,
-                              tile_m=QTILE_M)
+    plan = build_routing_plan(
+        index.to(device), weights.to(device), expert_base=0, num_local_experts=experts, tile_m=QTILE_M
+    )
     gen = torch.Generator().manual_seed(21)
     x, dy = (torch.randn(tokens, hidden, generator=gen).to(device) for _ in range(2))
     w1 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(device)
     w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter**0.5).to(device)
     xq, dyq = fl.quantize_rows(x, fmt), fl.quantize_rows(dy, fmt)
-    w1f, w1b, w2f, w2b = (fl.quantize_w1_fwd(w1, fmt), fl.quantize_w1_bwd(w1, fmt), fl.quantize_w2_fwd(w2, fmt),
-                          fl.quantize_w2_bwd(w2, fmt))
+    w1f, w1b, w2f, w2b = (
+        fl.quantize_w1_fwd(w1, fmt),
+        fl.quantize_w1_bwd(w1, fmt),
+        fl.quantize_w2_fwd(w2, fmt),
+        fl.quantize_w2_bwd(w2, fmt),
+    )
     dh = fl.quantize_rows(torch.randn(plan.num_pairs, 2 * inter, generator=gen).to(device), fmt, segments=2)
     x_t, dy_t = fl.quantize_sorted_cols_t(x, plan, fmt), fl.quantize_sorted_cols_t(dy, plan, fmt)
     tiles = fl.expert_tile_offsets(plan)
     for use_tma in (False, True):
         h, aq = fl.fp8_fc1_swiglu(xq, w1f, plan, fmt, inter=inter, h_dtype=torch.float32, use_tma=use_tma)
-        outs = [h, aq.data.view(torch.uint8), aq.scale,
-                fl.fp8_grouped_gemm(aq, w2f, plan, fmt, out_dtype=torch.float32, row_scale=plan.row_weight,
-                                    use_tma=use_tma),
-                fl.fp8_grouped_gemm(dyq, w2b, plan, fmt, out_dtype=torch.float32, gather=True, use_tma=use_tma),
-                fl.fp8_grouped_gemm(dh, w1b, plan, fmt, out_dtype=torch.float32, segments=2, use_tma=use_tma),
-                fl.fp8_grouped_wgrad(x_t, dy_t, plan, fmt, torch.empty(experts, hidden, hidden, device=device),
-                                     expert_tiles=tiles, use_tma=use_tma)]
+        outs = [
+            h,
+            aq.data.view(torch.uint8),
+            aq.scale,
+            fl.fp8_grouped_gemm(
+                aq, w2f, plan, fmt, out_dtype=torch.float32, row_scale=plan.row_weight, use_tma=use_tma
+            ),
+            fl.fp8_grouped_gemm(dyq, w2b, plan, fmt, out_dtype=torch.float32, gather=True, use_tma=use_tma),
+            fl.fp8_grouped_gemm(dh, w1b, plan, fmt, out_dtype=torch.float32, segments=2, use_tma=use_tma),
+            fl.fp8_grouped_wgrad(
+                x_t,
+                dy_t,
+                plan,
+                fmt,
+                torch.empty(experts, hidden, hidden, device=device),
+                expert_tiles=tiles,
+                use_tma=use_tma,
+            ),
+        ]
         if not use_tma:
             pointers = outs
     for name, a, b in zip(("h", "a", "a scales", "FC2", "FC2 dgrad", "FC1 dgrad", "wgrad"), pointers, outs):
@@ -402,9 +452,16 @@ def test_unsupported_devices_raise_clear_errors(monkeypatch):
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         check_precision_supported("fp8", torch.device("cpu"))
     with pytest.raises(ValueError, match="not a quantised precision"):
-        routed_experts_quantized(torch.zeros(1, 4), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1),
-                                 torch.zeros(1, 8, 4), torch.zeros(1, 4, 4), expert_base=0, tile_m=16,
-                                 precision="bf16")
+        routed_experts_quantized(
+            torch.zeros(1, 4),
+            torch.zeros(1, 1, dtype=torch.long),
+            torch.ones(1, 1),
+            torch.zeros(1, 8, 4),
+            torch.zeros(1, 4, 4),
+            expert_base=0,
+            tile_m=16,
+            precision="bf16",
+        )
 
 
 @pytest.mark.gpu

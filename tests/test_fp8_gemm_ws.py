@@ -17,20 +17,19 @@ from prime_megamoe.kernels.fp8_gemm import QTILE_M
 from prime_megamoe.ops import fp8_launch as fl
 from prime_megamoe.ops.fp8_ws_launch import (
     WS_CONFIGS,
-    WS_WGRAD_CONFIGS,
     WS_GATHER_LOAD_REGS,
     WS_GATHER_LOAD_WARPS,
     WS_GATHER_MMA_REGS,
     WS_LOAD_REGS,
     WS_MMA_REGS,
-    WSConfig,
+    WS_WGRAD_CONFIGS,
     fp8_fc1_swiglu_ws,
     fp8_grouped_gemm_ws,
     fp8_grouped_wgrad_ws,
+    weight_descriptor,
     ws_fc1_unavailable,
     ws_gemm_unavailable,
     ws_wgrad_unavailable,
-    weight_descriptor,
 )
 from prime_megamoe.ops.routing_plan import build_routing_plan
 from tests.oracle import ragged_routing, rel_err
@@ -41,8 +40,10 @@ needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90 
 
 
 def _config_id(cfg):
-    return (f"m{cfg.block_m}n{cfg.block_n}s{cfg.stages}h{cfg.halves}{'t' if cfg.tma_store else ''}"
-            f"{'f' if cfg.scales_first else ''}")
+    return (
+        f"m{cfg.block_m}n{cfg.block_n}s{cfg.stages}h{cfg.halves}{'t' if cfg.tma_store else ''}"
+        f"{'f' if cfg.scales_first else ''}"
+    )
 
 
 def _assert_compiles_with_register_split(kernel: str, cfg, constexprs: dict, types: dict, max_spill: int = 0):
@@ -50,10 +51,14 @@ def _assert_compiles_with_register_split(kernel: str, cfg, constexprs: dict, typ
     boxes): at most ``max_spill`` bytes of stack a thread, no wgmma serialisation, the launch register cap, the ring
     (and output boxes) in shared memory within the SM's, the MMA warp groups with >= 200 registers."""
     out_box = f"bf16[{cfg.a_rows}, 128]" if cfg.tma_store else f"fp8e4nv[{cfg.a_rows}, 128]"
-    types = {**types, "a_desc": f"tensordesc<fp8e4nv[{cfg.a_rows}, 128]>",
-             "b_desc": f"tensordesc<fp8e4nv[{cfg.block_n}, 128]>", "c_desc": f"tensordesc<{out_box}>"}
+    types = {
+        **types,
+        "a_desc": f"tensordesc<fp8e4nv[{cfg.a_rows}, 128]>",
+        "b_desc": f"tensordesc<fp8e4nv[{cfg.block_n}, 128]>",
+        "c_desc": f"tensordesc<{out_box}>",
+    }
     options = ["--warps", str(cfg.num_warps), "--maxnreg", str(cfg.maxnreg), "--types", json.dumps(types)]
-    (_, registers, spill, smem, partitions, wgmma), = compile_for_hopper(kernel, constexprs, options)
+    ((_, registers, spill, smem, partitions, wgmma),) = compile_for_hopper(kernel, constexprs, options)
     assert wgmma == "ok", "ptxas serialises the kernel's wgmma instructions (see register_check.wgmma_serialised)"
     assert int(registers) == cfg.maxnreg and int(spill) <= max_spill, f"{spill} bytes spilled"
     ring = cfg.stages * (cfg.block_m + cfg.block_n) * 128  # the ring of A and B tiles
@@ -64,24 +69,39 @@ def _assert_compiles_with_register_split(kernel: str, cfg, constexprs: dict, typ
 
 
 @pytest.mark.parametrize("cfg", WS_CONFIGS, ids=_config_id)
-@pytest.mark.parametrize("scale_rows,gather", [(True, False), (False, False), (False, True)],
-                         ids=["row_scaled", "plain", "gathered"])
+@pytest.mark.parametrize(
+    "scale_rows,gather", [(True, False), (False, False), (False, True)], ids=["row_scaled", "plain", "gathered"]
+)
 def test_ws_kernel_compiles_for_hopper_with_its_register_split(cfg, scale_rows, gather):
     """As the launcher launches it: a bf16 output (stored by TMA where the config says so); gathered A with four
     producer warps and their registers."""
-    load_warps, load_regs, mma_regs = ((WS_GATHER_LOAD_WARPS, WS_GATHER_LOAD_REGS, WS_GATHER_MMA_REGS) if gather
-                                       else (1, WS_LOAD_REGS, WS_MMA_REGS))
+    load_warps, load_regs, mma_regs = (
+        (WS_GATHER_LOAD_WARPS, WS_GATHER_LOAD_REGS, WS_GATHER_MMA_REGS) if gather else (1, WS_LOAD_REGS, WS_MMA_REGS)
+    )
     # With two accumulators (subs = 2) ptxas keeps a few of the tile loop's scalars on the stack (24-40 bytes for
     # these variants with Triton 3.9), one local load a step in the main loop. The config was measured faster
     # with them (benchmarks/results/fp8_probe_s19b.txt); a real spill of the accumulators would be hundreds of bytes.
     _assert_compiles_with_register_split(
-        "prime_megamoe.kernels.fp8_gemm_ws:fp8_grouped_gemm_ws_kernel", cfg,
-        {"SEGS": 1 if gather else 2, "SCALE_ROWS": scale_rows, "B_GROUP_N": 128, "STAGES": cfg.stages,
-         "TILE_M": QTILE_M, "HALVES": cfg.halves, "TMA_STORE": cfg.tma_store, "GATHER": gather,
-         "SCALES_FIRST": cfg.scales_first, "SUBS": cfg.subs, "LOAD_WARPS": load_warps, "LOAD_REGS": load_regs,
-         "MMA_REGS": mma_regs},
+        "prime_megamoe.kernels.fp8_gemm_ws:fp8_grouped_gemm_ws_kernel",
+        cfg,
+        {
+            "SEGS": 1 if gather else 2,
+            "SCALE_ROWS": scale_rows,
+            "B_GROUP_N": 128,
+            "STAGES": cfg.stages,
+            "TILE_M": QTILE_M,
+            "HALVES": cfg.halves,
+            "TMA_STORE": cfg.tma_store,
+            "GATHER": gather,
+            "SCALES_FIRST": cfg.scales_first,
+            "SUBS": cfg.subs,
+            "LOAD_WARPS": load_warps,
+            "LOAD_REGS": load_regs,
+            "MMA_REGS": mma_regs,
+        },
         {"bs_ptr": "*fp32", "c_ptr": "*bf16", "a_ptr": "*fp8e4nv", "row_src_ptr": "*i32"},
-        max_spill=64 if cfg.subs == 2 else 0)
+        max_spill=64 if cfg.subs == 2 else 0,
+    )
 
 
 def test_ws_applicability_says_why_not():
@@ -108,8 +128,9 @@ def test_weight_descriptor_is_made_once_per_operand():
 
 def _quantised_problem(tokens, hidden, inter, experts, top_k, seed, device):
     index, weights = ragged_routing(tokens, experts, top_k, seed=seed, hot_fraction=0.8)
-    plan = build_routing_plan(index.to(device), weights.to(device), expert_base=0, num_local_experts=experts,
-                              tile_m=QTILE_M)
+    plan = build_routing_plan(
+        index.to(device), weights.to(device), expert_base=0, num_local_experts=experts, tile_m=QTILE_M
+    )
     gen = torch.Generator().manual_seed(seed)
     fmt = fl.fp8_format()
     aq = fl.quantize_rows(torch.randn(plan.num_pairs, inter, generator=gen).to(device), fmt)
@@ -117,8 +138,16 @@ def _quantised_problem(tokens, hidden, inter, experts, top_k, seed, device):
     w1 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(device)
     w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter**0.5).to(device)
     dyq = fl.quantize_rows(torch.randn(tokens, hidden, generator=gen).to(device), fmt)
-    return (plan, fmt, aq, dh, fl.quantize_w2_fwd(w2, fmt), fl.quantize_w1_bwd(w1, fmt), dyq,
-            fl.quantize_w2_bwd(w2, fmt))
+    return (
+        plan,
+        fmt,
+        aq,
+        dh,
+        fl.quantize_w2_fwd(w2, fmt),
+        fl.quantize_w1_bwd(w1, fmt),
+        dyq,
+        fl.quantize_w2_bwd(w2, fmt),
+    )
 
 
 def _reference(a_rows, b_weights, plan, row_scale=None):
@@ -135,8 +164,11 @@ def _reference(a_rows, b_weights, plan, row_scale=None):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("hidden,inter", [(256, 128), (384, 256), (1024, 512), (192, 96)],
-                         ids=["small", "two_k_blocks", "eight_k_blocks", "ragged"])
+@pytest.mark.parametrize(
+    "hidden,inter",
+    [(256, 128), (384, 256), (1024, 512), (192, 96)],
+    ids=["small", "two_k_blocks", "eight_k_blocks", "ragged"],
+)
 def test_ws_gemm_matches_the_triton_kernel(hidden, inter):
     """FC2 (row-scaled output, K = I), the FC2 dgrad (dy's rows gathered, K = H) and the two-segment FC1 dgrad
     (K = 2I), ragged routing with an empty expert and one taking most rows; I = 96 (K past a block, N not a multiple
@@ -153,8 +185,9 @@ def test_ws_gemm_matches_the_triton_kernel(hidden, inter):
     else:
         with pytest.raises(ValueError, match="multiple of 128"):
             fl.fp8_grouped_gemm(dh, w1b, plan, fmt, out_dtype=torch.float32, segments=2, use_ws=True)
-    for (name, a, b, segments, row_scale, gather), out_dtype in itertools.product(cases,
-                                                                                   (torch.float32, torch.bfloat16)):
+    for (name, a, b, segments, row_scale, gather), out_dtype in itertools.product(
+        cases, (torch.float32, torch.bfloat16)
+    ):
         # fp32 outputs are stored from registers; bf16 ones (the layer's) by TMA where a config says so and a 64-row
         # part of a tile holds only its expert's rows (the hot expert has several such parts, the others end inside
         # one). Both kernels round the same fp32 value; one bf16 step of slack for a last-bit fp32 difference.
@@ -168,15 +201,17 @@ def test_ws_gemm_matches_the_triton_kernel(hidden, inter):
         for cfg in WS_CONFIGS:
             for programs in (None, 1, 3):
                 c = torch.full_like(ws, float("nan"))  # a row left unwritten shows
-                fp8_grouped_gemm_ws(a, b, plan, c, segments=segments, row_scale=row_scale, gather=gather, config=cfg,
-                                    programs=programs)
-                torch.testing.assert_close(c, triton_kernel, rtol=tol, atol=tol,
-                                           msg=f"{name}, {out_dtype}, {cfg}, {programs}")
+                fp8_grouped_gemm_ws(
+                    a, b, plan, c, segments=segments, row_scale=row_scale, gather=gather, config=cfg, programs=programs
+                )
+                torch.testing.assert_close(
+                    c, triton_kernel, rtol=tol, atol=tol, msg=f"{name}, {out_dtype}, {cfg}, {programs}"
+                )
         if out_dtype != torch.float32:
             continue
         a_deq = fl.dequantize_rows(a, fmt, segments=segments).double().cpu()
         if gather:
-            a_deq = a_deq[plan.row_src[:plan.num_pairs].long().cpu()]
+            a_deq = a_deq[plan.row_src[: plan.num_pairs].long().cpu()]
         b_deq = fl.dequantize_weight(b, fmt, k_halves=segments).double().cpu()
         # Hopper's fp8 MMA accumulates each 128-wide step with fewer mantissa bits than fp32 (both kernels alike).
         assert rel_err(ws.cpu(), _reference(a_deq, b_deq, plan, row_scale)) < 1e-3, name
@@ -185,8 +220,7 @@ def test_ws_gemm_matches_the_triton_kernel(hidden, inter):
 def _plan_without_tiles(seed: int, device: str):
     """A rank's plan (local experts 0-3 of 8) when every token goes to the other rank's experts: rows, no tiles."""
     index, weights = ragged_routing(64, 8, 2, seed=seed, empty_expert=None, hot_expert=None, forbid=range(0, 4))
-    plan = build_routing_plan(index.to(device), weights.to(device), expert_base=0, num_local_experts=4,
-                              tile_m=QTILE_M)
+    plan = build_routing_plan(index.to(device), weights.to(device), expert_base=0, num_local_experts=4, tile_m=QTILE_M)
     assert int(plan.num_tiles[0]) == 0 and plan.num_pairs > 0
     return plan
 
@@ -211,19 +245,36 @@ def test_ws_gemm_on_a_rank_that_receives_nothing():
 # ----------------------------------------------------------------------------------------------------------------
 # FC1 + SwiGLU (kernels/fp8_fc1_ws.py)
 # ----------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("save_h,pow2,stages", [(True, False, 4), (False, True, 4), (True, False, 3)],
-                         ids=["save_h", "pow2", "3_stages"])
+@pytest.mark.parametrize(
+    "save_h,pow2,stages", [(True, False, 4), (False, True, 4), (True, False, 3)], ids=["save_h", "pow2", "3_stages"]
+)
 def test_ws_fc1_kernel_compiles_for_hopper_with_its_register_split(save_h, pow2, stages):
     """As the launcher launches it: four gathering producer warps, two MMA partitions holding the gate and up
     accumulators; no spill (x's rows are addressed by 32-bit offsets for that), no wgmma serialisation, the ring
     (A once, gate and up boxes of W1) in shared memory."""
-    types = {"xq_ptr": "*fp8e4nv", "row_src_ptr": "*i32", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "h_ptr": "*bf16",
-             "aq_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_desc": "tensordesc<fp8e4nv[128, 128]>"}
-    (_, registers, spill, smem, partitions, wgmma), = compile_for_hopper(
+    types = {
+        "xq_ptr": "*fp8e4nv",
+        "row_src_ptr": "*i32",
+        "xs_ptr": "*fp32",
+        "ws_ptr": "*fp32",
+        "h_ptr": "*bf16",
+        "aq_ptr": "*fp8e4nv",
+        "as_ptr": "*fp32",
+        "b_desc": "tensordesc<fp8e4nv[128, 128]>",
+    }
+    ((_, registers, spill, smem, partitions, wgmma),) = compile_for_hopper(
         "prime_megamoe.kernels.fp8_fc1_ws:fp8_fc1_swiglu_ws_kernel",
-        {"SAVE_H": save_h, "POW2": pow2, "STAGES": stages, "TILE_M": QTILE_M, "LOAD_WARPS": WS_GATHER_LOAD_WARPS,
-         "LOAD_REGS": WS_GATHER_LOAD_REGS, "MMA_REGS": WS_GATHER_MMA_REGS},
-        ["--warps", "4", "--maxnreg", "168", "--types", json.dumps(types)])
+        {
+            "SAVE_H": save_h,
+            "POW2": pow2,
+            "STAGES": stages,
+            "TILE_M": QTILE_M,
+            "LOAD_WARPS": WS_GATHER_LOAD_WARPS,
+            "LOAD_REGS": WS_GATHER_LOAD_REGS,
+            "MMA_REGS": WS_GATHER_MMA_REGS,
+        },
+        ["--warps", "4", "--maxnreg", "168", "--types", json.dumps(types)],
+    )
     assert wgmma == "ok", "ptxas serialises the kernel's wgmma instructions (see register_check.wgmma_serialised)"
     # Triton 3.6 (the GPU machines') keeps it all in registers; 3.9 spills 24 bytes, among them a value computed
     # before the partitions split that each step then reloads (from L1). The bound keeps that from growing.
@@ -249,8 +300,7 @@ def test_ws_fc1_matches_the_triton_kernel(hidden, inter):
     round a last fp32 bit apart."""
     device = "cuda"
     index, weights = ragged_routing(300, 4, 2, seed=9, hot_fraction=0.8)
-    plan = build_routing_plan(index.to(device), weights.to(device), expert_base=0, num_local_experts=4,
-                              tile_m=QTILE_M)
+    plan = build_routing_plan(index.to(device), weights.to(device), expert_base=0, num_local_experts=4, tile_m=QTILE_M)
     assert int(plan.expert_offsets.diff().min()) == 0 and int(plan.expert_offsets.diff().max()) > QTILE_M
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(300, hidden, generator=gen).to(device)
@@ -267,11 +317,13 @@ def test_ws_fc1_matches_the_triton_kernel(hidden, inter):
             h = torch.full((pairs, 2 * inter), float("nan"), dtype=torch.bfloat16, device=device)
             aq = torch.full((pairs, inter), 0x7F, dtype=torch.uint8, device=device).view(fl.FP8_DTYPE)  # NaN
             a_s = torch.full((pairs, inter // 128), float("nan"), device=device)
-            fp8_fc1_swiglu_ws(xq, w1q, plan, h if save_h else None, aq, a_s, inter=inter, pow2=pow2,
-                              programs=programs, stages=stages)
+            fp8_fc1_swiglu_ws(
+                xq, w1q, plan, h if save_h else None, aq, a_s, inter=inter, pow2=pow2, programs=programs, stages=stages
+            )
             torch.testing.assert_close(a_s, a_ref.scale, rtol=1e-6, atol=0, msg=msg)
-            torch.testing.assert_close(fl.dequantize_rows(fl.QTensor(aq, a_s), fmt), a_ref_f, rtol=0, atol=a_tol,
-                                       msg=msg)
+            torch.testing.assert_close(
+                fl.dequantize_rows(fl.QTensor(aq, a_s), fmt), a_ref_f, rtol=0, atol=a_tol, msg=msg
+            )
             if save_h:
                 torch.testing.assert_close(h, h_ref, rtol=2**-8, atol=2**-8, msg=msg)
             else:
@@ -305,10 +357,18 @@ def test_ws_fc1_on_a_rank_that_receives_nothing():
 @pytest.mark.parametrize("cfg", WS_WGRAD_CONFIGS, ids=_config_id)
 def test_ws_wgrad_kernel_compiles_for_hopper_with_its_register_split(cfg):
     _assert_compiles_with_register_split(
-        "prime_megamoe.kernels.fp8_wgrad_ws:fp8_grouped_wgrad_ws_kernel", cfg,
-        {"STAGES": cfg.stages, "HALVES": cfg.halves, "SUBS": cfg.subs, "TMA_STORE": cfg.tma_store,
-         "LOAD_REGS": WS_LOAD_REGS, "MMA_REGS": WS_MMA_REGS},
-        {"as_ptr": "*fp32", "bs_ptr": "*fp32", "c_ptr": "*bf16", "expert_tiles_ptr": "*i32"})
+        "prime_megamoe.kernels.fp8_wgrad_ws:fp8_grouped_wgrad_ws_kernel",
+        cfg,
+        {
+            "STAGES": cfg.stages,
+            "HALVES": cfg.halves,
+            "SUBS": cfg.subs,
+            "TMA_STORE": cfg.tma_store,
+            "LOAD_REGS": WS_LOAD_REGS,
+            "MMA_REGS": WS_MMA_REGS,
+        },
+        {"as_ptr": "*fp32", "bs_ptr": "*fp32", "c_ptr": "*bf16", "expert_tiles_ptr": "*i32"},
+    )
 
 
 def test_ws_wgrad_applicability_says_why_not():
@@ -317,8 +377,9 @@ def test_ws_wgrad_applicability_says_why_not():
 
 
 def _cols_t_problem(index, weights, m, n, local_experts, device, seed):
-    plan = build_routing_plan(index.to(device), weights.to(device), expert_base=0, num_local_experts=local_experts,
-                              tile_m=QTILE_M)
+    plan = build_routing_plan(
+        index.to(device), weights.to(device), expert_base=0, num_local_experts=local_experts, tile_m=QTILE_M
+    )
     gen = torch.Generator().manual_seed(seed)
     fmt = fl.fp8_format()
     tokens = index.shape[0]
@@ -364,18 +425,3 @@ def test_ws_wgrad_on_a_rank_that_receives_nothing():
     fp8_grouped_wgrad_ws(a_t, b_t, out, expert_tiles=tiles)
     torch.cuda.synchronize()
     assert torch.equal(out, torch.zeros_like(out))
-
-
-@pytest.mark.parametrize("mode,cfg", [(1, WSConfig(128, 4, halves=2)), (0, WSConfig(128, 4, halves=2)),
-                                      (2, WSConfig(128, 4, halves=2)), (0, WSConfig(128, 3, halves=2, subs=2)),
-                                      (2, WSConfig(128, 3, halves=2, subs=2))],
-                         ids=["promote", "plain", "rescale", "plain_n256", "rescale_n256"])
-def test_ceiling_script_kernel_compiles(mode, cfg):
-    """scripts/fp8_ws_ceiling.py builds its variants from the kernel's own partitions: it must keep up with them.
-    (Its kernel is the two-halves one, storing from registers; the 256-column variants keep one 64 x 256
-    accumulator a partition.)"""
-    _assert_compiles_with_register_split(
-        "scripts.fp8_ws_ceiling:ws_variant_kernel", cfg,
-        {"SEGS": 2, "STAGES": cfg.stages, "TILE_M": QTILE_M, "MODE": mode, "SUBS": cfg.subs,
-         "LOAD_REGS": WS_LOAD_REGS, "MMA_REGS": WS_MMA_REGS},
-        {"as_ptr": "*fp32", "bs_ptr": "*fp32", "c_ptr": "*bf16"})

@@ -61,8 +61,9 @@ def _train(precision: str) -> list[float]:
         if precision == "bf16":
             y = fused_experts(*args, dispatch="torch", precision="bf16")
         else:
-            y = routed_experts_quantized(*args, expert_base=0, tile_m=tuning.tile_m(), precision=precision,
-                                         pow2_scales=False)
+            y = routed_experts_quantized(
+                *args, expert_base=0, tile_m=tuning.tile_m(), precision=precision, pow2_scales=False
+            )
         logits = F.rms_norm(h + y.float(), (HIDDEN,)) @ params["unemb"].T
         loss = F.cross_entropy(logits, targets)
         opt.zero_grad()

@@ -13,8 +13,10 @@ from tests.test_quantize import _ragged_plan, _ref_cols_t
 from tests.test_register_check import compile_for_hopper
 from tests.test_swiglu_grad_fused import _cols_t_written, rank_that_receives_nothing
 
-TYPES = ('{"x_ptr": "*bf16", "row_src_ptr": "*i32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "tile_expert_ptr": "*i32",'
-         ' "tile_row_ptr": "*i32", "num_tiles_ptr": "*i32", "expert_offsets_ptr": "*i32"}')
+TYPES = (
+    '{"x_ptr": "*bf16", "row_src_ptr": "*i32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "tile_expert_ptr": "*i32",'
+    ' "tile_row_ptr": "*i32", "num_tiles_ptr": "*i32", "expert_offsets_ptr": "*i32"}'
+)
 
 
 @pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scales", "pow2"])
@@ -22,9 +24,11 @@ def test_gluon_gather_compiles_for_hopper(pow2):
     """As the launcher launches it (GATHER_COLS_T_GLUON_BLOCK): no spill, registers that let several programs share
     an SM, almost no shared memory (only the column maxima cross warps)."""
     bc, cpt, warps = fl.GATHER_COLS_T_GLUON_BLOCK
-    (_, registers, spill, smem, *_), = compile_for_hopper(
+    ((_, registers, spill, smem, *_),) = compile_for_hopper(
         "prime_megamoe.kernels.gather_cols_t:gather_cols_t_kernel",
-        {"POW2": pow2, "TILE_M": QTILE_M, "BC": bc, "CPT": cpt}, ["--warps", str(warps), "--types", TYPES])
+        {"POW2": pow2, "TILE_M": QTILE_M, "BC": bc, "CPT": cpt},
+        ["--warps", str(warps), "--types", TYPES],
+    )
     assert int(spill) == 0 and 3 * int(registers) * warps * 32 <= 64 * 1024
     assert int(smem) <= 4096
 
@@ -40,9 +44,11 @@ def test_gluon_gather_applicability_says_why_not():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hidden,pow2,dtype", [(256, False, torch.bfloat16), (200, True, torch.bfloat16),
-                                               (136, False, torch.float32)],
-                         ids=["bf16", "ragged_columns_pow2", "fp32_source"])
+@pytest.mark.parametrize(
+    "hidden,pow2,dtype",
+    [(256, False, torch.bfloat16), (200, True, torch.bfloat16), (136, False, torch.float32)],
+    ids=["bf16", "ragged_columns_pow2", "fp32_source"],
+)
 def test_gluon_gather_matches_the_triton_launch_and_torch(hidden, pow2, dtype):
     """Ragged routing (an empty expert, one taking most rows and ending mid-tile), column counts that are not a
     multiple of the column block: the same bits as the Triton launch, and with power-of-two scales (exact
@@ -63,7 +69,7 @@ def test_gluon_gather_matches_the_triton_launch_and_torch(hidden, pow2, dtype):
     if not pow2:
         return  # (on a GPU both kernels divide approximately (PTX div.full.f32), torch exactly: last bits differ)
     for t, q_ref, s_ref in _ref_cols_t(x, plan, fmt):
-        q = got.data[:, t * QTILE_M:(t + 1) * QTILE_M].cpu()
+        q = got.data[:, t * QTILE_M : (t + 1) * QTILE_M].cpu()
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), f"tile {t} values"
         assert torch.equal(got.scale[t].cpu(), s_ref[0]), f"tile {t} scales"
 
@@ -73,6 +79,6 @@ def test_gluon_gather_on_a_rank_that_receives_nothing():
     """Every token routed to other ranks' experts: rows but no tiles; the launch finishes (each program returns at
     the tile count) and gives outputs of the plan's shapes."""
     plan, g_a, _ = rank_that_receives_nothing()
-    out = fl.quantize_sorted_cols_t(g_a[:plan.num_rows], plan, fl.fp8_format(), gluon=True)
+    out = fl.quantize_sorted_cols_t(g_a[: plan.num_rows], plan, fl.fp8_format(), gluon=True)
     torch.cuda.synchronize()
     assert out.data.shape == (128, plan.max_tiles * QTILE_M) and out.scale.shape == (plan.max_tiles, 128)

@@ -56,7 +56,9 @@ def test_router_matches_transformers(top_k, norm, dtype):
     assert torch.equal(weights, ref_weights)
     assert index.shape == (37, top_k) and index.dtype == torch.int64
     if norm:
-        torch.testing.assert_close(weights.float().sum(-1), torch.ones(37), rtol=0, atol=2e-2 if dtype != torch.float32 else 1e-6)
+        torch.testing.assert_close(
+            weights.float().sum(-1), torch.ones(37), rtol=0, atol=2e-2 if dtype != torch.float32 else 1e-6
+        )
     else:
         assert (weights.float().sum(-1) < 1 + 1e-3).all()
 

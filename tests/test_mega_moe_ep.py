@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from prime_megamoe import DispatchConfig, fused_experts
+from prime_megamoe.comm import factory as transport_registry
 from prime_megamoe.comm.collectives import check_group_within_node
-from prime_megamoe.comm import transport as transport_registry
-from prime_megamoe.comm.transport import make_transport
+from prime_megamoe.comm.factory import make_transport
 
 from .distributed import run_on_ranks
 from .oracle import oracle_with_grads
@@ -63,8 +63,13 @@ def _ep_body(rank, world, cases):
 
 def _forward_plans() -> list[int]:
     """Ids of the forward plans free in every transport's pool (``ep_pipeline.lease_forward_plan``)."""
-    return sorted(id(plan) for _, transport in transport_registry._TRANSPORTS.values()
-                  for key, pool in transport.reused.items() if key[0] == "forward_plans" for plan, _ in pool)
+    return sorted(
+        id(plan)
+        for _, transport in transport_registry._TRANSPORTS.values()
+        for key, pool in transport.reused.items()
+        if key[0] == "forward_plans"
+        for plan, _ in pool
+    )
 
 
 def _plan_pool_checks(args, num_experts) -> dict:
@@ -108,8 +113,9 @@ def _interleaved_layers_match(args, single, num_experts) -> bool:
     opts = DispatchConfig(type="mega_moe", max_tokens_per_rank=capacity)
     first, second = ([t.detach().clone().requires_grad_() for t in (x, weights, w1, w2)] for _ in range(2))
     out = fused_experts(first[0], index, first[1], first[2], first[3], dispatch=opts, group=group)
-    other = fused_experts(second[0], (index + 1) % num_experts, second[1], second[2], second[3], dispatch=opts,
-                          group=group)
+    other = fused_experts(
+        second[0], (index + 1) % num_experts, second[1], second[2], second[3], dispatch=opts, group=group
+    )
     torch.autograd.backward([out, other], [grad_out, grad_out])
     return all(torch.equal(a, b) for a, b in zip(single, (out.detach(), *(t.grad for t in first))))
 
@@ -127,8 +133,10 @@ def results_for(world: int) -> list:
     return _RESULTS[world]
 
 
-@pytest.mark.parametrize("world,case,dtype_name", [
-    pytest.param(w, c, d, id=f"{w}-{c.name}-{d}") for w, runs in EP_RUNS.items() for c, d in runs])
+@pytest.mark.parametrize(
+    "world,case,dtype_name",
+    [pytest.param(w, c, d, id=f"{w}-{c.name}-{d}") for w, runs in EP_RUNS.items() for c, d in runs],
+)
 def test_expert_parallel_mega_moe_matches_oracle(world, case, dtype_name):
     dtype = DTYPES[dtype_name]
     x, w, w1, w2, g, idx = make_problem(case, world, dtype, _seed(case, world, dtype_name))
@@ -225,8 +233,9 @@ def _quantized_ep_body(rank, world, precision):
     e0, e1 = 2 * rank, 2 * rank + 2
     leaves = [t.clone().requires_grad_() for t in (x[t0:t1], weights[t0:t1], w1[e0:e1], w2[e0:e1])]
     opts = DispatchConfig(type="mega_moe", max_tokens_per_rank=16)
-    out = fused_experts(leaves[0], index[t0:t1], *leaves[1:], dispatch=opts, precision=precision,
-                        group=dist.group.WORLD)
+    out = fused_experts(
+        leaves[0], index[t0:t1], *leaves[1:], dispatch=opts, precision=precision, group=dist.group.WORLD
+    )
     out.backward(grad_out[t0:t1])
     return [out.detach()] + [t.grad for t in leaves]
 
@@ -239,8 +248,13 @@ def test_quantized_expert_parallel_matches_oracle(precision):
 
     x, index, weights, w1, w2, grad_out = _problem(24, 256, 128, 4, 2, seed=31, hot_fraction=0.8)
     per = run_on_ranks(_quantized_ep_body, 2, precision)
-    got = [torch.cat([per[0][0], per[1][0]]), torch.cat([per[0][1], per[1][1]]), torch.cat([per[0][2], per[1][2]]),
-           torch.cat([per[0][3], per[1][3]]), torch.cat([per[0][4], per[1][4]])]
+    got = [
+        torch.cat([per[0][0], per[1][0]]),
+        torch.cat([per[0][1], per[1][1]]),
+        torch.cat([per[0][2], per[1][2]]),
+        torch.cat([per[0][3], per[1][3]]),
+        torch.cat([per[0][4], per[1][4]]),
+    ]
     ref = oracle_with_grads(x, index, weights, w1, w2, grad_out)
     for name, a, b in zip(("out", "dx", "dweights", "dW1", "dW2"), got, ref):
         err = float((a.double() - b.double()).norm() / b.double().norm())
@@ -277,7 +291,7 @@ def test_tokens_travel_quantised(fmt_name):
 
     fmt = fl.MX_FORMAT if fmt_name == "mx" else fl.fp8_format()
     per = run_on_ranks(_fp8_dispatch_body, 2, fmt_name)
-    for rank, (x, rows, grad, sent) in enumerate(per):
+    for _rank, (x, rows, grad, sent) in enumerate(per):
         assert [dtype for dtype, _ in sent] == [torch.float8_e4m3fn, fmt.scale_dtype]
         assert sum(nbytes for _, nbytes in sent) < 0.3 * 8 * 96 * 4
         for src, (x_src, *_) in enumerate(per):

@@ -18,8 +18,13 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 def _torchrun(script: str, timeout: float) -> subprocess.CompletedProcess:
     # Multicast stays off; one candidate config per kernel (correctness does not depend on the tuning choice).
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
-               PRIME_MEGAMOE_AUTOTUNE="0")
+    env = dict(
+        os.environ,
+        NCCL_NVLS_ENABLE="0",
+        TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+        NVSHMEM_DISABLE_NVLS="1",
+        PRIME_MEGAMOE_AUTOTUNE="0",
+    )
     env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS.parent), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", script]
     return subprocess.run(cmd, cwd=SCRIPTS, env=env, capture_output=True, text=True, timeout=timeout)

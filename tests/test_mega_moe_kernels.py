@@ -14,18 +14,32 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prime_megamoe import DispatchConfig, fused_experts
-from prime_megamoe.kernels.tuning import interpreting
 from prime_megamoe.kernels import tuning
 from prime_megamoe.kernels.grouped_gemm import grouped_wgrad_kernel
+from prime_megamoe.kernels.tuning import interpreting
 from prime_megamoe.ops.launch import (
-    combine_rows, dswiglu_buffers, fc2_dgrad_dswiglu, grouped_gemm, grouped_wgrad, sum_blocks,
+    combine_rows,
+    dswiglu_buffers,
+    fc2_dgrad_dswiglu,
+    grouped_gemm,
+    grouped_wgrad,
+    sum_blocks,
 )
 from prime_megamoe.ops.routing_plan import (
-    allocate_routing_plan, build_routing_plan, fill_routing_plan, routing_keys,
+    allocate_routing_plan,
+    build_routing_plan,
+    fill_routing_plan,
+    routing_keys,
 )
 
 from .oracle import (
-    NAMES, TOL, assert_matches_oracle, make_problem, oracle_with_grads, ragged_routing, rel_err,
+    NAMES,
+    TOL,
+    assert_matches_oracle,
+    make_problem,
+    oracle_with_grads,
+    ragged_routing,
+    rel_err,
     run_mega_moe,
 )
 
@@ -62,8 +76,9 @@ def test_mega_moe_matches_oracle(case, dtype_name):
 
 def test_mega_moe_matches_oracle_int32_index_and_config():
     # int32 ids, a DispatchConfig instead of a name, an extremely hot expert (4 tiles of rows), fp32.
-    x, index, weights, w1, w2, g = make_problem(48, 24, 16, 4, 2, torch.float32, seed=77, routing="ragged",
-                                                hot_fraction=0.95)
+    x, index, weights, w1, w2, g = make_problem(
+        48, 24, 16, 4, 2, torch.float32, seed=77, routing="ragged", hot_fraction=0.95
+    )
     counts = torch.bincount(index.reshape(-1), minlength=4)
     assert counts[1] > 3 * 16 - 8  # the hot expert really spans several row tiles
     got = run_mega_moe(x, index.to(torch.int32), weights, w1, w2, g, dispatch=DispatchConfig(type="mega_moe"))
@@ -202,7 +217,7 @@ def check_plan(ids, weights, base, num_local, tile_m):
         lo, hi = int(plan.expert_offsets[exp]), int(plan.expert_offsets[exp + 1])
         assert lo <= start < hi, f"tile {i} starts at {start}, outside expert {exp}'s rows [{lo}, {hi})"
         assert (start - lo) % tile_m == 0
-        covered[start:min(start + tile_m, hi)] += 1
+        covered[start : min(start + tile_m, hi)] += 1
     assert (covered == 1).all(), "some sorted row is in no tile or in two"
     # Each expert's tiles (what the weight gradients walk): [expert_tiles[e], expert_tiles[e + 1]) of the list.
     tiles_per_expert = (counts + tile_m - 1) // tile_m
@@ -225,12 +240,17 @@ def test_fill_copies_the_routing_it_reads(index_dtype, weight_dtype):
     ids, weights = _random_ids(2 * rows, k, 12, seed=21, pad_rows=17)
     ids, weights = ids.to(index_dtype), weights.to(weight_dtype)
     own_ids, own_weights = ids[rows:], weights[rows:]
-    plans = [allocate_routing_plan(2 * rows, k, num_local_experts=num_local, tile_m=4, device=torch.device("cpu"),
-                                   num_segments=2) for _ in range(2)]
+    plans = [
+        allocate_routing_plan(
+            2 * rows, k, num_local_experts=num_local, tile_m=4, device=torch.device("cpu"), num_segments=2
+        )
+        for _ in range(2)
+    ]
     out_ids = torch.full((rows, k), 99, dtype=torch.int32)
     out_weights = torch.full((rows, k), float("nan"))
-    fill_routing_plan(plans[0], own_ids, own_weights, expert_base=6, first_segment=1, chunk=chunk,
-                      copy_to=(out_ids, out_weights))
+    fill_routing_plan(
+        plans[0], own_ids, own_weights, expert_base=6, first_segment=1, chunk=chunk, copy_to=(out_ids, out_weights)
+    )
     fill_routing_plan(plans[1], own_ids, own_weights, expert_base=6, first_segment=1, chunk=chunk)
     assert torch.equal(out_ids, own_ids.to(torch.int32)) and (out_ids[-17:] == -1).all()
     assert torch.equal(out_weights, own_weights.float())
@@ -238,7 +258,7 @@ def test_fill_copies_the_routing_it_reads(index_dtype, weight_dtype):
     assert torch.equal(pos, plans[1].pair_pos[rows:]) and (pos >= 0).any()
     for name in ("row_src", "row_weight"):
         assert torch.equal(getattr(plans[0], name)[pos[pos >= 0].long()], getattr(plans[1], name)[pos[pos >= 0].long()])
-    assert torch.equal(plans[0].expert_offsets[num_local + 1:], plans[1].expert_offsets[num_local + 1:])
+    assert torch.equal(plans[0].expert_offsets[num_local + 1 :], plans[1].expert_offsets[num_local + 1 :])
 
 
 @pytest.mark.parametrize(
@@ -254,18 +274,27 @@ def test_counting_sort_matches_stable_sort(rows, k, num_local, segments, base, c
     # The plan's counting sort (keys and per-chunk counts, then a program per chunk sorting its keys and placing them)
     # against torch's stable sort of the same keys, over several chunks and segments, ragged experts (a hot one,
     # empty ones) and padding rows: every sorted row, weight and pair position exactly.
-    ids, weights = _random_ids(rows, k, 8, seed=rows + k, pad_rows=7) if rows else (
-        torch.empty(0, k, dtype=torch.long), torch.empty(0, k))
+    ids, weights = (
+        _random_ids(rows, k, 8, seed=rows + k, pad_rows=7)
+        if rows
+        else (torch.empty(0, k, dtype=torch.long), torch.empty(0, k))
+    )
     if rows:
         ids[: rows // 2, 0] = base  # the first local expert takes one slot of half the rows
     ids[ids == base + 1] = -1  # the second local expert gets nothing
-    plan = allocate_routing_plan(rows, k, num_local_experts=num_local, tile_m=4, device=torch.device("cpu"),
-                                 num_segments=segments)
+    plan = allocate_routing_plan(
+        rows, k, num_local_experts=num_local, tile_m=4, device=torch.device("cpu"), num_segments=segments
+    )
     fill_routing_plan(plan, ids, weights, expert_base=base, chunk=chunk)
     seg_pairs = max(rows // segments * k, 1)
-    keys, hist, bins = routing_keys(ids, torch.zeros(segments * num_local, dtype=torch.int32),
-                                    segment_pairs=seg_pairs, expert_base=base, num_local_experts=num_local,
-                                    chunk=chunk)
+    keys, hist, bins = routing_keys(
+        ids,
+        torch.zeros(segments * num_local, dtype=torch.int32),
+        segment_pairs=seg_pairs,
+        expert_base=base,
+        num_local_experts=num_local,
+        chunk=chunk,
+    )
     local = ids.reshape(-1).long() - base
     segment = torch.arange(rows * k) // seg_pairs
     skip = segments * num_local
@@ -291,8 +320,9 @@ def test_counting_sort_matches_stable_sort(rows, k, num_local, segments, base, c
     offsets = plan.expert_offsets.long().view(segments, num_local + 1)
     expert_tiles = plan.expert_tiles.long().view(segments, num_local + 1)
     for s in range(segments):
-        expected = s * seg_pairs + torch.cat([torch.zeros(1, dtype=torch.long),
-                                              counts.view(segments, num_local)[s].cumsum(0)])
+        expected = s * seg_pairs + torch.cat(
+            [torch.zeros(1, dtype=torch.long), counts.view(segments, num_local)[s].cumsum(0)]
+        )
         assert torch.equal(offsets[s], expected)
         tiles = (counts.view(segments, num_local)[s] + plan.tile_m - 1) // plan.tile_m
         assert torch.equal(expert_tiles[s], torch.cat([torch.zeros(1, dtype=torch.long), tiles.cumsum(0)]))
@@ -311,8 +341,9 @@ def test_counting_sort_matches_stable_sort_on_gpu(segments, num_local, base):
     ids[-9:] = -1
     weights = torch.rand(rows, k, generator=gen)
     ids, weights = ids.cuda(), weights.cuda()
-    plan = allocate_routing_plan(rows, k, num_local_experts=num_local, tile_m=128, device=ids.device,
-                                 num_segments=segments)
+    plan = allocate_routing_plan(
+        rows, k, num_local_experts=num_local, tile_m=128, device=ids.device, num_segments=segments
+    )
     fill_routing_plan(plan, ids, weights, expert_base=base)
     seg_pairs = rows // segments * k
     local = ids.reshape(-1).long() - base
@@ -389,8 +420,13 @@ def _assert_segments_planned_alone(plan, ids, weights, base, num_local, tile_m, 
     for s in range(plan.num_segments):
         seg_base = s * rows * k
         view = plan.segment(s)
-        alone = build_routing_plan(ids[s * rows:(s + 1) * rows], weights[s * rows:(s + 1) * rows], expert_base=base,
-                                   num_local_experts=num_local, tile_m=tile_m)
+        alone = build_routing_plan(
+            ids[s * rows : (s + 1) * rows],
+            weights[s * rows : (s + 1) * rows],
+            expert_base=base,
+            num_local_experts=num_local,
+            tile_m=tile_m,
+        )
         count = int(alone.expert_offsets[-1])
         assert int(view.expert_offsets[0]) == seg_base
         assert torch.equal(view.expert_offsets - seg_base, alone.expert_offsets)
@@ -399,10 +435,10 @@ def _assert_segments_planned_alone(plan, ids, weights, base, num_local, tile_m, 
         assert torch.equal(view.tile_expert[:n], alone.tile_expert[:n])
         assert torch.equal(view.tile_row[:n] - seg_base, alone.tile_row[:n])
         assert ((view.tile_expert >= 0) & (view.tile_expert < num_local)).all()
-        assert torch.equal(plan.row_src[seg_base:seg_base + count] - s * rows, alone.row_src[:count])
-        assert torch.equal(plan.row_weight[seg_base:seg_base + count], alone.row_weight[:count])
+        assert torch.equal(plan.row_src[seg_base : seg_base + count] - s * rows, alone.row_src[:count])
+        assert torch.equal(plan.row_weight[seg_base : seg_base + count], alone.row_weight[:count])
         assert torch.equal(torch.where(view.pair_pos >= 0, view.pair_pos - seg_base, -1), alone.pair_pos)
-        assert torch.equal(plan.counts[s * num_local:(s + 1) * num_local], alone.counts)
+        assert torch.equal(plan.counts[s * num_local : (s + 1) * num_local], alone.counts)
         assert view.sorted_rows == plan.num_pairs and view.num_pairs == rows * k
 
 
@@ -412,8 +448,9 @@ def test_segmented_plan_is_each_segment_planned_alone(segments, base, num_local)
     # all padding (a rank with no tokens), another block routes most pairs to one expert.
     rows, k, tile_m = 9, 3, 4
     ids, weights = _segmented_case(segments, base, rows, k)
-    plan = build_routing_plan(ids, weights, expert_base=base, num_local_experts=num_local, tile_m=tile_m,
-                              num_segments=segments)
+    plan = build_routing_plan(
+        ids, weights, expert_base=base, num_local_experts=num_local, tile_m=tile_m, num_segments=segments
+    )
     assert plan.expert_offsets.shape == (segments * (num_local + 1),) and plan.num_tiles.shape == (segments,)
     _assert_segments_planned_alone(plan, ids, weights, base, num_local, tile_m, rows, k)
     assert int(plan.num_tiles[-1]) == 0  # the padding block has nothing to compute
@@ -424,20 +461,34 @@ def test_segments_filled_one_launch_at_a_time_give_the_same_plan(segments, own):
     # The EP forward plans its own block first, then the peers below it and above it in one launch each.
     rows, k, tile_m, base, num_local = 9, 3, 4, 2, 3
     ids, weights = _segmented_case(segments, base, rows, k)
-    plan = allocate_routing_plan(rows * segments, k, num_local_experts=num_local, tile_m=tile_m, device=ids.device,
-                                 num_segments=segments, split_expert=1)
+    plan = allocate_routing_plan(
+        rows * segments,
+        k,
+        num_local_experts=num_local,
+        tile_m=tile_m,
+        device=ids.device,
+        num_segments=segments,
+        split_expert=1,
+    )
     parts = [(own, 1), (0, own), (own + 1, segments - own - 1)]
     for first, count in parts:
         if count:
             sl = slice(first * rows, (first + count) * rows)
             fill_routing_plan(plan, ids[sl], weights[sl], expert_base=base, first_segment=first)
-    whole = build_routing_plan(ids, weights, expert_base=base, num_local_experts=num_local, tile_m=tile_m,
-                               num_segments=segments, split_expert=1)
+    whole = build_routing_plan(
+        ids,
+        weights,
+        expert_base=base,
+        num_local_experts=num_local,
+        tile_m=tile_m,
+        num_segments=segments,
+        split_expert=1,
+    )
     for name in ("expert_offsets", "pair_pos", "num_tiles", "counts", "half_num_tiles"):
         assert torch.equal(getattr(plan, name), getattr(whole, name)), name
     _assert_segments_planned_alone(plan, ids, weights, base, num_local, tile_m, rows, k)
     with pytest.raises(ValueError, match="whole segments"):
-        fill_routing_plan(plan, ids[:rows + 1], weights[:rows + 1], expert_base=base)
+        fill_routing_plan(plan, ids[: rows + 1], weights[: rows + 1], expert_base=base)
 
 
 @pytest.mark.parametrize("segments, num_local, split", [(2, 4, 2), (3, 3, 1), (2, 4, 0), (2, 4, 4)])
@@ -448,8 +499,15 @@ def test_expert_halves_split_each_segments_tiles(segments, num_local, split):
     rows, k, tile_m = 11, 3, 4
     ids, weights = _random_ids(rows * segments, k, num_local, seed=segments + split, pad_rows=rows)
     ids[:rows, 0] = num_local - 1  # the last expert takes a slot of every row of segment 0
-    plan = build_routing_plan(ids, weights, expert_base=0, num_local_experts=num_local, tile_m=tile_m,
-                              num_segments=segments, split_expert=split)
+    plan = build_routing_plan(
+        ids,
+        weights,
+        expert_base=0,
+        num_local_experts=num_local,
+        tile_m=tile_m,
+        num_segments=segments,
+        split_expert=split,
+    )
     for s in range(segments):
         whole = plan.segment(s)
         n = int(whole.num_tiles[0])
@@ -479,8 +537,7 @@ def test_weight_gradient_reduces_every_segment(gather_a, use_tma):
     ids[ids == 3] = 1  # expert 3 gets nothing
     twos = ids[:rows] == 2
     ids[:rows][twos & (twos.flatten().cumsum(0).view_as(twos) > 3)] = -1  # expert 2: three rows in segment 0
-    plan = build_routing_plan(ids, weights, expert_base=0, num_local_experts=num_local, tile_m=4,
-                              num_segments=segments)
+    plan = build_routing_plan(ids, weights, expert_base=0, num_local_experts=num_local, tile_m=4, num_segments=segments)
     per_segment = plan.expert_offsets.view(segments, num_local + 1).diff(dim=1)
     assert (per_segment >= 2 * block_k).any() and ((per_segment % block_k) != 0).any()  # whole and partial chunks
     assert ((per_segment > 0) & (per_segment < block_k)).any()  # an expert with fewer rows than one step
@@ -491,8 +548,15 @@ def test_weight_gradient_reduces_every_segment(gather_a, use_tma):
     sorted_op[~written] = float("nan")
     src = torch.randn(rows * segments, n if not gather_a else m, generator=gen)
     a, b = (src, sorted_op) if gather_a else (sorted_op, src)
-    got = grouped_wgrad(a, b, plan, torch.full((num_local, m, n), float("nan")), gather_a=gather_a,
-                        gather_b=not gather_a, use_tma=use_tma)
+    got = grouped_wgrad(
+        a,
+        b,
+        plan,
+        torch.full((num_local, m, n), float("nan")),
+        gather_a=gather_a,
+        gather_b=not gather_a,
+        use_tma=use_tma,
+    )
     pos = plan.pair_pos.long()
     want = torch.zeros(num_local, m, n, dtype=torch.float64)
     for r in range(rows * segments):
@@ -520,8 +584,10 @@ def test_grouped_gemm_tma_reads_match_pointer_reads(transpose_b, gather):
     gen = torch.Generator().manual_seed(9)
     a = torch.randn(rows if gather else plan.sorted_rows, kdim, generator=gen)
     w = torch.randn(num_local, *((n, kdim) if transpose_b else (kdim, n)), generator=gen)
-    got = {tma: grouped_gemm(a, w, plan, transpose_b=transpose_b, gather=gather, row_scale=plan.row_weight,
-                             use_tma=tma) for tma in (False, True)}
+    got = {
+        tma: grouped_gemm(a, w, plan, transpose_b=transpose_b, gather=gather, row_scale=plan.row_weight, use_tma=tma)
+        for tma in (False, True)
+    }
     assert torch.equal(got[True][: plan.num_pairs], got[False][: plan.num_pairs])
     src, off = plan.row_src.long(), plan.expert_offsets.tolist()
     for e in range(num_local):
@@ -543,8 +609,15 @@ def test_fc2_dgrad_swiglu_backward_per_segment_piece():
     rows, k, num_local, segments, hidden, inter = 29, 2, 4, 3, 24, 20
     ids, weights = _random_ids(rows * segments, k, num_local, seed=7, pad_rows=rows)
     ids[ids == 2] = 0  # expert 2 gets nothing
-    plan = build_routing_plan(ids, weights, expert_base=0, num_local_experts=num_local, tile_m=tuning.tile_m(),
-                              num_segments=segments, split_expert=num_local // 2)
+    plan = build_routing_plan(
+        ids,
+        weights,
+        expert_base=0,
+        num_local_experts=num_local,
+        tile_m=tuning.tile_m(),
+        num_segments=segments,
+        split_expert=num_local // 2,
+    )
     gen = torch.Generator().manual_seed(8)
     dy = torch.randn(rows * segments, hidden, generator=gen)
     w2 = torch.randn(num_local, hidden, inter, generator=gen)
@@ -708,4 +781,3 @@ def test_small_problems_skip_autotuning(monkeypatch):
     assert prune(configs, {"N": 1, "K": 1, "M_BUCKET": SMALL_PROBLEM}) == configs
     monkeypatch.setenv("PRIME_MEGAMOE_AUTOTUNE", "0")  # checks: never time candidates
     assert prune(configs, {"N": 768, "K": 2048, "M_BUCKET": 131072}) == ["first"]
-

@@ -49,8 +49,9 @@ def test_rows_fp8_exact_on_representable(k):
     gen = torch.Generator().manual_seed(0)
     rows, nb = 6, (k + 127) // 128
     q = _set_block_max(_e4m3_values((rows, k), gen), (1, 128), 448.0)
-    s = torch.tensor([0.75, 0.625, 1.0, 0.875, 1.5, 0.5])[:, None] * torch.exp2(torch.randint(-20, 20, (rows, nb),
-                                                                                           generator=gen).float())
+    s = torch.tensor([0.75, 0.625, 1.0, 0.875, 1.5, 0.5])[:, None] * torch.exp2(
+        torch.randint(-20, 20, (rows, nb), generator=gen).float()
+    )
     x = q * _expand(s, 1, 128, rows, k)
     qt = fl.quantize_rows(x, fl.fp8_format())
     assert qt.data.dtype == FP8 and qt.scale.dtype == torch.float32 and qt.scale.shape == (rows, nb)
@@ -79,8 +80,9 @@ def test_rows_pow2_exact_on_representable(fmt):
     assert torch.equal(fl.dequantize_rows(qt, fmt), x)
 
 
-@pytest.mark.parametrize("fmt", [fl.fp8_format(), fl.fp8_format(pow2=True), fl.MX_FORMAT],
-                         ids=["fp8", "fp8_pow2", "mx"])
+@pytest.mark.parametrize(
+    "fmt", [fl.fp8_format(), fl.fp8_format(pow2=True), fl.MX_FORMAT], ids=["fp8", "fp8_pow2", "mx"]
+)
 def test_rows_scales_and_rounding_match_reference(fmt):
     """Random data: scales = amax / 448 (pow2: rounded up), values = e4m3 round-to-nearest-even of x / scale."""
     gen = torch.Generator().manual_seed(2)
@@ -137,8 +139,10 @@ def test_rows_segments_are_blocked_separately():
     gate, up = fl.quantize_rows(x[:, :96].contiguous(), fmt), fl.quantize_rows(x[:, 96:].contiguous(), fmt)
     assert torch.equal(qt.scale, torch.cat([gate.scale, up.scale], 1))
     assert torch.equal(qt.data.view(torch.uint8), torch.cat([gate.data, up.data], 1).view(torch.uint8))
-    assert torch.equal(fl.dequantize_rows(qt, fmt, segments=2),
-                       torch.cat([fl.dequantize_rows(gate, fmt), fl.dequantize_rows(up, fmt)], 1))
+    assert torch.equal(
+        fl.dequantize_rows(qt, fmt, segments=2),
+        torch.cat([fl.dequantize_rows(gate, fmt), fl.dequantize_rows(up, fmt)], 1),
+    )
 
 
 def test_weight_blocks_exact_and_transposed_copy():
@@ -155,8 +159,8 @@ def test_weight_blocks_exact_and_transposed_copy():
     for i in range(e):
         for h in range(2):
             part = _set_block_max(_e4m3_values((inter, hidden), gen), (128, 128), -448.0)
-            q[i, h * inter:(h + 1) * inter] = part
-            w[i, h * inter:(h + 1) * inter] = part * _expand(s[i, h][None], 128, 128, inter, hidden)
+            q[i, h * inter : (h + 1) * inter] = part
+            w[i, h * inter : (h + 1) * inter] = part * _expand(s[i, h][None], 128, 128, inter, hidden)
     fwd = fl.quantize_w1_fwd(w, fmt)
     assert fwd.data.shape == (e, 2 * inter, hidden) and fwd.scale.shape == (e, 2, 2)
     assert torch.equal(fwd.scale, s)
@@ -169,8 +173,9 @@ def test_weight_blocks_exact_and_transposed_copy():
     assert torch.equal(fl.dequantize_weight(bwd, fmt, k_halves=2), w.transpose(1, 2))
 
 
-@pytest.mark.parametrize("fmt", [fl.fp8_format(), fl.fp8_format(pow2=True), fl.MX_FORMAT],
-                         ids=["fp8", "fp8_pow2", "mx"])
+@pytest.mark.parametrize(
+    "fmt", [fl.fp8_format(), fl.fp8_format(pow2=True), fl.MX_FORMAT], ids=["fp8", "fp8_pow2", "mx"]
+)
 def test_weight_operands_match_reference(fmt):
     """All four weight operands against a plain torch block quantiser (W2 [E, H, I] too)."""
     gen = torch.Generator().manual_seed(5)
@@ -185,8 +190,11 @@ def test_weight_operands_match_reference(fmt):
 
     cases = [
         (fl.quantize_w1_fwd(w1, fmt), {"n_halves": 2}, [torch.cat([ref(w[:inter]), ref(w[inter:])]) for w in w1]),
-        (fl.quantize_w1_bwd(w1, fmt), {"k_halves": 2},
-         [torch.cat([ref(w[:inter].T), ref(w[inter:].T)], 1) for w in w1]),
+        (
+            fl.quantize_w1_bwd(w1, fmt),
+            {"k_halves": 2},
+            [torch.cat([ref(w[:inter].T), ref(w[inter:].T)], 1) for w in w1],
+        ),
         (fl.quantize_w2_fwd(w2, fmt), {}, [ref(w) for w in w2]),
         (fl.quantize_w2_bwd(w2, fmt), {}, [ref(w.T) for w in w2]),
     ]
@@ -201,8 +209,9 @@ def test_weight_operands_match_reference(fmt):
 def _ragged_plan(tokens, experts, top_k, seed, device="cpu"):
     """Routing with expert 0 empty and expert 1 taking most rows (more than one 128-row tile, not a multiple of 128)."""
     index, weights = ragged_routing(tokens, experts, top_k, seed=seed, hot_fraction=0.9)
-    plan = build_routing_plan(index.to(device), weights.to(device), expert_base=0, num_local_experts=experts,
-                              tile_m=128)
+    plan = build_routing_plan(
+        index.to(device), weights.to(device), expert_base=0, num_local_experts=experts, tile_m=128
+    )
     counts = torch.bincount(index.reshape(-1), minlength=experts)
     assert counts[0] == 0 and counts[1] > 128 and counts[1] % 128 != 0 and counts[1] == counts.max()
     return plan
@@ -223,8 +232,11 @@ def _ref_cols_t(x, plan, fmt):
         yield t, q.T, s
 
 
-@pytest.mark.parametrize("fmt,dtype", [(fl.fp8_format(), torch.float32), (fl.fp8_format(pow2=True), torch.bfloat16),
-                                       (fl.MX_FORMAT, torch.bfloat16)], ids=["fp8", "fp8_pow2_bf16", "mx_bf16"])
+@pytest.mark.parametrize(
+    "fmt,dtype",
+    [(fl.fp8_format(), torch.float32), (fl.fp8_format(pow2=True), torch.bfloat16), (fl.MX_FORMAT, torch.bfloat16)],
+    ids=["fp8", "fp8_pow2_bf16", "mx_bf16"],
+)
 def test_sorted_cols_t_matches_reference(fmt, dtype):
     """quantize_sorted_cols_t: x[row_src] gathered per tile, one scale per column and G-row block, values transposed
     at columns 128 t + j, zeros past each expert's end; exact bits against torch."""
@@ -240,8 +252,8 @@ def test_sorted_cols_t_matches_reference(fmt, dtype):
     assert qt.scale.shape == (plan.max_tiles * blocks, hidden) and qt.scale.dtype == fmt.scale_dtype
     tiles = 0
     for t, q_ref, s_ref in _ref_cols_t(x, plan, fmt):
-        q = qt.data[:, t * 128:(t + 1) * 128]
-        s = qt.scale[t * blocks:(t + 1) * blocks]
+        q = qt.data[:, t * 128 : (t + 1) * 128]
+        s = qt.scale[t * blocks : (t + 1) * blocks]
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), f"tile {t} values"
         if fmt.mx:
             assert torch.equal(s.long(), torch.frexp(s_ref)[1].long() - 1 + 127), f"tile {t} scales"
@@ -255,8 +267,9 @@ def test_sorted_cols_t_rejects_other_plans():
     index, weights = ragged_routing(8, 4, 2, seed=0)
     x = torch.randn(8, 64)
     with pytest.raises(ValueError, match="tile_m = 128"):
-        fl.quantize_sorted_cols_t(x, build_routing_plan(index, weights, expert_base=0, num_local_experts=4,
-                                                        tile_m=16), fl.fp8_format())
+        fl.quantize_sorted_cols_t(
+            x, build_routing_plan(index, weights, expert_base=0, num_local_experts=4, tile_m=16), fl.fp8_format()
+        )
     plan = build_routing_plan(index, weights, expert_base=0, num_local_experts=4, tile_m=128)
     with pytest.raises(ValueError, match="source rows"):
         fl.quantize_sorted_cols_t(x[:4], plan, fl.fp8_format())

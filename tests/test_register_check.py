@@ -16,12 +16,28 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "register_check.py"
 CASES = [
-    ("prime_megamoe.kernels.swiglu_grad:swiglu_backward_rows_kernel", {"TILE_M": 128, "BLOCK_R": 16, "BLOCK_C": 128},
-     ["--warps", "4"]),
-    ("prime_megamoe.kernels.grouped_gemm:grouped_gemm_kernel",
-     {"a_desc": None, "b_desc": None, "GATHER_A": True, "SCALE_ROWS": False, "CAST_F32": False, "IEEE": False,
-      "A_TMA": False, "B_TMA": False, "B_KMAJOR": False, "TILE_M": 128, "PERSISTENT": False},
-     ["--config", "128,128,64,8,4", "--ones", "stride_bn"]),
+    (
+        "prime_megamoe.kernels.swiglu_grad:swiglu_backward_rows_kernel",
+        {"TILE_M": 128, "BLOCK_R": 16, "BLOCK_C": 128},
+        ["--warps", "4"],
+    ),
+    (
+        "prime_megamoe.kernels.grouped_gemm:grouped_gemm_kernel",
+        {
+            "a_desc": None,
+            "b_desc": None,
+            "GATHER_A": True,
+            "SCALE_ROWS": False,
+            "CAST_F32": False,
+            "IEEE": False,
+            "A_TMA": False,
+            "B_TMA": False,
+            "B_KMAJOR": False,
+            "TILE_M": 128,
+            "PERSISTENT": False,
+        },
+        ["--config", "128,128,64,8,4", "--ones", "stride_bn"],
+    ),
 ]
 
 
@@ -29,8 +45,13 @@ def compile_for_hopper(kernel: str, constexprs: dict, extra: list[str]) -> list[
     """The script's rows (config, registers, spill bytes, shared bytes) for ``kernel``; fails on a compile error."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent.parent), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, str(SCRIPT), kernel, "--constexprs", json.dumps(constexprs), *extra],
-                         capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), kernel, "--constexprs", json.dumps(constexprs), *extra],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line.split() for line in out.stdout.splitlines()[1:] if line.strip()]
     assert rows, out.stdout
@@ -46,49 +67,142 @@ def test_kernel_compiles_for_hopper_without_spills(kernel, constexprs, extra):
 
 # Kernels whose compiled form the interpreter cannot vouch for (it accepts, for one, a name bound to two shapes in
 # the two branches of an if, which the compiler rejects): each must compile for sm_90.
-ROUTING = {"TOP_K": 8, "NUM_LOCAL": 64, "EXPERT_BLOCK": 64, "TILE_M": 128, "BLOCK": 1024, "TILE_BLOCK": 32, "HIST_BLOCK": 16}
+ROUTING = {
+    "TOP_K": 8,
+    "NUM_LOCAL": 64,
+    "EXPERT_BLOCK": 64,
+    "TILE_M": 128,
+    "BLOCK": 1024,
+    "TILE_BLOCK": 32,
+    "HIST_BLOCK": 16,
+}
 COMPILES = [
-    ("prime_megamoe.kernels.routing:routing_keys_kernel",
-     {"NUM_LOCAL": 64, "NUM_BINS": 128, "SKIP": 64, "BLOCK": 1024, "COPY_ROUTING": True, "QUANT_ROWS": False, "QK": 1,
-      "BM": 1, "BK": 1, "POW2": False, "E8M0": False},
-     ["--types", '{"index_ptr": "*i64", "hist_ptr": "*i32", "weights_ptr": "*bf16"}']),
-    ("prime_megamoe.kernels.routing:routing_keys_kernel",  # with the forward's rows quantised in the same launch
-     {"NUM_LOCAL": 128, "NUM_BINS": 256, "SKIP": 128, "BLOCK": 1024, "COPY_ROUTING": False, "QUANT_ROWS": True,
-      "QK": 128, "BM": 64, "BK": 128, "POW2": False, "E8M0": False},
-     ["--types", '{"index_ptr": "*i64", "hist_ptr": "*i32", "x_ptr": "*bf16", "q_ptr": "*fp8e4nv", '
-      '"s_ptr": "*fp32"}']),
-    ("prime_megamoe.kernels.routing:routing_place_kernel", {**ROUTING, "NUM_BINS": 128, "SKIP": 64, "HALVES": True},
-     ["--types", '{"weights_ptr": "*bf16", "row_weight_ptr": "*fp32", "hist_ptr": "*i32"}']),
-    ("prime_megamoe.kernels.routing:routing_place_kernel", {**ROUTING, "NUM_BINS": 256, "SKIP": 128, "HALVES": False},
-     ["--types", '{"weights_ptr": "*fp32", "row_weight_ptr": "*fp32", "hist_ptr": "*i32"}']),
+    (
+        "prime_megamoe.kernels.routing:routing_keys_kernel",
+        {
+            "NUM_LOCAL": 64,
+            "NUM_BINS": 128,
+            "SKIP": 64,
+            "BLOCK": 1024,
+            "COPY_ROUTING": True,
+            "QUANT_ROWS": False,
+            "QK": 1,
+            "BM": 1,
+            "BK": 1,
+            "POW2": False,
+            "E8M0": False,
+        },
+        ["--types", '{"index_ptr": "*i64", "hist_ptr": "*i32", "weights_ptr": "*bf16"}'],
+    ),
+    (
+        "prime_megamoe.kernels.routing:routing_keys_kernel",  # with the forward's rows quantised in the same launch
+        {
+            "NUM_LOCAL": 128,
+            "NUM_BINS": 256,
+            "SKIP": 128,
+            "BLOCK": 1024,
+            "COPY_ROUTING": False,
+            "QUANT_ROWS": True,
+            "QK": 128,
+            "BM": 64,
+            "BK": 128,
+            "POW2": False,
+            "E8M0": False,
+        },
+        [
+            "--types",
+            '{"index_ptr": "*i64", "hist_ptr": "*i32", "x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}',
+        ],
+    ),
+    (
+        "prime_megamoe.kernels.routing:routing_place_kernel",
+        {**ROUTING, "NUM_BINS": 128, "SKIP": 64, "HALVES": True},
+        ["--types", '{"weights_ptr": "*bf16", "row_weight_ptr": "*fp32", "hist_ptr": "*i32"}'],
+    ),
+    (
+        "prime_megamoe.kernels.routing:routing_place_kernel",
+        {**ROUTING, "NUM_BINS": 256, "SKIP": 128, "HALVES": False},
+        ["--types", '{"weights_ptr": "*fp32", "row_weight_ptr": "*fp32", "hist_ptr": "*i32"}'],
+    ),
     ("prime_megamoe.kernels.routing:expert_ids_in_range_kernel", {"BLOCK": 4096}, ["--types", '{"index_ptr": "*i64"}']),
-    ("prime_megamoe.kernels.combine:combine_rows_kernel", {"TOP_K": 8, "BLOCK_H": 1024, "PAIR_VALUES": True, "K_BLOCK": 8},
-     ["--types", '{"pair_src_ptr": "*fp32", "pair_out_ptr": "*fp32"}']),
-    ("prime_megamoe.kernels.grouped_gemm:fc1_swiglu_kernel",
-     {"SAVE_H": True, "CAST_F32": False, "IEEE": False, "TILE_M": 128, "PERSISTENT": True, "ONE_DOT": True},
-     ["--config", "128,128,64,8,3", "--ones", "stride_wk"]),
-    ("prime_megamoe.kernels.grouped_gemm:grouped_gemm_kernel",
-     {"GATHER_A": False, "SCALE_ROWS": True, "CAST_F32": False, "IEEE": False, "A_TMA": True, "B_TMA": True,
-      "B_KMAJOR": True, "TILE_M": 128, "PERSISTENT": True},
-     ["--config", "128,256,64,8,3", "--ones", "stride_bk", "--types",
-      '{"a_desc": "tensordesc<bf16[128, 64]>", "b_desc": "tensordesc<bf16[256, 64]>"}']),
-    ("prime_megamoe.kernels.grouped_gemm:grouped_gemm_kernel",
-     {"a_desc": None, "GATHER_A": True, "SCALE_ROWS": False, "CAST_F32": False, "IEEE": False, "A_TMA": False,
-      "B_TMA": True, "B_KMAJOR": False, "TILE_M": 128, "PERSISTENT": False},
-     ["--config", "128,128,64,8,4", "--ones", "stride_bn", "--types", '{"b_desc": "tensordesc<bf16[64, 128]>"}']),
-    ("prime_megamoe.kernels.grouped_gemm:grouped_wgrad_kernel",
-     {"DENSE_A": True, "USE_TMA": True, "CAST_F32": False, "IEEE": False, "GROUP_M": 8},
-     ["--config", "256,128,64,8,3", "--ones", "stride_cn", "--types", '{"d_desc": "tensordesc<bf16[64, 256]>"}']),
-    ("prime_megamoe.kernels.grouped_gemm:grouped_wgrad_kernel",
-     {"d_desc": None, "DENSE_A": False, "USE_TMA": False, "CAST_F32": False, "IEEE": False, "GROUP_M": 8},
-     ["--config", "128,256,64,8,3", "--ones", "stride_cn"]),
+    (
+        "prime_megamoe.kernels.combine:combine_rows_kernel",
+        {"TOP_K": 8, "BLOCK_H": 1024, "PAIR_VALUES": True, "K_BLOCK": 8},
+        ["--types", '{"pair_src_ptr": "*fp32", "pair_out_ptr": "*fp32"}'],
+    ),
+    (
+        "prime_megamoe.kernels.grouped_gemm:fc1_swiglu_kernel",
+        {"SAVE_H": True, "CAST_F32": False, "IEEE": False, "TILE_M": 128, "PERSISTENT": True, "ONE_DOT": True},
+        ["--config", "128,128,64,8,3", "--ones", "stride_wk"],
+    ),
+    (
+        "prime_megamoe.kernels.grouped_gemm:grouped_gemm_kernel",
+        {
+            "GATHER_A": False,
+            "SCALE_ROWS": True,
+            "CAST_F32": False,
+            "IEEE": False,
+            "A_TMA": True,
+            "B_TMA": True,
+            "B_KMAJOR": True,
+            "TILE_M": 128,
+            "PERSISTENT": True,
+        },
+        [
+            "--config",
+            "128,256,64,8,3",
+            "--ones",
+            "stride_bk",
+            "--types",
+            '{"a_desc": "tensordesc<bf16[128, 64]>", "b_desc": "tensordesc<bf16[256, 64]>"}',
+        ],
+    ),
+    (
+        "prime_megamoe.kernels.grouped_gemm:grouped_gemm_kernel",
+        {
+            "a_desc": None,
+            "GATHER_A": True,
+            "SCALE_ROWS": False,
+            "CAST_F32": False,
+            "IEEE": False,
+            "A_TMA": False,
+            "B_TMA": True,
+            "B_KMAJOR": False,
+            "TILE_M": 128,
+            "PERSISTENT": False,
+        },
+        ["--config", "128,128,64,8,4", "--ones", "stride_bn", "--types", '{"b_desc": "tensordesc<bf16[64, 128]>"}'],
+    ),
+    (
+        "prime_megamoe.kernels.grouped_gemm:grouped_wgrad_kernel",
+        {"DENSE_A": True, "USE_TMA": True, "CAST_F32": False, "IEEE": False, "GROUP_M": 8},
+        ["--config", "256,128,64,8,3", "--ones", "stride_cn", "--types", '{"d_desc": "tensordesc<bf16[64, 256]>"}'],
+    ),
+    (
+        "prime_megamoe.kernels.grouped_gemm:grouped_wgrad_kernel",
+        {"d_desc": None, "DENSE_A": False, "USE_TMA": False, "CAST_F32": False, "IEEE": False, "GROUP_M": 8},
+        ["--config", "128,256,64,8,3", "--ones", "stride_cn"],
+    ),
 ]
 
 
-@pytest.mark.parametrize("kernel, constexprs, extra", COMPILES,
-                         ids=["routing_keys", "routing_keys_quant_rows", "routing_place_halves", "routing_place",
-                              "expert_ids", "combine_pairs", "fc1_one_dot", "gemm_tma_both", "gemm_tma_weights",
-                              "wgrad_tma", "wgrad_pointers"])
+@pytest.mark.parametrize(
+    "kernel, constexprs, extra",
+    COMPILES,
+    ids=[
+        "routing_keys",
+        "routing_keys_quant_rows",
+        "routing_place_halves",
+        "routing_place",
+        "expert_ids",
+        "combine_pairs",
+        "fc1_one_dot",
+        "gemm_tma_both",
+        "gemm_tma_weights",
+        "wgrad_tma",
+        "wgrad_pointers",
+    ],
+)
 def test_kernel_compiles_for_hopper(kernel, constexprs, extra):
     rows = compile_for_hopper(kernel, constexprs, extra)
     assert all(0 < int(registers) <= 255 for _, registers, *_ in rows), rows
@@ -130,8 +244,13 @@ def test_the_script_prints_sass_counts():
     kernel, constexprs, extra = CASES[0]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent.parent), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, str(SCRIPT), kernel, "--constexprs", json.dumps(constexprs), *extra, "--sass"],
-                         capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), kernel, "--constexprs", json.dumps(constexprs), *extra, "--sass"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     sass = next(line for line in out.stdout.splitlines() if line.strip().startswith("SASS:"))
     assert int(sass.split()[1]) > 100 and "FMUL" in sass and "STG" in sass

@@ -25,8 +25,9 @@ def make_routing(rows: int, top_k: int, num_experts: int, seed: int, *, crowd: i
     ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(rows)])
     if crowd is not None:
         ids[: rows * 3 // 4, 0] = crowd
-        ids[: rows * 3 // 4, 1:] = torch.where(ids[: rows * 3 // 4, 1:] == crowd, (crowd + 1) % num_experts,
-                                               ids[: rows * 3 // 4, 1:])
+        ids[: rows * 3 // 4, 1:] = torch.where(
+            ids[: rows * 3 // 4, 1:] == crowd, (crowd + 1) % num_experts, ids[: rows * 3 // 4, 1:]
+        )
     return ids.to(torch.int64), torch.rand(rows, top_k, generator=gen)
 
 

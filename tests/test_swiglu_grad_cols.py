@@ -11,9 +11,11 @@ from prime_megamoe.ops import fp8_launch as fl
 from tests.test_register_check import compile_for_hopper
 from tests.test_swiglu_grad_fused import _cols_t_written, ragged_swiglu_backward_inputs, rank_that_receives_nothing
 
-TYPES = ('{"ga_ptr": "*bf16", "h_ptr": "*bf16", "row_weight_ptr": "*fp32", "dhtq_ptr": "*fp8e4nv", "dhts_ptr": "*fp32",'
-         ' "awtq_ptr": "*fp8e4nv", "awts_ptr": "*fp32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32",'
-         ' "num_tiles_ptr": "*i32", "expert_offsets_ptr": "*i32"}')
+TYPES = (
+    '{"ga_ptr": "*bf16", "h_ptr": "*bf16", "row_weight_ptr": "*fp32", "dhtq_ptr": "*fp8e4nv", "dhts_ptr": "*fp32",'
+    ' "awtq_ptr": "*fp8e4nv", "awts_ptr": "*fp32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32",'
+    ' "num_tiles_ptr": "*i32", "expert_offsets_ptr": "*i32"}'
+)
 
 
 @pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scales", "pow2"])
@@ -21,9 +23,11 @@ def test_gluon_cols_compiles_for_hopper(pow2):
     """As the launcher launches it (DSWIGLU_COLS_GLUON_BLOCK): no spill, registers that let several programs share
     an SM, and almost no shared memory (only the column maxima cross warps)."""
     bc, cpt, warps = fl.DSWIGLU_COLS_GLUON_BLOCK
-    (_, registers, spill, smem, *_), = compile_for_hopper(
+    ((_, registers, spill, smem, *_),) = compile_for_hopper(
         "prime_megamoe.kernels.swiglu_grad_cols:swiglu_backward_cols_kernel",
-        {"POW2": pow2, "TILE_M": QTILE_M, "BC": bc, "CPT": cpt}, ["--warps", str(warps), "--types", TYPES])
+        {"POW2": pow2, "TILE_M": QTILE_M, "BC": bc, "CPT": cpt},
+        ["--warps", str(warps), "--types", TYPES],
+    )
     assert int(spill) == 0 and 3 * int(registers) * warps * 32 <= 64 * 1024
     assert int(smem) <= 4096
 
@@ -32,8 +36,11 @@ def test_column_layout_rejects_a_block_a_warp_does_not_cover():
     """Both transposing Gluon passes take their layouts from ``_column_layout``: a (BC, CPT, warps) whose warp does
     not cover TILE_M // num_warps rows of BC columns is a compile error that names the block."""
     with pytest.raises(Exception, match=r"a warp must cover .*BC 32, CPT 2, 2 warps"):
-        compile_for_hopper("prime_megamoe.kernels.swiglu_grad_cols:swiglu_backward_cols_kernel",
-                           {"POW2": False, "TILE_M": QTILE_M, "BC": 32, "CPT": 2}, ["--warps", "2", "--types", TYPES])
+        compile_for_hopper(
+            "prime_megamoe.kernels.swiglu_grad_cols:swiglu_backward_cols_kernel",
+            {"POW2": False, "TILE_M": QTILE_M, "BC": 32, "CPT": 2},
+            ["--warps", "2", "--types", TYPES],
+        )
 
 
 def test_gluon_cols_applicability_says_why_not():
@@ -48,8 +55,11 @@ def test_gluon_cols_applicability_says_why_not():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens,inter,pow2", [(300, 256, False), (700, 384, True), (64, 200, False)],
-                         ids=["two_groups", "three_groups_pow2", "ragged_columns"])
+@pytest.mark.parametrize(
+    "tokens,inter,pow2",
+    [(300, 256, False), (700, 384, True), (64, 200, False)],
+    ids=["two_groups", "three_groups_pow2", "ragged_columns"],
+)
 def test_gluon_cols_matches_the_triton_launch(tokens, inter, pow2):
     """Ragged routing (an empty expert, one taking most rows, tiles ending mid-way) and an intermediate size that is
     not a multiple of the column block: the same bits as the Triton launch for dh^T and (w * a)^T and their scales."""

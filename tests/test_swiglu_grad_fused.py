@@ -12,10 +12,12 @@ from prime_megamoe.ops.routing_plan import build_routing_plan
 from tests.oracle import ragged_routing
 from tests.test_register_check import compile_for_hopper
 
-TYPES = ('{"ga_ptr": "*bf16", "h_ptr": "*bf16", "row_weight_ptr": "*fp32", "dhq_ptr": "*fp8e4nv", "dhs_ptr": "*fp32",'
-         ' "dhtq_ptr": "*fp8e4nv", "dhts_ptr": "*fp32", "awtq_ptr": "*fp8e4nv", "awts_ptr": "*fp32",'
-         ' "dw_partial_ptr": "*fp32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32", "num_tiles_ptr": "*i32",'
-         ' "expert_offsets_ptr": "*i32"}')
+TYPES = (
+    '{"ga_ptr": "*bf16", "h_ptr": "*bf16", "row_weight_ptr": "*fp32", "dhq_ptr": "*fp8e4nv", "dhs_ptr": "*fp32",'
+    ' "dhtq_ptr": "*fp8e4nv", "dhts_ptr": "*fp32", "awtq_ptr": "*fp8e4nv", "awts_ptr": "*fp32",'
+    ' "dw_partial_ptr": "*fp32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32", "num_tiles_ptr": "*i32",'
+    ' "expert_offsets_ptr": "*i32"}'
+)
 
 
 @pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scales", "pow2"])
@@ -23,9 +25,11 @@ def test_fused_dswiglu_compiles_for_hopper(pow2):
     """As the launcher launches it (DSWIGLU_FUSED_BLOCK): no spill, and shared memory for one item's fp32 dg, du and
     w * a (3 x 128 x 128 x 4 bytes) within an SM's (one program an SM)."""
     rb, warps = fl.DSWIGLU_FUSED_BLOCK
-    (_, registers, spill, smem, *_), = compile_for_hopper(
+    ((_, registers, spill, smem, *_),) = compile_for_hopper(
         "prime_megamoe.kernels.swiglu_grad_fused:swiglu_backward_fused_kernel",
-        {"POW2": pow2, "TILE_M": QTILE_M, "RB": rb}, ["--warps", str(warps), "--types", TYPES])
+        {"POW2": pow2, "TILE_M": QTILE_M, "RB": rb},
+        ["--warps", str(warps), "--types", TYPES],
+    )
     assert int(spill) == 0
     assert 3 * QTILE_M * 128 * 4 <= int(smem) <= 227 * 1024
 
@@ -43,12 +47,15 @@ def test_fused_dswiglu_applicability_says_why_not():
 def _cols_t_written(q: fl.QTensor, plan) -> list[torch.Tensor]:
     """The tile-space columns (and scale rows) a pass writes: those of the device-side tile count."""
     written = int(plan.num_tiles[0]) * QTILE_M
-    return [q.data[:, :written].view(torch.uint8), q.scale[:written // QTILE_M]]
+    return [q.data[:, :written].view(torch.uint8), q.scale[: written // QTILE_M]]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens,inter,pow2", [(300, 256, False), (700, 384, True), (64, 128, False)],
-                         ids=["two_groups", "three_groups_pow2", "one_tile"])
+@pytest.mark.parametrize(
+    "tokens,inter,pow2",
+    [(300, 256, False), (700, 384, True), (64, 128, False)],
+    ids=["two_groups", "three_groups_pow2", "one_tile"],
+)
 def test_fused_dswiglu_matches_the_two_launch_pass(tokens, inter, pow2):
     """Ragged routing (an empty expert, one taking most rows, tiles ending mid-way): the same bits as the Triton
     pass for dh (row-scaled), dh^T and (w * a)^T (column-scaled) and their scales; dw per row to fp32 rounding
@@ -69,8 +76,7 @@ def ragged_swiglu_backward_inputs(tokens, inter, device="cuda"):
     """(plan, g_a [P, inter], h [P, 2 inter]) in bf16 for ragged routing over 4 experts (one empty, one with most
     rows, tiles ending mid-way), seeded by ``tokens``."""
     index, weights = ragged_routing(tokens, 4, 2, seed=tokens, hot_fraction=0.8)
-    plan = build_routing_plan(index.to(device), weights.to(device), expert_base=0, num_local_experts=4,
-                              tile_m=QTILE_M)
+    plan = build_routing_plan(index.to(device), weights.to(device), expert_base=0, num_local_experts=4, tile_m=QTILE_M)
     gen = torch.Generator().manual_seed(tokens)
     g_a = torch.randn(plan.num_pairs, inter, generator=gen).bfloat16().to(device)
     h = (2 * torch.randn(plan.num_pairs, 2 * inter, generator=gen)).bfloat16().to(device)
@@ -80,8 +86,7 @@ def ragged_swiglu_backward_inputs(tokens, inter, device="cuda"):
 def rank_that_receives_nothing(device="cuda"):
     """(plan, g_a [P, 128], h [P, 256]) where every token went to other ranks' experts: rows but no tiles."""
     index, weights = ragged_routing(64, 8, 2, seed=3, empty_expert=None, hot_expert=None, forbid=range(0, 4))
-    plan = build_routing_plan(index.to(device), weights.to(device), expert_base=0, num_local_experts=4,
-                              tile_m=QTILE_M)
+    plan = build_routing_plan(index.to(device), weights.to(device), expert_base=0, num_local_experts=4, tile_m=QTILE_M)
     assert int(plan.num_tiles[0]) == 0 and plan.num_pairs > 0
     g_a = torch.randn(plan.num_pairs, 128, device=device).bfloat16()
     h = torch.randn(plan.num_pairs, 256, device=device).bfloat16()

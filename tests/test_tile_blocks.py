@@ -21,8 +21,9 @@ def test_half_tile_programs_compute_the_same(monkeypatch):
     # gradient must be bitwise what whole-tile programs give, with ragged routing (tiles end mid-way, an expert
     # has no rows).
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    x, index, weights, w1, w2, g = make_problem(45, 32, 16, 4, 2, torch.float32, seed=3, routing="ragged",
-                                                device=device)
+    x, index, weights, w1, w2, g = make_problem(
+        45, 32, 16, 4, 2, torch.float32, seed=3, routing="ragged", device=device
+    )
     whole = run_mega_moe(x, index, weights, w1, w2, g)
     half = tuning.tile_m() // 2
     for persistent in (False, True):
@@ -41,8 +42,9 @@ def test_fc1_gate_and_up_in_one_dot_compute_the_same(monkeypatch):
     # accumulator: the layer's output and gradients must match the two-accumulator programs, whole and half tiles,
     # with ragged routing and a column count that is not a multiple of the block (I = 24, blocks of 16).
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    x, index, weights, w1, w2, g = make_problem(45, 32, 24, 4, 2, torch.float32, seed=4, routing="ragged",
-                                                device=device)
+    x, index, weights, w1, w2, g = make_problem(
+        45, 32, 24, 4, 2, torch.float32, seed=4, routing="ragged", device=device
+    )
     two = run_mega_moe(x, index, weights, w1, w2, g)
     for block_m in (tuning.tile_m(), tuning.tile_m() // 2):
         only_config(monkeypatch, fc1_swiglu_kernel, BLOCK_M=block_m, ONE_DOT=True)

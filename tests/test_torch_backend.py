@@ -118,7 +118,9 @@ SINGLE_CASES = [
 @pytest.mark.parametrize("case", SINGLE_CASES, ids=lambda c: c.name)
 def test_single_rank_matches_references(case, dtype_name):
     dtype = DTYPES[dtype_name]
-    x, w, w1, w2, g, idx = make_problem(case, 1, dtype, seed=100 * SINGLE_CASES.index(case) + list(DTYPES).index(dtype_name))
+    x, w, w1, w2, g, idx = make_problem(
+        case, 1, dtype, seed=100 * SINGLE_CASES.index(case) + list(DTYPES).index(dtype_name)
+    )
     got = run_backend(x, idx, w, w1, w2, g)
     for t, ref_in in zip(got, (x, x, w, w1, w2)):
         assert t.dtype == dtype and t.shape == ref_in.shape

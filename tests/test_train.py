@@ -132,8 +132,16 @@ def _metrics(path: Path) -> list[dict]:
 
 @pytest.mark.parametrize("data_parallel", ["allreduce", "fsdp"])
 def test_resume_continues_the_identical_curve(tmp_path, data_parallel):
-    d = run_config(tmp_path, "run", ep=2, steps=6, batch=4, train__checkpoint_every=3,
-                   train__data_parallel=data_parallel, train__save_final=True)
+    d = run_config(
+        tmp_path,
+        "run",
+        ep=2,
+        steps=6,
+        batch=4,
+        train__checkpoint_every=3,
+        train__data_parallel=data_parallel,
+        train__save_final=True,
+    )
     out = Path(d["output_dir"])
     resumed_cfg = copy.deepcopy(d)
     resumed_cfg["output_dir"] = str(tmp_path / "resumed")
@@ -177,9 +185,9 @@ def test_local_model_directory_loads_its_weights(tmp_path):
     """A directory written by save_pretrained trains from its weights (meta build, sliced loading, rotary buffers)."""
     from transformers import AutoModelForCausalLM
 
+    from prime_megamoe.config import ModelConfig
     from prime_megamoe.integrations.transformers import register
     from prime_megamoe.train.models import resolve_model
-    from prime_megamoe.config import ModelConfig
 
     register()
     source = resolve_model(ModelConfig(name="tiny", overrides=dict(SMALL)))
@@ -235,8 +243,9 @@ def test_jsonl_prompt_completion_masks_the_prompt(tmp_path):
     assert ids.shape == labels.shape == (4, 15)
     trained = tok.decode([int(t) for t in labels[labels != IGNORE]])
     assert "Q" not in trained and "A" in trained
-    records = train_here(run_config(tmp_path, "jsonl", steps=2, data__source="jsonl", data__path=str(path),
-                                    data__tokenizer="byte"))
+    records = train_here(
+        run_config(tmp_path, "jsonl", steps=2, data__source="jsonl", data__path=str(path), data__tokenizer="byte")
+    )
     assert len(records) == 2
 
 
@@ -252,8 +261,11 @@ def test_jsonl_with_a_local_tokenizer_directory(tmp_path):
     fast.save_pretrained(tmp_path / "tok")
     path = tmp_path / "text.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    records = train_here(run_config(tmp_path, "tok", steps=3, data__source="jsonl", data__path=str(path),
-                                    data__tokenizer=str(tmp_path / "tok")))
+    records = train_here(
+        run_config(
+            tmp_path, "tok", steps=3, data__source="jsonl", data__path=str(path), data__tokenizer=str(tmp_path / "tok")
+        )
+    )
     assert len(records) == 3 and records[-1]["loss"] < records[0]["loss"]
 
 
@@ -353,8 +365,19 @@ def test_cli_overrides_and_help(capsys):
     from prime_megamoe.train.cli import config_from_argv, main, parse_args
 
     path, overrides, wants_help = parse_args(
-        ["configs/tiny.toml", "--train.steps", "50", "--output-dir", "runs/x", "--model.moe.dispatch", "torch",
-         "--train.activation-checkpointing", "--optim.betas=[0.8, 0.9]", "--model.overrides.num_hidden_layers", "1"]
+        [
+            "configs/tiny.toml",
+            "--train.steps",
+            "50",
+            "--output-dir",
+            "runs/x",
+            "--model.moe.dispatch",
+            "torch",
+            "--train.activation-checkpointing",
+            "--optim.betas=[0.8, 0.9]",
+            "--model.overrides.num_hidden_layers",
+            "1",
+        ]
     )
     assert path == "configs/tiny.toml" and not wants_help
     assert overrides == {
@@ -365,14 +388,23 @@ def test_cli_overrides_and_help(capsys):
         "optim.betas": [0.8, 0.9],
         "model.overrides.num_hidden_layers": 1,
     }
-    cfg = config_from_argv([str(REPO / "configs" / "tiny.toml"), "--train.steps", "50", "--model.moe.dispatch", "torch"])
+    cfg = config_from_argv(
+        [str(REPO / "configs" / "tiny.toml"), "--train.steps", "50", "--model.moe.dispatch", "torch"]
+    )
     assert cfg.train.steps == 50
     assert cfg.model.moe.dispatch.type == "torch"
     assert cfg.model.moe.dispatch.max_tokens_per_rank == 32  # the table's options survive the shorthand
     assert main(["--help"]) == 0
     text = capsys.readouterr().out
-    for flag in ("--output-dir", "--train.steps", "--model.moe.dispatch.max_tokens_per_rank", "--model.moe.precision",
-                 "--data.path", "--optim.lr", "--train.activation_checkpointing"):
+    for flag in (
+        "--output-dir",
+        "--train.steps",
+        "--model.moe.dispatch.max_tokens_per_rank",
+        "--model.moe.precision",
+        "--data.path",
+        "--optim.lr",
+        "--train.activation_checkpointing",
+    ):
         assert flag in text
 
 
@@ -394,7 +426,9 @@ def test_loss_falls_on_the_tiny_config(tmp_path):
     assert (out / "checkpoints" / "latest").is_file()
 
 
-@pytest.mark.skipif(not os.environ.get("PRIME_MEGAMOE_SLOW"), reason="the full main command (minutes); set PRIME_MEGAMOE_SLOW=1")
+@pytest.mark.skipif(
+    not os.environ.get("PRIME_MEGAMOE_SLOW"), reason="the full main command (minutes); set PRIME_MEGAMOE_SLOW=1"
+)
 def test_main_command_with_mega_moe(tmp_path):
     out = tmp_path / "tiny"
     proc = _torchrun(["configs/tiny.toml", "--output-dir", str(out)], tmp_path, 600)

@@ -131,7 +131,9 @@ def test_unsupported_experts_layout_is_refused():
             self.down_proj = torch.nn.Parameter(torch.zeros(2, 4, 4))
 
     with pytest.raises(NotImplementedError, match="has_bias"):
-        hf.mega_moe_experts_forward(BiasedExperts(), torch.zeros(3, 4), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1))
+        hf.mega_moe_experts_forward(
+            BiasedExperts(), torch.zeros(3, 4), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
+        )
 
 
 def test_shard_experts_single_rank_and_errors():

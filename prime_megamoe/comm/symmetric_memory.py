@@ -10,7 +10,8 @@ rank). Each rank's part, with W ranks and capacity C:
     weights    [C, k]       fp32
     row_res    [W, C, H]    dtype  results for this rank's tokens; slot q is written by rank q
     pair_res   [W, C, k]    fp32   top-k weight gradients for this rank's tokens (backward); slot q by rank q
-    flags      [2, W]       int32  channel 0: "rank q pushed its round-n block here", 1: "rank q wrote its slot, round n"
+    flags      [2, W]       int32  channel 0: "rank q pushed its round-n block here",
+                                   channel 1: "rank q wrote its slot, round n"
 
 A round on rank r (see ``comm.transport``), with streams `compute` (the caller's) and `comm` (a side stream):
 - start: record an event (what `comm` waits for before it reads the block). A block of fewer than C rows has its
@@ -115,7 +116,13 @@ class SymmetricWorkspace:
         self.last_stream_id: int | None = None  # and its raw handle (compared each round: no Stream object made)
         log.info(
             "prime_megamoe: symmetric-memory workspace for EP = %d, max_tokens_per_rank = %d, H = %d, k = %d, %s: "
-            "%.1f MiB per rank", world, capacity, hidden, top_k, dtype, total / 2**20,
+            "%.1f MiB per rank",
+            world,
+            capacity,
+            hidden,
+            top_k,
+            dtype,
+            total / 2**20,
         )
 
     def signal(self, peer: int, channel: int, value: int) -> None:
@@ -126,9 +133,17 @@ class SymmetricWorkspace:
 
     def wait(self, channel: int, value: int, timeout_s: float) -> None:
         """Hold this stream until every peer has set its flag on ``channel`` to ``value`` or more."""
-        launch(wait_flags_kernel, (1,),
-            self.local["flags"], value, self.rank, channel, int(timeout_s * 1e9),
-            WORLD=self.world, WORLD_BLOCK=max(2, 1 << (self.world - 1).bit_length()), num_warps=1,
+        launch(
+            wait_flags_kernel,
+            (1,),
+            self.local["flags"],
+            value,
+            self.rank,
+            channel,
+            int(timeout_s * 1e9),
+            WORLD=self.world,
+            WORLD_BLOCK=max(2, 1 << (self.world - 1).bit_length()),
+            num_warps=1,
         )
 
 
@@ -138,8 +153,14 @@ _WORKSPACES: dict[tuple, SymmetricWorkspace] = {}
 def workspace_info() -> list[dict]:
     """Every symmetric-memory workspace allocated in this process and its size per rank."""
     return [
-        {"ep": ws.world, "max_tokens_per_rank": ws.capacity, "hidden": ws.hidden, "top_k": ws.top_k,
-         "dtype": str(ws.dtype), "bytes_per_rank": ws.nbytes}
+        {
+            "ep": ws.world,
+            "max_tokens_per_rank": ws.capacity,
+            "hidden": ws.hidden,
+            "top_k": ws.top_k,
+            "dtype": str(ws.dtype),
+            "bytes_per_rank": ws.nbytes,
+        }
         for ws in _WORKSPACES.values()
     ]
 

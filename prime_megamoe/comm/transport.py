@@ -51,8 +51,16 @@ class Transport:
         """This rank's own block first (nothing to wait for), then the peers in ring order."""
         return [(self.rank + i) % self.world for i in range(self.world)]
 
-    def start(self, block: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None, kinds: tuple[str, ...],
-              top_k: int, *, keep: bool = False, read_own: bool = False) -> torch.Tensor | None:
+    def start(
+        self,
+        block: torch.Tensor,
+        routing: tuple[torch.Tensor, torch.Tensor] | None,
+        kinds: tuple[str, ...],
+        top_k: int,
+        *,
+        keep: bool = False,
+        read_own: bool = False,
+    ) -> torch.Tensor | None:
         """block [T, H] (T <= C); routing (global ids [T, k], weights [T, k], any int / float dtypes) or None; kinds:
         the result kinds this round returns; keep: the caller keeps every block past ``finish`` (-> rows [W*C, H],
         its own tensor; else None); read_own: the caller reads its own block through ``wait_rows(rank)``."""
@@ -103,8 +111,9 @@ class CollectiveTransport(Transport):
         self._routing = None
         if routing is not None:
             padded = (pad_rows(routing[0].to(torch.int32), c, -1), pad_rows(routing[1].float(), c))
-            self._routing = tuple(all_gather_blocks(t, self.group, self.timeout_s, "dispatch of routing")
-                                  for t in padded)
+            self._routing = tuple(
+                all_gather_blocks(t, self.group, self.timeout_s, "dispatch of routing") for t in padded
+            )
         w = self.world
         self._staging = {}
         for kind in kinds:
@@ -137,38 +146,3 @@ class CollectiveTransport(Transport):
             out[kind] = exchange_blocks(flat, self.group, self.timeout_s, f"return of results ({kind})").view(buf.shape)
         self._staging, self._rows = {}, None
         return out
-
-
-_TRANSPORTS: dict[tuple, tuple] = {}
-
-
-def make_transport(name: str, group, capacity: int, device: torch.device, timeout_s: float) -> Transport:
-    """The transport named by ``[model.moe.dispatch] transport`` for this group and device, made once per (name,
-    group, capacity, device, timeout) and reused by every call (a round starts and ends inside one call, so calls
-    never share a round; a single call is host-bound, so the per-call setup is worth saving)."""
-    key = (name, id(group), capacity, device, timeout_s)
-    found = _TRANSPORTS.get(key)
-    if found is not None:
-        return found[1]
-    transport = _make_transport(name, group, capacity, device, timeout_s)
-    _TRANSPORTS[key] = (group, transport)  # the group is kept alive with its entry, so its id is never reused
-    return transport
-
-
-def _make_transport(name: str, group, capacity: int, device: torch.device, timeout_s: float) -> Transport:
-    if name == "auto":
-        name = "symmetric_memory" if device.type == "cuda" else "collectives"
-    if name == "collectives":
-        return CollectiveTransport(group, capacity, timeout_s)
-    if name == "symmetric_memory":
-        if device.type != "cuda":
-            raise ValueError(
-                f"[model.moe.dispatch] transport = 'symmetric_memory' needs CUDA tensors, but the layer runs on "
-                f"{device}; use transport = 'collectives' (or 'auto')"
-            )
-        from .symmetric_memory import SymmetricMemoryTransport
-
-        return SymmetricMemoryTransport(group, capacity, device, timeout_s)
-    raise ValueError(
-        f"[model.moe.dispatch] transport = {name!r}; allowed: 'auto', 'symmetric_memory', 'collectives'"
-    )

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import check_group_within_node
-from ..comm.transport import make_transport
+from ..comm.factory import make_transport
 from ..config import DispatchConfig
 from ..kernels.tuning import tile_m
 from ..ops.ep_exchange import combine_rows_across, dispatch_rows
@@ -39,9 +39,7 @@ def mega_moe_experts(
         check_precision_supported(precision, hidden_states.device)
 
         def experts(*args, **kwargs):
-            return routed_experts_quantized(
-                *args, **kwargs, precision=precision, pow2_scales=options.fp8_pow2_scales
-            )
+            return routed_experts_quantized(*args, **kwargs, precision=precision, pow2_scales=options.fp8_pow2_scales)
     else:
         raise ValueError(f"precision = {precision!r}; allowed: 'bf16', {', '.join(map(repr, QUANTIZED_PRECISIONS))}")
     world = 1 if group is None else dist.get_world_size(group)
@@ -68,8 +66,9 @@ def mega_moe_experts(
     # quantises them anyway), computes its experts' share of each, and sends each share back to the token's rank,
     # which sums the shares in rank order.
     rank = dist.get_rank(group)
-    rows = dispatch_rows(hidden_states, capacity, group, timeout_s=timeout,
-                         fmt=token_format(precision, options.fp8_pow2_scales))
+    rows = dispatch_rows(
+        hidden_states, capacity, group, timeout_s=timeout, fmt=token_format(precision, options.fp8_pow2_scales)
+    )
     index = dispatch_rows(top_k_index, capacity, group, fill=-1, timeout_s=timeout)
     weights = dispatch_rows(top_k_weights, capacity, group, timeout_s=timeout)
     num_local = gate_up_proj.shape[0]

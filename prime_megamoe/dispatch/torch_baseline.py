@@ -81,12 +81,12 @@ def torch_experts(
         recv_rows = all_to_all_variable(send_rows, recv_splits, send_splits, group)
         # Received rows are ordered (source rank, local expert); the GEMMs want (local expert, source rank).
         source_major = torch.arange(recv_counts.numel(), device=recv_rows.device).view(world, num_local)
-        segment_id = torch.repeat_interleave(source_major.reshape(-1), recv_counts.reshape(-1), output_size=sum(recv_splits))
+        segment_id = torch.repeat_interleave(
+            source_major.reshape(-1), recv_counts.reshape(-1), output_size=sum(recv_splits)
+        )
         segment_key = (segment_id % num_local) * world + segment_id // num_local
         expert_major = torch.argsort(segment_key, stable=True)
-        out_expert_major = swiglu_experts(
-            recv_rows[expert_major], gate_up_proj, down_proj, recv_counts.sum(0).tolist()
-        )
+        out_expert_major = swiglu_experts(recv_rows[expert_major], gate_up_proj, down_proj, recv_counts.sum(0).tolist())
         out_recv = torch.empty_like(out_expert_major).index_copy(0, expert_major, out_expert_major)
         out_sorted = all_to_all_variable(out_recv, send_splits, recv_splits, group)
 

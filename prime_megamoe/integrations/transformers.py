@@ -12,9 +12,10 @@ The backend follows the implementation name; the backend options (``[model.moe.d
 expert-parallel group come from ``configure_experts(model, moe, group)`` (defaults: ``MoEConfig()``, one rank).
 
 Expert parallelism over a group of W ranks: ``init_expert_parallel(ep)`` builds the groups (inside one node),
-``shard_experts(model, group)`` keeps on rank r only experts ``[r*E/W, (r+1)*E/W)`` and ``load_weights(model, path, ...)``
-fills a (possibly sharded) model from safetensors files, reading only the slices this rank keeps. The router stays
-whole on every rank, so ``top_k_index`` holds global expert ids, as ``fused_experts`` expects.
+``shard_experts(model, group)`` keeps on rank r only experts ``[r*E/W, (r+1)*E/W)`` and
+``load_weights(model, path, ...)`` fills a (possibly sharded) model from safetensors files, reading only the slices
+this rank keeps. The router stays whole on every rank, so ``top_k_index`` holds global expert ids, as
+``fused_experts`` expects.
 
 Works with transformers 5.x: only ``ExpertsInterface.register`` (a class method of ``GeneralInterface``) and the
 ``config._experts_implementation`` attribute are used.
@@ -24,9 +25,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -127,7 +128,9 @@ def is_experts_module(module: nn.Module) -> bool:
     """A module holding all of one layer's experts as 3-D ``gate_up_proj`` / ``down_proj`` parameters."""
     gate_up = getattr(module, "gate_up_proj", None)
     down = getattr(module, "down_proj", None)
-    return isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3 and down.dim() == 3
+    return (
+        isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3 and down.dim() == 3
+    )
 
 
 def experts_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -146,9 +149,7 @@ def expert_parameter_names(model: nn.Module) -> set[str]:
     return names
 
 
-def configure_experts(
-    model: nn.Module, moe: MoEConfig | None = None, group: dist.ProcessGroup | None = None
-) -> int:
+def configure_experts(model: nn.Module, moe: MoEConfig | None = None, group: dist.ProcessGroup | None = None) -> int:
     """Set the backend options, precision and expert-parallel group every experts module of ``model`` runs with.
 
     Returns how many experts modules were configured. ``group`` must be the group the experts were sharded over
@@ -211,8 +212,8 @@ def init_expert_parallel(ep: int, *, local_world_size: int | None = None) -> Exp
     if not (dist.is_available() and dist.is_initialized()):
         if ep != 1:
             raise ConfigError(
-                f"[model.moe] ep = {ep} needs {ep} ranks; launch with torchrun --nproc-per-node {ep} (torch.distributed "
-                "is not initialised)"
+                f"[model.moe] ep = {ep} needs {ep} ranks; launch with torchrun --nproc-per-node {ep} "
+                "(torch.distributed is not initialised)"
             )
         return ExpertParallel(1, 0, None, None, 1, 0)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -353,8 +354,8 @@ def _expert_rows(reader: _Reader, prefix: str, attr: str, first: int, count: int
 
 @torch.no_grad()
 def load_weights(model: nn.Module, path: str | os.PathLike) -> None:
-    """Fill ``model``'s parameters and persistent buffers from safetensors weights at ``path`` (a directory as written by
-    ``save_pretrained``, with or without an index, or one file).
+    """Fill ``model``'s parameters and persistent buffers from safetensors weights at ``path`` (a directory as written
+    by ``save_pretrained``, with or without an index, or one file).
 
     Expert weights may be stored fused (``...experts.gate_up_proj`` [E, 2I, H]) or per expert
     (``...experts.{e}.gate_proj.weight`` etc., the Hugging Face Hub layout); only this rank's experts are read

@@ -8,9 +8,18 @@ import triton.language as tl
 
 @triton.jit
 def combine_rows_kernel(
-    src_ptr, pos_ptr, out_ptr, pair_src_ptr, pair_out_ptr, H,
-    stride_src, stride_out,
-    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PAIR_VALUES: tl.constexpr, K_BLOCK: tl.constexpr,
+    src_ptr,
+    pos_ptr,
+    out_ptr,
+    pair_src_ptr,
+    pair_out_ptr,
+    H,
+    stride_src,
+    stride_out,
+    TOP_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    PAIR_VALUES: tl.constexpr,
+    K_BLOCK: tl.constexpr,
 ):
     """out[t] = sum_j src[pos[t, j]] over slots with pos >= 0 (fp32 sum, j ascending); rows with none get zeros.
     PAIR_VALUES: also pair_out[t, j] = pair_src[pos[t, j]] (zero where pos < 0), from the first column block's
@@ -36,8 +45,16 @@ def combine_rows_kernel(
 
 @triton.jit
 def sum_blocks_kernel(
-    blocks_ptr, out_ptr, num_rows, num_cols, stride_block, stride_row, stride_out,
-    NUM_BLOCKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    blocks_ptr,
+    out_ptr,
+    num_rows,
+    num_cols,
+    stride_block,
+    stride_row,
+    stride_out,
+    NUM_BLOCKS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     """out[t] = sum_s blocks[s, t] in fp32, s ascending (rank order): one pass, no fp32 copy of the blocks."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)

@@ -47,9 +47,31 @@ SMALLEST_NORMAL = gl.constexpr(1.1754943508222875e-38)
 
 
 @gluon.jit
-def _fc1_load_partition(b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, xq_ptr, row_src_ptr, xs_ptr,
-                        ws_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, I, K, stride_xm, stride_xsm,
-                        stride_wse, stride_wsn, UP_SCALE_OFF, TILE_M: gl.constexpr):
+def _fc1_load_partition(
+    b_desc,
+    a_bufs,
+    b_bufs,
+    sa_bufs,
+    sb_bufs,
+    ready,
+    empty,
+    xq_ptr,
+    row_src_ptr,
+    xs_ptr,
+    ws_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    num_tiles_ptr,
+    M,
+    I,
+    K,
+    stride_xm,
+    stride_xsm,
+    stride_wse,
+    stride_wsn,
+    UP_SCALE_OFF,
+    TILE_M: gl.constexpr,
+):
     """Fills each stage: A's rows gathered (cp.async, 16 bytes a thread), the gate and up boxes of W1 (TMA), A's
     row scales and the step's gate and up block scales, each copied for a partition's rows (cp.async)."""
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]  # rows of one MMA partition
@@ -58,8 +80,9 @@ def _fc1_load_partition(b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, 
     STAGES: gl.constexpr = b_bufs.type.shape[0]
     TILE_ROWS: gl.constexpr = 2 * BLOCK_M
     row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    chunk_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // BLOCK_K, BLOCK_K // 16], [gl.num_warps(), 1],
-                                                  [1, 0])
+    chunk_layout: gl.constexpr = gl.BlockedLayout(
+        [1, 16], [32 * 16 // BLOCK_K, BLOCK_K // 16], [gl.num_warps(), 1], [1, 0]
+    )
     chunk_rows: gl.constexpr = gl.SliceLayout(1, chunk_layout)
     n_groups = I // BLOCK_N
     k_steps = gl.cdiv(K, BLOCK_K)
@@ -82,8 +105,11 @@ def _fc1_load_partition(b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, 
         ok_1 = rows_1 < M
         off_1 = gl.load(row_src_ptr + rows_1, mask=ok_1, other=0) * stride_xm
         group = col0 // BLOCK_N
-        sb_ptrs = (ws_ptr + expert.to(gl.int64) * stride_wse
-                   + gl.where(slots < BLOCK_M, group, UP_SCALE_OFF + group) * stride_wsn)
+        sb_ptrs = (
+            ws_ptr
+            + expert.to(gl.int64) * stride_wse
+            + gl.where(slots < BLOCK_M, group, UP_SCALE_OFF + group) * stride_wsn
+        )
         gate_row = expert * 2 * I + col0  # W1 viewed as [E * 2I, H]
         for j in range(k_steps):
             s = it % STAGES
@@ -95,8 +121,7 @@ def _fc1_load_partition(b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, 
             cols = k + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, chunk_layout))
             in_cols = (cols < K)[None, :]
             _cp_async(a_bufs.index(2 * s), xq_ptr + (off_0[:, None] + cols[None, :]), mask=ok_0[:, None] & in_cols)
-            _cp_async(a_bufs.index(2 * s + 1), xq_ptr + (off_1[:, None] + cols[None, :]),
-                      mask=ok_1[:, None] & in_cols)
+            _cp_async(a_bufs.index(2 * s + 1), xq_ptr + (off_1[:, None] + cols[None, :]), mask=ok_1[:, None] & in_cols)
             async_copy.mbarrier_arrive(bar)
             # Every producer warp has counted its copies on the barrier before one thread arms it.
             _partition_barrier()
@@ -111,15 +136,21 @@ def _promote(acc, a_tile, b_tile, scale, mma_layout: gl.constexpr):
     """acc + (A @ B^T) * scale[row]: one fresh wgmma, waited for (the Triton kernel's expression)."""
     BLOCK_M: gl.constexpr = a_tile.type.shape[0]
     BLOCK_N: gl.constexpr = b_tile.type.shape[0]
-    tile = warpgroup_mma(a_tile, b_tile.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout),
-                         use_acc=False, is_async=True)
-    done = warpgroup_mma_wait(num_outstanding=0, deps=(tile, ))
+    tile = warpgroup_mma(
+        a_tile,
+        b_tile.permute((1, 0)),
+        gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout),
+        use_acc=False,
+        is_async=True,
+    )
+    done = warpgroup_mma_wait(num_outstanding=0, deps=(tile,))
     return acc + done * scale[:, None]
 
 
 @gluon.jit
-def _fc1_step(acc_g, acc_u, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout: gl.constexpr,
-              HALF: gl.constexpr):
+def _fc1_step(
+    acc_g, acc_u, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout: gl.constexpr, HALF: gl.constexpr
+):
     """One K step of half HALF: the gate product promoted, then the up product."""
     STAGES: gl.constexpr = b_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
@@ -174,17 +205,39 @@ def _store_halves(ptr, values, row0, col0, row_end, stride, store_layout: gl.con
 
 
 @gluon.jit
-def _fc1_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, h_ptr, aq_ptr, as_ptr, tile_expert_ptr,
-                       tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, I, K, stride_hm, stride_am, stride_asm,
-                       SAVE_H: gl.constexpr, POW2: gl.constexpr, TILE_M: gl.constexpr, HALF: gl.constexpr):
+def _fc1_mma_partition(
+    a_bufs,
+    b_bufs,
+    sa_bufs,
+    sb_bufs,
+    ready,
+    empty,
+    h_ptr,
+    aq_ptr,
+    as_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    num_tiles_ptr,
+    expert_offsets_ptr,
+    I,
+    K,
+    stride_hm,
+    stride_am,
+    stride_asm,
+    SAVE_H: gl.constexpr,
+    POW2: gl.constexpr,
+    TILE_M: gl.constexpr,
+    HALF: gl.constexpr,
+):
     """Rows [HALF * 64, HALF * 64 + 64) of every tile of this program."""
     num_warps: gl.constexpr = gl.num_warps()
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1] // 2  # columns of a (and of gate, of up) of a tile
     TILE_ROWS: gl.constexpr = 2 * BLOCK_M
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, BLOCK_N, 32])
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 32]
+    )
     h_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 16 // BLOCK_N, BLOCK_N // 16], [num_warps, 1], [1, 0])
     q_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // BLOCK_N, BLOCK_N // 16], [num_warps, 1], [1, 0])
     s_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
@@ -193,15 +246,24 @@ def _fc1_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, h_ptr, aq
     total = gl.load(num_tiles_ptr) * (TILE_M // TILE_ROWS) * n_groups
     programs = gl.num_programs(0)
     t0 = gl.minimum(gl.program_id(0), total - 1)
-    row0, col0, row_end = _tile_with_end(t0, n_groups, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, TILE_ROWS,
-                                         BLOCK_N, TILE_M, valid=total > 0)
+    row0, col0, row_end = _tile_with_end(
+        t0, n_groups, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, TILE_ROWS, BLOCK_N, TILE_M, valid=total > 0
+    )
     it = 0
     for t in range(gl.program_id(0), total, programs):
-        row0_n, col0_n, row_end_n = _tile_with_end(gl.minimum(t + programs, total - 1), n_groups, tile_expert_ptr,
-                                                   tile_row_ptr, expert_offsets_ptr, TILE_ROWS, BLOCK_N, TILE_M)
+        row0_n, col0_n, row_end_n = _tile_with_end(
+            gl.minimum(t + programs, total - 1),
+            n_groups,
+            tile_expert_ptr,
+            tile_row_ptr,
+            expert_offsets_ptr,
+            TILE_ROWS,
+            BLOCK_N,
+            TILE_M,
+        )
         gate = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
         up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
-        for j in range(k_steps):
+        for _j in range(k_steps):
             gate, up = _fc1_step(gate, up, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout, HALF)
             it += 1
         rows0 = row0 + HALF * BLOCK_M
@@ -214,18 +276,47 @@ def _fc1_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, h_ptr, aq
         y = (act * (1.0 / scale)[:, None]).to(gl.float8e4nv)
         _store_rows(aq_ptr, y, rows0, col0, row_end, stride_am, q_layout)
         scale_rows = rows0 + gl.arange(0, BLOCK_M, layout=s_layout)
-        gl.store(as_ptr + scale_rows.to(gl.int64) * stride_asm + col0 // BLOCK_N, gl.convert_layout(scale, s_layout),
-                 mask=scale_rows < row_end)
+        gl.store(
+            as_ptr + scale_rows.to(gl.int64) * stride_asm + col0 // BLOCK_N,
+            gl.convert_layout(scale, s_layout),
+            mask=scale_rows < row_end,
+        )
         row0, col0, row_end = row0_n, col0_n, row_end_n
 
 
 @gluon.jit
 def fp8_fc1_swiglu_ws_kernel(
-    b_desc, xq_ptr, row_src_ptr, xs_ptr, ws_ptr, h_ptr, aq_ptr, as_ptr,
-    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
-    M, I, K, UP_SCALE_OFF, stride_xm, stride_xsm, stride_wse, stride_wsn, stride_hm, stride_am, stride_asm,
-    SAVE_H: gl.constexpr, POW2: gl.constexpr, STAGES: gl.constexpr, TILE_M: gl.constexpr,
-    LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
+    b_desc,
+    xq_ptr,
+    row_src_ptr,
+    xs_ptr,
+    ws_ptr,
+    h_ptr,
+    aq_ptr,
+    as_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    num_tiles_ptr,
+    expert_offsets_ptr,
+    M,
+    I,
+    K,
+    UP_SCALE_OFF,
+    stride_xm,
+    stride_xsm,
+    stride_wse,
+    stride_wsn,
+    stride_hm,
+    stride_am,
+    stride_asm,
+    SAVE_H: gl.constexpr,
+    POW2: gl.constexpr,
+    STAGES: gl.constexpr,
+    TILE_M: gl.constexpr,
+    LOAD_WARPS: gl.constexpr,
+    LOAD_REGS: gl.constexpr,
+    MMA_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """Two 4-warp MMA partitions (the default one and a worker with MMA_REGS registers) on the two 64-row halves of
     each tile, a LOAD_WARPS producer. Without SAVE_H ``h_ptr`` is not written."""
@@ -238,14 +329,91 @@ def fp8_fc1_swiglu_ws_kernel(
     sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 128], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     sb_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 128], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready, empty = _stage_barriers(STAGES, 2)
-    gl.warp_specialize([
-        (_fc1_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, h_ptr, aq_ptr, as_ptr, tile_expert_ptr,
-                              tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, I, K, stride_hm, stride_am,
-                              stride_asm, SAVE_H, POW2, TILE_M, 0)),
-        (_fc1_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, h_ptr, aq_ptr, as_ptr, tile_expert_ptr,
-                              tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, I, K, stride_hm, stride_am,
-                              stride_asm, SAVE_H, POW2, TILE_M, 1)),
-        (_fc1_load_partition, (b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, xq_ptr, row_src_ptr, xs_ptr,
-                               ws_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, I, K, stride_xm, stride_xsm,
-                               stride_wse, stride_wsn, UP_SCALE_OFF, TILE_M)),
-    ], [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
+    gl.warp_specialize(
+        [
+            (
+                _fc1_mma_partition,
+                (
+                    a_bufs,
+                    b_bufs,
+                    sa_bufs,
+                    sb_bufs,
+                    ready,
+                    empty,
+                    h_ptr,
+                    aq_ptr,
+                    as_ptr,
+                    tile_expert_ptr,
+                    tile_row_ptr,
+                    num_tiles_ptr,
+                    expert_offsets_ptr,
+                    I,
+                    K,
+                    stride_hm,
+                    stride_am,
+                    stride_asm,
+                    SAVE_H,
+                    POW2,
+                    TILE_M,
+                    0,
+                ),
+            ),
+            (
+                _fc1_mma_partition,
+                (
+                    a_bufs,
+                    b_bufs,
+                    sa_bufs,
+                    sb_bufs,
+                    ready,
+                    empty,
+                    h_ptr,
+                    aq_ptr,
+                    as_ptr,
+                    tile_expert_ptr,
+                    tile_row_ptr,
+                    num_tiles_ptr,
+                    expert_offsets_ptr,
+                    I,
+                    K,
+                    stride_hm,
+                    stride_am,
+                    stride_asm,
+                    SAVE_H,
+                    POW2,
+                    TILE_M,
+                    1,
+                ),
+            ),
+            (
+                _fc1_load_partition,
+                (
+                    b_desc,
+                    a_bufs,
+                    b_bufs,
+                    sa_bufs,
+                    sb_bufs,
+                    ready,
+                    empty,
+                    xq_ptr,
+                    row_src_ptr,
+                    xs_ptr,
+                    ws_ptr,
+                    tile_expert_ptr,
+                    tile_row_ptr,
+                    num_tiles_ptr,
+                    M,
+                    I,
+                    K,
+                    stride_xm,
+                    stride_xsm,
+                    stride_wse,
+                    stride_wsn,
+                    UP_SCALE_OFF,
+                    TILE_M,
+                ),
+            ),
+        ],
+        [4, LOAD_WARPS],
+        [MMA_REGS, LOAD_REGS],
+    )

@@ -33,7 +33,6 @@ Kernels only: they know nothing of autograd or configs.
 
 from __future__ import annotations
 
-
 import triton
 import triton.language as tl
 
@@ -48,8 +47,12 @@ QTILE_M = 128  # row tile of every quantised grouped GEMM = the token-dim block 
 
 def _cfg(bn, bk, warps, stages, bm=QTILE_M, **extra):
     # Every fp8 operand read by TMA is K-major: the row-tiled GEMMs' A and weights, both cols_t operands of the wgrad
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, **extra}, num_warps=warps, num_stages=stages,
-                         pre_hook=gemm_tma_boxes)
+    return triton.Config(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, **extra},
+        num_warps=warps,
+        num_stages=stages,
+        pre_hook=gemm_tma_boxes,
+    )
 
 
 def _candidates(kind: str) -> list[triton.Config]:
@@ -62,8 +65,12 @@ def _candidates(kind: str) -> list[triton.Config]:
     if kind == "fc1":  # two accumulators (gate and up); 128 x 128 leads (1.19 ms against 1.38 for 64 x 128)
         return [_cfg(128, 128, 8, 3), _cfg(128, 128, 8, 4), _cfg(128, 128, 8, 3, bm=64), _cfg(128, 128, 8, 4, bm=64)]
     if kind == "gemm":  # 64 x 128 on 4 warps leads for FC2, FC2 dgrad and FC1 dgrad; wider tiles spill
-        return [_cfg(128, 128, 4, 3, bm=64), _cfg(128, 128, 4, 4, bm=64), _cfg(128, 128, 8, 3, bm=64),
-                _cfg(128, 128, 8, 3)]
+        return [
+            _cfg(128, 128, 4, 3, bm=64),
+            _cfg(128, 128, 4, 4, bm=64),
+            _cfg(128, 128, 8, 3, bm=64),
+            _cfg(128, 128, 8, 3),
+        ]
     if kind == "wgrad":  # BLOCK_K is the row tile (QTILE_M); BLOCK_M / BLOCK_N tile the weight; 64 x 128 on 4 warps
         # leads (dW1 1.22 ms, dW2 0.65 with TMA reads); 128 x 256 and 256 x 128 took 2.2-4.8 ms, a fifth stage more
         return [
@@ -94,30 +101,46 @@ def quant_configs(kind: str) -> list[triton.Config]:
 
 
 @triton.jit
-def _a_scales(s_ptr, rows64, row_mask, stride_sm, kg0, kg_end, MX: tl.constexpr, BLOCK_K: tl.constexpr,
-              GROUP_K: tl.constexpr):
+def _a_scales(
+    s_ptr, rows64, row_mask, stride_sm, kg0, kg_end, MX: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr
+):
     """Scales of an A tile (rows x BLOCK_K at group kg0): fp8 [BLOCK_M] fp32, MX [BLOCK_M, BLOCK_K // 32] e8m0."""
     if MX:
         kg = kg0 + tl.arange(0, BLOCK_K // GROUP_K)
-        return tl.load(s_ptr + rows64[:, None] * stride_sm + kg[None, :],
-                       mask=row_mask[:, None] & (kg < kg_end)[None, :], other=127)
+        return tl.load(
+            s_ptr + rows64[:, None] * stride_sm + kg[None, :],
+            mask=row_mask[:, None] & (kg < kg_end)[None, :],
+            other=127,
+        )
     else:
         return tl.load(s_ptr + rows64 * stride_sm + kg0, mask=row_mask, other=0.0)
 
 
 @triton.jit
-def _b_scales(s_ptr, col0, cols, col_mask, stride_sn, kg0, kg_end, MX: tl.constexpr, BLOCK_K: tl.constexpr,
-              GROUP_K: tl.constexpr, B_GROUP_N: tl.constexpr, B_SCALAR: tl.constexpr):
+def _b_scales(
+    s_ptr,
+    col0,
+    cols,
+    col_mask,
+    stride_sn,
+    kg0,
+    kg_end,
+    MX: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    B_GROUP_N: tl.constexpr,
+    B_SCALAR: tl.constexpr,
+):
     """Scales of a B tile (BLOCK_K x cols at group kg0, cols = col0 + j): fp8 [BLOCK_N] fp32, or with B_SCALAR (the
     tile's columns lie in one weight block) that block's scale alone; MX [BLOCK_N, BLOCK_K // 32] e8m0."""
     if MX:
         n_idx = (cols // B_GROUP_N).to(tl.int64)
         kg = kg0 + tl.arange(0, BLOCK_K // GROUP_K)
-        return tl.load(s_ptr + n_idx[:, None] * stride_sn + kg[None, :],
-                       mask=col_mask[:, None] & (kg < kg_end)[None, :], other=127)
+        return tl.load(
+            s_ptr + n_idx[:, None] * stride_sn + kg[None, :], mask=col_mask[:, None] & (kg < kg_end)[None, :], other=127
+        )
     elif B_SCALAR:
-        return tl.load(s_ptr + (col0 // B_GROUP_N).to(tl.int64) * stride_sn + kg0,
-                       mask=kg0 < kg_end, other=0.0)
+        return tl.load(s_ptr + (col0 // B_GROUP_N).to(tl.int64) * stride_sn + kg0, mask=kg0 < kg_end, other=0.0)
     else:
         n_idx = (cols // B_GROUP_N).to(tl.int64)
         return tl.load(s_ptr + n_idx * stride_sn + kg0, mask=col_mask, other=0.0)
@@ -144,12 +167,44 @@ def _scaled_mma(acc, a, sa, b, sb, MX: tl.constexpr, B_SCALAR: tl.constexpr):
 @autotune(quant_configs("fc1"), key=["N", "K", "M_BUCKET", "MX"])
 @triton.jit
 def fp8_fc1_swiglu_kernel(
-    b_desc, xq_ptr, xs_ptr, row_src_ptr, wq_ptr, ws_ptr, h_ptr, aq_ptr, as_ptr,
-    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
-    N, K, NKG, NG_OUT, UP_SCALE_OFF, M_BUCKET,
-    stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_hm, stride_am, stride_asm,
-    SAVE_H: tl.constexpr, MX: tl.constexpr, POW2: tl.constexpr, GROUP_K: tl.constexpr, B_GROUP_N: tl.constexpr,
-    B_TMA: tl.constexpr, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    b_desc,
+    xq_ptr,
+    xs_ptr,
+    row_src_ptr,
+    wq_ptr,
+    ws_ptr,
+    h_ptr,
+    aq_ptr,
+    as_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    num_tiles_ptr,
+    expert_offsets_ptr,
+    N,
+    K,
+    NKG,
+    NG_OUT,
+    UP_SCALE_OFF,
+    M_BUCKET,
+    stride_xm,
+    stride_xsm,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_hm,
+    stride_am,
+    stride_asm,
+    SAVE_H: tl.constexpr,
+    MX: tl.constexpr,
+    POW2: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    B_GROUP_N: tl.constexpr,
+    B_TMA: tl.constexpr,
+    TILE_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)  # a BLOCK_M part of a TILE_M tile (see grouped_gemm.tile_rows)
@@ -202,8 +257,26 @@ def fp8_fc1_swiglu_kernel(
     if B_TMA:  # boxes past N read other rows' weights: zero those columns (their act), which the quantiser's amax sees
         acc_g = tl.where(col_mask[None, :], acc_g, 0.0)
     act = acc_g * tl.sigmoid(acc_g) * acc_u
-    store_rows_q(aq_ptr, as_ptr, act, rows64, row_mask, cols, col_mask, 0, 0, NG_OUT, stride_am, stride_asm, pid_n,
-                 MX, POW2, BLOCK_M, BLOCK_N, GROUP_K)
+    store_rows_q(
+        aq_ptr,
+        as_ptr,
+        act,
+        rows64,
+        row_mask,
+        cols,
+        col_mask,
+        0,
+        0,
+        NG_OUT,
+        stride_am,
+        stride_asm,
+        pid_n,
+        MX,
+        POW2,
+        BLOCK_M,
+        BLOCK_N,
+        GROUP_K,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -220,13 +293,42 @@ def fp8_fc1_swiglu_kernel(
 @autotune(quant_configs("gemm"), key=["N", "K", "SEGS", "M_BUCKET", "MX"])
 @triton.jit
 def fp8_grouped_gemm_kernel(
-    a_desc, b_desc, aq_ptr, as_ptr, row_src_ptr, bq_ptr, bs_ptr, c_ptr, row_scale_ptr,
-    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
-    N, K, NKG, M_BUCKET,
-    stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
-    SEGS: tl.constexpr, GATHER_A: tl.constexpr, SCALE_ROWS: tl.constexpr, MX: tl.constexpr,
-    GROUP_K: tl.constexpr, B_GROUP_N: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
-    TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_desc,
+    b_desc,
+    aq_ptr,
+    as_ptr,
+    row_src_ptr,
+    bq_ptr,
+    bs_ptr,
+    c_ptr,
+    row_scale_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    num_tiles_ptr,
+    expert_offsets_ptr,
+    N,
+    K,
+    NKG,
+    M_BUCKET,
+    stride_am,
+    stride_asm,
+    stride_be,
+    stride_bn,
+    stride_bse,
+    stride_bsn,
+    stride_cm,
+    SEGS: tl.constexpr,
+    GATHER_A: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    MX: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    B_GROUP_N: tl.constexpr,
+    A_TMA: tl.constexpr,
+    B_TMA: tl.constexpr,
+    TILE_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)  # a BLOCK_M part of a TILE_M tile (see grouped_gemm.tile_rows)
@@ -253,8 +355,9 @@ def fp8_grouped_gemm_kernel(
         kg_end = (seg + 1) * NKG
         # Each step's scales are loaded one step ahead: their latency hides behind the previous step's MMA.
         sa = _a_scales(as_ptr, src, row_mask, stride_asm, seg * NKG, kg_end, MX, BLOCK_K, GROUP_K)
-        sb = _b_scales(bs_e, col0, cols, col_mask, stride_bsn, seg * NKG, kg_end, MX, BLOCK_K, GROUP_K, B_GROUP_N,
-                       B_SCALAR)
+        sb = _b_scales(
+            bs_e, col0, cols, col_mask, stride_bsn, seg * NKG, kg_end, MX, BLOCK_K, GROUP_K, B_GROUP_N, B_SCALAR
+        )
         for k0 in range(0, K, BLOCK_K):
             k_mask = (k0 + ks) < K
             if A_TMA:  # the sorted rows from the block's first row (rows past the expert's end are not stored)
@@ -267,8 +370,9 @@ def fp8_grouped_gemm_kernel(
                 b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
             kg1 = seg * NKG + (k0 + BLOCK_K) // GROUP_K
             sa1 = _a_scales(as_ptr, src, row_mask, stride_asm, kg1, kg_end, MX, BLOCK_K, GROUP_K)
-            sb1 = _b_scales(bs_e, col0, cols, col_mask, stride_bsn, kg1, kg_end, MX, BLOCK_K, GROUP_K, B_GROUP_N,
-                            B_SCALAR)
+            sb1 = _b_scales(
+                bs_e, col0, cols, col_mask, stride_bsn, kg1, kg_end, MX, BLOCK_K, GROUP_K, B_GROUP_N, B_SCALAR
+            )
             acc = _scaled_mma(acc, a, sa, b, sb, MX, B_SCALAR)
             sa, sb = sa1, sb1
             a_ptrs += BLOCK_K
@@ -290,8 +394,9 @@ def fp8_grouped_gemm_kernel(
 #   Experts with no rows get zeros.
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _wgrad_scales(as_ptr, bs_ptr, t, t_end, offs_m, offs_n, m_mask, n_mask, stride_asr, stride_bsr, MX: tl.constexpr,
-                  G: tl.constexpr):
+def _wgrad_scales(
+    as_ptr, bs_ptr, t, t_end, offs_m, offs_n, m_mask, n_mask, stride_asr, stride_bsr, MX: tl.constexpr, G: tl.constexpr
+):
     """Scales of row tile t of both wgrad operands (none past t_end): fp8 [BLOCK_M], [BLOCK_N] fp32; MX
     [BLOCK_M, G], [BLOCK_N, G] e8m0."""
     m_ok = m_mask & ((offs_m * 0 + t) < t_end)  # (a vector compare: the mask must be a tensor)
@@ -309,11 +414,31 @@ def _wgrad_scales(as_ptr, bs_ptr, t, t_end, offs_m, offs_n, m_mask, n_mask, stri
 @autotune(quant_configs("wgrad"), key=["M", "N", "M_BUCKET", "MX"])
 @triton.jit
 def fp8_grouped_wgrad_kernel(
-    a_desc, b_desc, a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, expert_tiles_ptr,
-    M, N, M_BUCKET,
-    stride_am, stride_asr, stride_bn, stride_bsr, stride_ce, stride_cm, stride_cn,
-    MX: tl.constexpr, GROUP_R: tl.constexpr, USE_TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    a_desc,
+    b_desc,
+    a_ptr,
+    as_ptr,
+    b_ptr,
+    bs_ptr,
+    c_ptr,
+    expert_tiles_ptr,
+    M,
+    N,
+    M_BUCKET,
+    stride_am,
+    stride_asr,
+    stride_bn,
+    stride_bsr,
+    stride_ce,
+    stride_cm,
+    stride_cn,
+    MX: tl.constexpr,
+    GROUP_R: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     tl.static_assert(BLOCK_K % GROUP_R == 0)
     tl.static_assert(MX or GROUP_R == BLOCK_K)  # fp8: one fp32 scale per column and tile
@@ -329,8 +454,9 @@ def fp8_grouped_wgrad_kernel(
     b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + k0[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # Each tile's scales are loaded one tile ahead: their latency hides behind the previous tile's MMA.
-    sa, sb = _wgrad_scales(as_ptr, bs_ptr, t_begin, t_end, offs_m, offs_n, m_mask, n_mask, stride_asr, stride_bsr, MX,
-                           G)
+    sa, sb = _wgrad_scales(
+        as_ptr, bs_ptr, t_begin, t_end, offs_m, offs_n, m_mask, n_mask, stride_asr, stride_bsr, MX, G
+    )
     for t in range(t_begin, t_end):
         # Padding rows of the tile are zeros in memory: no row mask.
         if USE_TMA:  # boxes past M or N read zeros at the tensor's end
@@ -339,8 +465,9 @@ def fp8_grouped_wgrad_kernel(
         else:
             a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=n_mask[:, None], other=0.0)
-        sa1, sb1 = _wgrad_scales(as_ptr, bs_ptr, t + 1, t_end, offs_m, offs_n, m_mask, n_mask, stride_asr, stride_bsr,
-                                 MX, G)
+        sa1, sb1 = _wgrad_scales(
+            as_ptr, bs_ptr, t + 1, t_end, offs_m, offs_n, m_mask, n_mask, stride_asr, stride_bsr, MX, G
+        )
         acc = _scaled_mma(acc, a, sa, tl.trans(b), sb, MX, False)
         sa, sb = sa1, sb1
         a_ptrs += BLOCK_K

@@ -76,8 +76,16 @@ _partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 
 @gluon.jit
-def _tile_of(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, TILE_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-             TILE_M: gl.constexpr, valid=True):
+def _tile_of(
+    t,
+    n_col_tiles,
+    tile_expert_ptr,
+    tile_row_ptr,
+    TILE_ROWS: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    TILE_M: gl.constexpr,
+    valid=True,
+):
     """Expert, first row and first column of persistent tile t: a TILE_ROWS part of one of the plan's TILE_M-row
     tiles and a BLOCK_N column block. ``valid`` False: no load (zeros). (The Gluon twin of ``grouped_gemm.tile_span``,
     which a Gluon kernel cannot call.)"""
@@ -90,8 +98,17 @@ def _tile_of(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, TILE_ROWS: gl.conste
 
 
 @gluon.jit
-def _tile_with_end(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, TILE_ROWS: gl.constexpr,
-                   BLOCK_N: gl.constexpr, TILE_M: gl.constexpr, valid=True):
+def _tile_with_end(
+    t,
+    n_col_tiles,
+    tile_expert_ptr,
+    tile_row_ptr,
+    expert_offsets_ptr,
+    TILE_ROWS: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    TILE_M: gl.constexpr,
+    valid=True,
+):
     """First row and first column of persistent tile t (``_tile_of``), and the end of its expert's rows: what an
     MMA partition needs to store the tile."""
     expert, row0, col0 = _tile_of(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, TILE_ROWS, BLOCK_N, TILE_M, valid)
@@ -99,10 +116,37 @@ def _tile_with_end(t, n_col_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets
 
 
 @gluon.jit
-def _load_partition(a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_ptr, row_src_ptr, as_ptr,
-                    bs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, N, K, NKG, stride_am, stride_asm,
-                    stride_bse, stride_bsn, SEGS: gl.constexpr, B_GROUP_N: gl.constexpr, TILE_M: gl.constexpr,
-                    HALVES: gl.constexpr, GATHER: gl.constexpr, SUBS: gl.constexpr):
+def _load_partition(
+    a_desc,
+    b_desc,
+    a_bufs,
+    b_bufs,
+    sa_bufs,
+    sb_bufs,
+    ready,
+    empty,
+    a_ptr,
+    row_src_ptr,
+    as_ptr,
+    bs_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    num_tiles_ptr,
+    M,
+    N,
+    K,
+    NKG,
+    stride_am,
+    stride_asm,
+    stride_bse,
+    stride_bsn,
+    SEGS: gl.constexpr,
+    B_GROUP_N: gl.constexpr,
+    TILE_M: gl.constexpr,
+    HALVES: gl.constexpr,
+    GATHER: gl.constexpr,
+    SUBS: gl.constexpr,
+):
     """Fills each stage: A (HALVES boxes of rows: TMA copies, or with GATHER the rows row_src[r] of A copied by
     cp.async in 16-byte pieces, as TMA cannot gather on Hopper), B by TMA, and the step's scales (A's, one per row
     of the tile, and B's block scale, copied for every row) by cp.async. The stage's ready barrier waits for all of
@@ -115,8 +159,9 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, emp
     TILE_ROWS: gl.constexpr = HALVES * BLOCK_M
     row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     # A gathered: 16 bytes a thread, a row's 128 bytes over 8 threads.
-    chunk_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // BLOCK_K, BLOCK_K // 16], [gl.num_warps(), 1],
-                                                  [1, 0])
+    chunk_layout: gl.constexpr = gl.BlockedLayout(
+        [1, 16], [32 * 16 // BLOCK_K, BLOCK_K // 16], [gl.num_warps(), 1], [1, 0]
+    )
     chunk_rows: gl.constexpr = gl.SliceLayout(1, chunk_layout)
     n_col_tiles = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
@@ -149,16 +194,20 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, emp
             kg = (j // k_steps) * NKG + j % k_steps  # the step's scale group (segment j // k_steps)
             _cp_async(sa_bufs.index(s), sa_ptrs + kg, mask=in_rows)
             for p in gl.static_range(SUBS):  # each column part's block scale (a part past N reads none: unused)
-                _cp_async(sb_bufs.index(s).slice(p * TILE_ROWS, TILE_ROWS),
-                          sb_ptrs + (p * SUB_N // B_GROUP_N) * stride_bsn + kg, mask=rows * 0 + col0 + p * SUB_N < N)
+                _cp_async(
+                    sb_bufs.index(s).slice(p * TILE_ROWS, TILE_ROWS),
+                    sb_ptrs + (p * SUB_N // B_GROUP_N) * stride_bsn + kg,
+                    mask=rows * 0 + col0 + p * SUB_N < N,
+                )
             k = (j // k_steps) * K + (j % k_steps) * BLOCK_K
             if GATHER:
                 cols = k + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, chunk_layout))
                 in_cols = (cols < (j // k_steps + 1) * K)[None, :]  # the segment's K ends inside the last step
                 _cp_async(a_bufs.index(HALVES * s), base_0[:, None] + cols[None, :], mask=ok_0[:, None] & in_cols)
                 if HALVES == 2:
-                    _cp_async(a_bufs.index(HALVES * s + 1), base_1[:, None] + cols[None, :],
-                              mask=ok_1[:, None] & in_cols)
+                    _cp_async(
+                        a_bufs.index(HALVES * s + 1), base_1[:, None] + cols[None, :], mask=ok_1[:, None] & in_cols
+                    )
             async_copy.mbarrier_arrive(bar)  # the barrier's phase also waits for this lane's copies
             if GATHER:
                 # Every producer warp has counted its copies on the barrier before one thread arms it: else the
@@ -174,8 +223,21 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, emp
 
 
 @gluon.jit
-def _mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout: gl.constexpr,
-              HALF: gl.constexpr, HALVES: gl.constexpr, GATHER: gl.constexpr, SCALES_FIRST: gl.constexpr):
+def _mma_step(
+    acc,
+    a_bufs,
+    b_bufs,
+    sa_bufs,
+    sb_bufs,
+    ready,
+    empty,
+    it,
+    mma_layout: gl.constexpr,
+    HALF: gl.constexpr,
+    HALVES: gl.constexpr,
+    GATHER: gl.constexpr,
+    SCALES_FIRST: gl.constexpr,
+):
     """Step ``it`` for the rows of half HALF: wait for the stage, issue its wgmma into a fresh fp32 tile, read the
     step's scales while it runs, wait for it, free the stage, add the product scaled. SCALES_FIRST: read the scales
     before the wgmma is issued (read after it, ptxas puts their product between the step's wgmma instructions, whose
@@ -185,15 +247,33 @@ def _mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layou
     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
     if GATHER:  # A was written by cp.async (the generic proxy); the wgmma reads it through the async proxy
         fence_async_shared()
-    acc = _promoted_part(acc, a_bufs.index(HALVES * s + HALF), b_bufs.index(s), sa_bufs.index(s),
-                         sb_bufs.index(s), mma_layout, HALF, 0, SCALES_FIRST)
+    acc = _promoted_part(
+        acc,
+        a_bufs.index(HALVES * s + HALF),
+        b_bufs.index(s),
+        sa_bufs.index(s),
+        sb_bufs.index(s),
+        mma_layout,
+        HALF,
+        0,
+        SCALES_FIRST,
+    )
     mbarrier.arrive(empty.index(s), count=1)
     return acc
 
 
 @gluon.jit
-def _promoted_part(acc, a_buf, b_buf, sa_buf, sb_buf, mma_layout: gl.constexpr, HALF: gl.constexpr,
-                   PART: gl.constexpr, SCALES_FIRST: gl.constexpr):
+def _promoted_part(
+    acc,
+    a_buf,
+    b_buf,
+    sa_buf,
+    sb_buf,
+    mma_layout: gl.constexpr,
+    HALF: gl.constexpr,
+    PART: gl.constexpr,
+    SCALES_FIRST: gl.constexpr,
+):
     """Column part PART of one step's product for the rows of half HALF, scaled and added to ``acc``."""
     BLOCK_M: gl.constexpr = a_buf.type.shape[0]
     SUB_N: gl.constexpr = acc.type.shape[1]
@@ -202,20 +282,39 @@ def _promoted_part(acc, a_buf, b_buf, sa_buf, sb_buf, mma_layout: gl.constexpr, 
     if SCALES_FIRST:
         sa = sa_buf.slice(HALF * BLOCK_M, BLOCK_M).load(row_layout)
         sb = sb_buf.slice(PART * TILE_ROWS + HALF * BLOCK_M, BLOCK_M).load(row_layout)
-    tile = warpgroup_mma(a_buf, b_buf.slice(PART * SUB_N, SUB_N).permute((1, 0)),
-                         gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout), use_acc=False, is_async=True)
+    tile = warpgroup_mma(
+        a_buf,
+        b_buf.slice(PART * SUB_N, SUB_N).permute((1, 0)),
+        gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout),
+        use_acc=False,
+        is_async=True,
+    )
     if SCALES_FIRST:
-        done = warpgroup_mma_wait(num_outstanding=0, deps=(tile, ))
+        done = warpgroup_mma_wait(num_outstanding=0, deps=(tile,))
     else:
         sa = sa_buf.slice(HALF * BLOCK_M, BLOCK_M).load(row_layout)
         sb = sb_buf.slice(PART * TILE_ROWS + HALF * BLOCK_M, BLOCK_M).load(row_layout)
-        done = warpgroup_mma_wait(num_outstanding=0, deps=(tile, ))
+        done = warpgroup_mma_wait(num_outstanding=0, deps=(tile,))
     return acc + done * (sa * sb)[:, None]
 
 
 @gluon.jit
-def _mma_step2(acc0, acc1, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout: gl.constexpr,
-               HALF: gl.constexpr, HALVES: gl.constexpr, GATHER: gl.constexpr, SCALES_FIRST: gl.constexpr):
+def _mma_step2(
+    acc0,
+    acc1,
+    a_bufs,
+    b_bufs,
+    sa_bufs,
+    sb_bufs,
+    ready,
+    empty,
+    it,
+    mma_layout: gl.constexpr,
+    HALF: gl.constexpr,
+    HALVES: gl.constexpr,
+    GATHER: gl.constexpr,
+    SCALES_FIRST: gl.constexpr,
+):
     """Step ``it`` of a 256-column tile (SUBS = 2) for the rows of half HALF: its two 128-column parts in turn, one
     accumulator each, one fresh tile live at a time."""
     STAGES: gl.constexpr = b_bufs.type.shape[0]
@@ -224,10 +323,12 @@ def _mma_step2(acc0, acc1, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, m
     if GATHER:
         fence_async_shared()
     a_buf = a_bufs.index(HALVES * s + HALF)
-    acc0 = _promoted_part(acc0, a_buf, b_bufs.index(s), sa_bufs.index(s), sb_bufs.index(s), mma_layout, HALF, 0,
-                          SCALES_FIRST)
-    acc1 = _promoted_part(acc1, a_buf, b_bufs.index(s), sa_bufs.index(s), sb_bufs.index(s), mma_layout, HALF, 1,
-                          SCALES_FIRST)
+    acc0 = _promoted_part(
+        acc0, a_buf, b_bufs.index(s), sa_bufs.index(s), sb_bufs.index(s), mma_layout, HALF, 0, SCALES_FIRST
+    )
+    acc1 = _promoted_part(
+        acc1, a_buf, b_bufs.index(s), sa_bufs.index(s), sb_bufs.index(s), mma_layout, HALF, 1, SCALES_FIRST
+    )
     mbarrier.arrive(empty.index(s), count=1)
     return acc0, acc1
 
@@ -264,11 +365,35 @@ def _store_part(out, c_desc, c_smem, c_ptr, row_s0, col0, row_end, N, stride_cm,
 
 
 @gluon.jit
-def _mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_smem, c_ptr, row_scale_ptr,
-                   tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N, K, stride_cm,
-                   SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, TILE_M: gl.constexpr, HALF: gl.constexpr,
-                   HALVES: gl.constexpr, TMA_STORE: gl.constexpr, GATHER: gl.constexpr,
-                   SCALES_FIRST: gl.constexpr, SUBS: gl.constexpr):
+def _mma_partition(
+    a_bufs,
+    b_bufs,
+    sa_bufs,
+    sb_bufs,
+    ready,
+    empty,
+    c_desc,
+    c_smem,
+    c_ptr,
+    row_scale_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    num_tiles_ptr,
+    expert_offsets_ptr,
+    M,
+    N,
+    K,
+    stride_cm,
+    SEGS: gl.constexpr,
+    SCALE_ROWS: gl.constexpr,
+    TILE_M: gl.constexpr,
+    HALF: gl.constexpr,
+    HALVES: gl.constexpr,
+    TMA_STORE: gl.constexpr,
+    GATHER: gl.constexpr,
+    SCALES_FIRST: gl.constexpr,
+    SUBS: gl.constexpr,
+):
     """Rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of every tile of this program (HALVES partitions split a tile),
     in SUBS column parts."""
     num_warps: gl.constexpr = gl.num_warps()
@@ -278,8 +403,9 @@ def _mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_sme
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]  # the tile's columns
     SUB_N: gl.constexpr = BLOCK_N // SUBS
     # One warp group per 64 rows; fp8 wgmma takes K = 32 per instruction.
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, SUB_N, 32])
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, SUB_N, 32]
+    )
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     n_col_tiles = gl.cdiv(N, BLOCK_N)
     n_steps = SEGS * gl.cdiv(K, BLOCK_K)
@@ -290,44 +416,92 @@ def _mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_sme
     # The first tile's indices and row scales; each later tile's are loaded while the tile before it runs.
     # (With no tiles at all the tile list holds no valid entry: nothing is loaded, the loop below does not run.)
     t0 = gl.minimum(gl.program_id(0), total - 1)
-    row0, col0, row_end = _tile_with_end(t0, n_col_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, TILE_ROWS,
-                                         BLOCK_N, TILE_M, valid=total > 0)
+    row0, col0, row_end = _tile_with_end(
+        t0, n_col_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, TILE_ROWS, BLOCK_N, TILE_M, valid=total > 0
+    )
     rows = row0 + lane_rows
     if SCALE_ROWS:
         rs_next = gl.load(row_scale_ptr + rows, mask=rows < M, other=0.0).to(gl.float32)
     it = 0
     for t in range(gl.program_id(0), total, programs):
-        row0_n, col0_n, row_end_n = _tile_with_end(gl.minimum(t + programs, total - 1), n_col_tiles, tile_expert_ptr,
-                                                   tile_row_ptr, expert_offsets_ptr, TILE_ROWS, BLOCK_N, TILE_M)
+        row0_n, col0_n, row_end_n = _tile_with_end(
+            gl.minimum(t + programs, total - 1),
+            n_col_tiles,
+            tile_expert_ptr,
+            tile_row_ptr,
+            expert_offsets_ptr,
+            TILE_ROWS,
+            BLOCK_N,
+            TILE_M,
+        )
         row_s0 = row0 + HALF * BLOCK_M
         # Each step's MMA into a fresh fp32 tile, waited for, then scaled and added. (Waiting for the previous step's
         # only, with the next in flight, makes ptxas serialise every wgmma of the kernel: a wgmma's accumulator
         # registers must not be written while another wgmma runs, and each fresh tile is.)
         if SUBS == 1:
             acc = gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout)
-            for j in range(n_steps):
-                acc = _mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout, HALF, HALVES,
-                                GATHER, SCALES_FIRST)
+            for _j in range(n_steps):
+                acc = _mma_step(
+                    acc,
+                    a_bufs,
+                    b_bufs,
+                    sa_bufs,
+                    sb_bufs,
+                    ready,
+                    empty,
+                    it,
+                    mma_layout,
+                    HALF,
+                    HALVES,
+                    GATHER,
+                    SCALES_FIRST,
+                )
                 it += 1
             if SCALE_ROWS:
                 acc = acc * rs_next[:, None]
-            _store_part(acc.to(c_ptr.dtype.element_ty), c_desc, c_smem, c_ptr, row_s0, col0, row_end, N, stride_cm,
-                        TMA_STORE)
+            _store_part(
+                acc.to(c_ptr.dtype.element_ty), c_desc, c_smem, c_ptr, row_s0, col0, row_end, N, stride_cm, TMA_STORE
+            )
         else:
             gl.static_assert(SUBS == 2, "SUBS is 1 or 2")
             acc0 = gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout)
             acc1 = gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout)
-            for j in range(n_steps):
-                acc0, acc1 = _mma_step2(acc0, acc1, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout,
-                                        HALF, HALVES, GATHER, SCALES_FIRST)
+            for _j in range(n_steps):
+                acc0, acc1 = _mma_step2(
+                    acc0,
+                    acc1,
+                    a_bufs,
+                    b_bufs,
+                    sa_bufs,
+                    sb_bufs,
+                    ready,
+                    empty,
+                    it,
+                    mma_layout,
+                    HALF,
+                    HALVES,
+                    GATHER,
+                    SCALES_FIRST,
+                )
                 it += 1
             if SCALE_ROWS:
                 acc0 = acc0 * rs_next[:, None]
                 acc1 = acc1 * rs_next[:, None]
-            _store_part(acc0.to(c_ptr.dtype.element_ty), c_desc, c_smem, c_ptr, row_s0, col0, row_end, N, stride_cm,
-                        TMA_STORE)
-            _store_part(acc1.to(c_ptr.dtype.element_ty), c_desc, c_smem, c_ptr, row_s0, col0 + SUB_N, row_end, N,
-                        stride_cm, TMA_STORE)
+            _store_part(
+                acc0.to(c_ptr.dtype.element_ty), c_desc, c_smem, c_ptr, row_s0, col0, row_end, N, stride_cm, TMA_STORE
+            )
+            _store_part(
+                acc1.to(c_ptr.dtype.element_ty),
+                c_desc,
+                c_smem,
+                c_ptr,
+                row_s0,
+                col0 + SUB_N,
+                row_end,
+                N,
+                stride_cm,
+                TMA_STORE,
+            )
         if SCALE_ROWS:
             rows_n = row0_n + lane_rows
             rs_next = gl.load(row_scale_ptr + rows_n, mask=rows_n < M, other=0.0).to(gl.float32)
@@ -349,15 +523,17 @@ def _stage_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
 
 
 @gluon.jit
-def _allocate_stages(a_desc, b_desc, c_desc, STAGES: gl.constexpr, HALVES: gl.constexpr, SB_WIDTH: gl.constexpr,
-                     TMA_STORE: gl.constexpr):
+def _allocate_stages(
+    a_desc, b_desc, c_desc, STAGES: gl.constexpr, HALVES: gl.constexpr, SB_WIDTH: gl.constexpr, TMA_STORE: gl.constexpr
+):
     """The ring (STAGES stages of HALVES A boxes, one B box, A's row scales and SB_WIDTH B scales), its ready /
     empty mbarriers (each MMA partition frees a stage), and with TMA_STORE one output box per MMA partition (else
     A's buffers stand in, unused)."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [HALVES * STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, HALVES * a_desc.block_type.shape[0]],
-                                        gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    sa_bufs = gl.allocate_shared_memory(
+        gl.float32, [STAGES, HALVES * a_desc.block_type.shape[0]], gl.SwizzledSharedLayout(1, 1, 1, [0])
+    )
     sb_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, SB_WIDTH], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready, empty = _stage_barriers(STAGES, HALVES)
     if TMA_STORE:
@@ -369,13 +545,42 @@ def _allocate_stages(a_desc, b_desc, c_desc, STAGES: gl.constexpr, HALVES: gl.co
 
 @gluon.jit
 def fp8_grouped_gemm_ws_kernel(
-    a_desc, b_desc, c_desc, a_ptr, row_src_ptr, as_ptr, bs_ptr, c_ptr, row_scale_ptr,
-    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
-    M, N, K, NKG, stride_am, stride_asm, stride_bse, stride_bsn, stride_cm,
-    SEGS: gl.constexpr, SCALE_ROWS: gl.constexpr, B_GROUP_N: gl.constexpr, STAGES: gl.constexpr,
-    TILE_M: gl.constexpr, HALVES: gl.constexpr, TMA_STORE: gl.constexpr, GATHER: gl.constexpr,
-    SCALES_FIRST: gl.constexpr, SUBS: gl.constexpr, LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,
-    MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
+    a_desc,
+    b_desc,
+    c_desc,
+    a_ptr,
+    row_src_ptr,
+    as_ptr,
+    bs_ptr,
+    c_ptr,
+    row_scale_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    num_tiles_ptr,
+    expert_offsets_ptr,
+    M,
+    N,
+    K,
+    NKG,
+    stride_am,
+    stride_asm,
+    stride_bse,
+    stride_bsn,
+    stride_cm,
+    SEGS: gl.constexpr,
+    SCALE_ROWS: gl.constexpr,
+    B_GROUP_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    TILE_M: gl.constexpr,
+    HALVES: gl.constexpr,
+    TMA_STORE: gl.constexpr,
+    GATHER: gl.constexpr,
+    SCALES_FIRST: gl.constexpr,
+    SUBS: gl.constexpr,
+    LOAD_WARPS: gl.constexpr,
+    LOAD_REGS: gl.constexpr,
+    MMA_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """HALVES = 1: one MMA partition (``num_warps`` warps, 64 rows a warp group) computes each tile. HALVES = 2: two
     4-warp MMA partitions (the default one and a worker with MMA_REGS registers) compute the two 64-row halves of
@@ -386,32 +591,185 @@ def fp8_grouped_gemm_ws_kernel(
     # Each step's scales: A's per row, B's block scale (per column part) copied for every row (so that both are
     # read alike).
     a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_bufs = _allocate_stages(
-        a_desc, b_desc, c_desc, STAGES, HALVES, SUBS * HALVES * a_desc.block_type.shape[0], TMA_STORE)
+        a_desc, b_desc, c_desc, STAGES, HALVES, SUBS * HALVES * a_desc.block_type.shape[0], TMA_STORE
+    )
     # (The partitions' argument tuples are written out in the call: a tuple bound to a name first loses its
     # constexprs.)
     if HALVES == 1:
-        gl.warp_specialize([
-            (_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
-                              row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N,
-                              K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 0, HALVES, TMA_STORE, GATHER,
-                              SCALES_FIRST, SUBS)),
-            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_ptr, row_src_ptr,
-                               as_ptr, bs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, N, K, NKG, stride_am,
-                               stride_asm, stride_bse, stride_bsn, SEGS, B_GROUP_N, TILE_M, HALVES, GATHER,
-                               SUBS)),
-        ], [LOAD_WARPS], [LOAD_REGS])
+        gl.warp_specialize(
+            [
+                (
+                    _mma_partition,
+                    (
+                        a_bufs,
+                        b_bufs,
+                        sa_bufs,
+                        sb_bufs,
+                        ready,
+                        empty,
+                        c_desc,
+                        c_bufs.index(0),
+                        c_ptr,
+                        row_scale_ptr,
+                        tile_expert_ptr,
+                        tile_row_ptr,
+                        num_tiles_ptr,
+                        expert_offsets_ptr,
+                        M,
+                        N,
+                        K,
+                        stride_cm,
+                        SEGS,
+                        SCALE_ROWS,
+                        TILE_M,
+                        0,
+                        HALVES,
+                        TMA_STORE,
+                        GATHER,
+                        SCALES_FIRST,
+                        SUBS,
+                    ),
+                ),
+                (
+                    _load_partition,
+                    (
+                        a_desc,
+                        b_desc,
+                        a_bufs,
+                        b_bufs,
+                        sa_bufs,
+                        sb_bufs,
+                        ready,
+                        empty,
+                        a_ptr,
+                        row_src_ptr,
+                        as_ptr,
+                        bs_ptr,
+                        tile_expert_ptr,
+                        tile_row_ptr,
+                        num_tiles_ptr,
+                        M,
+                        N,
+                        K,
+                        NKG,
+                        stride_am,
+                        stride_asm,
+                        stride_bse,
+                        stride_bsn,
+                        SEGS,
+                        B_GROUP_N,
+                        TILE_M,
+                        HALVES,
+                        GATHER,
+                        SUBS,
+                    ),
+                ),
+            ],
+            [LOAD_WARPS],
+            [LOAD_REGS],
+        )
     else:
-        gl.warp_specialize([
-            (_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
-                              row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N,
-                              K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 0, HALVES, TMA_STORE, GATHER,
-                              SCALES_FIRST, SUBS)),
-            (_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(1), c_ptr,
-                              row_scale_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr, M, N,
-                              K, stride_cm, SEGS, SCALE_ROWS, TILE_M, 1, HALVES, TMA_STORE, GATHER,
-                              SCALES_FIRST, SUBS)),
-            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_ptr, row_src_ptr,
-                               as_ptr, bs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, M, N, K, NKG, stride_am,
-                               stride_asm, stride_bse, stride_bsn, SEGS, B_GROUP_N, TILE_M, HALVES, GATHER,
-                               SUBS)),
-        ], [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
+        gl.warp_specialize(
+            [
+                (
+                    _mma_partition,
+                    (
+                        a_bufs,
+                        b_bufs,
+                        sa_bufs,
+                        sb_bufs,
+                        ready,
+                        empty,
+                        c_desc,
+                        c_bufs.index(0),
+                        c_ptr,
+                        row_scale_ptr,
+                        tile_expert_ptr,
+                        tile_row_ptr,
+                        num_tiles_ptr,
+                        expert_offsets_ptr,
+                        M,
+                        N,
+                        K,
+                        stride_cm,
+                        SEGS,
+                        SCALE_ROWS,
+                        TILE_M,
+                        0,
+                        HALVES,
+                        TMA_STORE,
+                        GATHER,
+                        SCALES_FIRST,
+                        SUBS,
+                    ),
+                ),
+                (
+                    _mma_partition,
+                    (
+                        a_bufs,
+                        b_bufs,
+                        sa_bufs,
+                        sb_bufs,
+                        ready,
+                        empty,
+                        c_desc,
+                        c_bufs.index(1),
+                        c_ptr,
+                        row_scale_ptr,
+                        tile_expert_ptr,
+                        tile_row_ptr,
+                        num_tiles_ptr,
+                        expert_offsets_ptr,
+                        M,
+                        N,
+                        K,
+                        stride_cm,
+                        SEGS,
+                        SCALE_ROWS,
+                        TILE_M,
+                        1,
+                        HALVES,
+                        TMA_STORE,
+                        GATHER,
+                        SCALES_FIRST,
+                        SUBS,
+                    ),
+                ),
+                (
+                    _load_partition,
+                    (
+                        a_desc,
+                        b_desc,
+                        a_bufs,
+                        b_bufs,
+                        sa_bufs,
+                        sb_bufs,
+                        ready,
+                        empty,
+                        a_ptr,
+                        row_src_ptr,
+                        as_ptr,
+                        bs_ptr,
+                        tile_expert_ptr,
+                        tile_row_ptr,
+                        num_tiles_ptr,
+                        M,
+                        N,
+                        K,
+                        NKG,
+                        stride_am,
+                        stride_asm,
+                        stride_bse,
+                        stride_bsn,
+                        SEGS,
+                        B_GROUP_N,
+                        TILE_M,
+                        HALVES,
+                        GATHER,
+                        SUBS,
+                    ),
+                ),
+            ],
+            [4, LOAD_WARPS],
+            [MMA_REGS, LOAD_REGS],
+        )

@@ -48,8 +48,25 @@ def _wgrad_tile_of(t, m_tiles, n_tiles, TILE_ROWS: gl.constexpr, BLOCK_N: gl.con
 
 
 @gluon.jit
-def _wgrad_load_partition(a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, as_ptr, bs_ptr,
-                          expert_tiles_ptr, M, N, E, stride_asr, stride_bsr, HALVES: gl.constexpr):
+def _wgrad_load_partition(
+    a_desc,
+    b_desc,
+    a_bufs,
+    b_bufs,
+    sa_bufs,
+    sb_bufs,
+    ready,
+    empty,
+    as_ptr,
+    bs_ptr,
+    expert_tiles_ptr,
+    M,
+    N,
+    E,
+    stride_asr,
+    stride_bsr,
+    HALVES: gl.constexpr,
+):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]  # rows of one MMA partition's A box
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -82,41 +99,80 @@ def _wgrad_load_partition(a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, read
 
 
 @gluon.jit
-def _wgrad_promoted(acc, a_buf, b_buf, sa_bufs, sb_bufs, s, mma_layout: gl.constexpr, HALF: gl.constexpr,
-                    SUB: gl.constexpr, LATE_SCALES: gl.constexpr):
+def _wgrad_promoted(
+    acc,
+    a_buf,
+    b_buf,
+    sa_bufs,
+    sb_bufs,
+    s,
+    mma_layout: gl.constexpr,
+    HALF: gl.constexpr,
+    SUB: gl.constexpr,
+    LATE_SCALES: gl.constexpr,
+):
     """Column part SUB of one row tile's product for the rows of half HALF: a fresh wgmma tile, waited for, scaled
     by row and column and added to ``acc``."""
     BLOCK_M: gl.constexpr = a_buf.type.shape[0]
     SUB_N: gl.constexpr = acc.type.shape[1]
-    tile = warpgroup_mma(a_buf, b_buf.slice(SUB * SUB_N, SUB_N).permute((1, 0)),
-                         gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout), use_acc=False, is_async=True)
+    tile = warpgroup_mma(
+        a_buf,
+        b_buf.slice(SUB * SUB_N, SUB_N).permute((1, 0)),
+        gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout),
+        use_acc=False,
+        is_async=True,
+    )
     if LATE_SCALES:  # read once the tile is in: fewer registers live while it is in flight
-        done = warpgroup_mma_wait(num_outstanding=0, deps=(tile, ))
+        done = warpgroup_mma_wait(num_outstanding=0, deps=(tile,))
         sa = sa_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(gl.SliceLayout(1, mma_layout))
         sb = sb_bufs.index(s).slice(SUB * SUB_N, SUB_N).load(gl.SliceLayout(0, mma_layout))
     else:
         sa = sa_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M).load(gl.SliceLayout(1, mma_layout))
         sb = sb_bufs.index(s).slice(SUB * SUB_N, SUB_N).load(gl.SliceLayout(0, mma_layout))
-        done = warpgroup_mma_wait(num_outstanding=0, deps=(tile, ))
+        done = warpgroup_mma_wait(num_outstanding=0, deps=(tile,))
     return acc + done * (sa[:, None] * sb[None, :])
 
 
 @gluon.jit
-def _wgrad_mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout: gl.constexpr,
-                    HALF: gl.constexpr, HALVES: gl.constexpr):
+def _wgrad_mma_step(
+    acc,
+    a_bufs,
+    b_bufs,
+    sa_bufs,
+    sb_bufs,
+    ready,
+    empty,
+    it,
+    mma_layout: gl.constexpr,
+    HALF: gl.constexpr,
+    HALVES: gl.constexpr,
+):
     """One row tile of the reduction for the rows of half HALF (one column part)."""
     STAGES: gl.constexpr = b_bufs.type.shape[0]
     s = it % STAGES
     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-    acc = _wgrad_promoted(acc, a_bufs.index(HALVES * s + HALF), b_bufs.index(s), sa_bufs, sb_bufs, s, mma_layout,
-                          HALF, 0, False)
+    acc = _wgrad_promoted(
+        acc, a_bufs.index(HALVES * s + HALF), b_bufs.index(s), sa_bufs, sb_bufs, s, mma_layout, HALF, 0, False
+    )
     mbarrier.arrive(empty.index(s), count=1)
     return acc
 
 
 @gluon.jit
-def _wgrad_mma_step2(acc0, acc1, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout: gl.constexpr,
-                     HALF: gl.constexpr, HALVES: gl.constexpr):
+def _wgrad_mma_step2(
+    acc0,
+    acc1,
+    a_bufs,
+    b_bufs,
+    sa_bufs,
+    sb_bufs,
+    ready,
+    empty,
+    it,
+    mma_layout: gl.constexpr,
+    HALF: gl.constexpr,
+    HALVES: gl.constexpr,
+):
     """One row tile of the reduction for the rows of half HALF, two column parts in turn (SUBS = 2): one accumulator
     and one fresh tile live at a time, so the two accumulators fit in the MMA partition's registers."""
     STAGES: gl.constexpr = b_bufs.type.shape[0]
@@ -130,8 +186,9 @@ def _wgrad_mma_step2(acc0, acc1, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
 
 
 @gluon.jit
-def _wgrad_store(acc, c_desc, c_smem, c_ptr, expert, row_s0, col0, M, N, stride_ce, stride_cm, stride_cn,
-                 TMA_STORE: gl.constexpr):
+def _wgrad_store(
+    acc, c_desc, c_smem, c_ptr, expert, row_s0, col0, M, N, stride_ce, stride_cm, stride_cn, TMA_STORE: gl.constexpr
+):
     """One partition's rows of one column part of an output tile: by TMA, or from registers with masks."""
     num_warps: gl.constexpr = gl.num_warps()
     BLOCK_M: gl.constexpr = acc.type.shape[0]
@@ -145,23 +202,47 @@ def _wgrad_store(acc, c_desc, c_smem, c_ptr, expert, row_s0, col0, M, N, stride_
         out_rows = gl.convert_layout(out, store_layout)
         rows_s = row_s0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))
         cols_s = col0 + gl.arange(0, SUB_N, layout=gl.SliceLayout(0, store_layout))
-        c_ptrs = (c_ptr + expert.to(gl.int64) * stride_ce + rows_s.to(gl.int64)[:, None] * stride_cm
-                  + cols_s[None, :] * stride_cn)
+        c_ptrs = (
+            c_ptr
+            + expert.to(gl.int64) * stride_ce
+            + rows_s.to(gl.int64)[:, None] * stride_cm
+            + cols_s[None, :] * stride_cn
+        )
         gl.store(c_ptrs, out_rows, mask=(rows_s < M)[:, None] & (cols_s < N)[None, :])
 
 
 @gluon.jit
-def _wgrad_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_smem, c_ptr, expert_tiles_ptr,
-                         M, N, E, stride_ce, stride_cm, stride_cn, HALF: gl.constexpr, HALVES: gl.constexpr,
-                         SUBS: gl.constexpr, TMA_STORE: gl.constexpr):
+def _wgrad_mma_partition(
+    a_bufs,
+    b_bufs,
+    sa_bufs,
+    sb_bufs,
+    ready,
+    empty,
+    c_desc,
+    c_smem,
+    c_ptr,
+    expert_tiles_ptr,
+    M,
+    N,
+    E,
+    stride_ce,
+    stride_cm,
+    stride_cn,
+    HALF: gl.constexpr,
+    HALVES: gl.constexpr,
+    SUBS: gl.constexpr,
+    TMA_STORE: gl.constexpr,
+):
     """Rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of every output tile of this program, in SUBS column parts."""
     num_warps: gl.constexpr = gl.num_warps()
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]  # the whole tile's columns
     SUB_N: gl.constexpr = BLOCK_N // SUBS
     TILE_ROWS: gl.constexpr = HALVES * BLOCK_M
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, SUB_N, 32])
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, SUB_N, 32]
+    )
     m_tiles = gl.cdiv(M, TILE_ROWS)
     n_tiles = gl.cdiv(N, BLOCK_N)
     total = E * m_tiles * n_tiles
@@ -169,12 +250,12 @@ def _wgrad_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc,
     # The first tile's step count (its expert's row tiles); each later tile's is loaded while the tile before it
     # runs. (With no tiles at all nothing is loaded and the loop does not run.)
     expert, m0, n0 = _wgrad_tile_of(gl.minimum(gl.program_id(0), total - 1), m_tiles, n_tiles, TILE_ROWS, BLOCK_N)
-    steps = (gl.load(expert_tiles_ptr + expert + 1, mask=total > 0, other=0)
-             - gl.load(expert_tiles_ptr + expert, mask=total > 0, other=0))
+    steps = gl.load(expert_tiles_ptr + expert + 1, mask=total > 0, other=0) - gl.load(
+        expert_tiles_ptr + expert, mask=total > 0, other=0
+    )
     it = 0
     for t in range(gl.program_id(0), total, programs):
-        expert_n, m0_n, n0_n = _wgrad_tile_of(gl.minimum(t + programs, total - 1), m_tiles, n_tiles, TILE_ROWS,
-                                              BLOCK_N)
+        expert_n, m0_n, n0_n = _wgrad_tile_of(gl.minimum(t + programs, total - 1), m_tiles, n_tiles, TILE_ROWS, BLOCK_N)
         steps_n = gl.load(expert_tiles_ptr + expert_n + 1) - gl.load(expert_tiles_ptr + expert_n)
         row_s0 = m0 + HALF * BLOCK_M
         # While loops, not ``for _ in range(steps)``: Triton 3.6's Gluon inliner replaces a loop-carried value that
@@ -184,25 +265,40 @@ def _wgrad_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc,
         if SUBS == 1:
             acc = gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout)
             while j < steps:
-                acc = _wgrad_mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout, HALF,
-                                      HALVES)
+                acc = _wgrad_mma_step(acc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout, HALF, HALVES)
                 it += 1
                 j += 1
-            _wgrad_store(acc, c_desc, c_smem, c_ptr, expert, row_s0, n0, M, N, stride_ce, stride_cm, stride_cn,
-                         TMA_STORE)
+            _wgrad_store(
+                acc, c_desc, c_smem, c_ptr, expert, row_s0, n0, M, N, stride_ce, stride_cm, stride_cn, TMA_STORE
+            )
         else:
             gl.static_assert(SUBS == 2, "SUBS is 1 or 2")
             acc0 = gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout)
             acc1 = gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout)
             while j < steps:
-                acc0, acc1 = _wgrad_mma_step2(acc0, acc1, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it,
-                                              mma_layout, HALF, HALVES)
+                acc0, acc1 = _wgrad_mma_step2(
+                    acc0, acc1, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, it, mma_layout, HALF, HALVES
+                )
                 it += 1
                 j += 1
-            _wgrad_store(acc0, c_desc, c_smem, c_ptr, expert, row_s0, n0, M, N, stride_ce, stride_cm, stride_cn,
-                         TMA_STORE)
-            _wgrad_store(acc1, c_desc, c_smem, c_ptr, expert, row_s0, n0 + SUB_N, M, N, stride_ce, stride_cm,
-                         stride_cn, TMA_STORE)
+            _wgrad_store(
+                acc0, c_desc, c_smem, c_ptr, expert, row_s0, n0, M, N, stride_ce, stride_cm, stride_cn, TMA_STORE
+            )
+            _wgrad_store(
+                acc1,
+                c_desc,
+                c_smem,
+                c_ptr,
+                expert,
+                row_s0,
+                n0 + SUB_N,
+                M,
+                N,
+                stride_ce,
+                stride_cm,
+                stride_cn,
+                TMA_STORE,
+            )
         expert, m0, n0, steps = expert_n, m0_n, n0_n, steps_n
     if TMA_STORE:
         tma.store_wait(0)
@@ -210,10 +306,28 @@ def _wgrad_mma_partition(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc,
 
 @gluon.jit
 def fp8_grouped_wgrad_ws_kernel(
-    a_desc, b_desc, c_desc, as_ptr, bs_ptr, c_ptr, expert_tiles_ptr,
-    M, N, E, stride_asr, stride_bsr, stride_ce, stride_cm, stride_cn,
-    STAGES: gl.constexpr, HALVES: gl.constexpr, SUBS: gl.constexpr, TMA_STORE: gl.constexpr,
-    LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
+    a_desc,
+    b_desc,
+    c_desc,
+    as_ptr,
+    bs_ptr,
+    c_ptr,
+    expert_tiles_ptr,
+    M,
+    N,
+    E,
+    stride_asr,
+    stride_bsr,
+    stride_ce,
+    stride_cm,
+    stride_cn,
+    STAGES: gl.constexpr,
+    HALVES: gl.constexpr,
+    SUBS: gl.constexpr,
+    TMA_STORE: gl.constexpr,
+    LOAD_REGS: gl.constexpr,
+    MMA_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """HALVES = 1: one MMA partition of ``num_warps`` warps; HALVES = 2: two 4-warp partitions (the default one and
     a worker with MMA_REGS registers) on the two 64-row halves of each output tile, from the same B buffers. SUBS:
@@ -221,24 +335,139 @@ def fp8_grouped_wgrad_ws_kernel(
     is not read (any descriptor will do)."""
     # The B scales: one per output column of the tile.
     a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_bufs = _allocate_stages(
-        a_desc, b_desc, c_desc, STAGES, HALVES, b_desc.block_type.shape[0], TMA_STORE)
+        a_desc, b_desc, c_desc, STAGES, HALVES, b_desc.block_type.shape[0], TMA_STORE
+    )
     # (Argument tuples written out in the call: a tuple bound to a name first loses its constexprs.)
     if HALVES == 1:
-        gl.warp_specialize([
-            (_wgrad_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
-                                    expert_tiles_ptr, M, N, E, stride_ce, stride_cm, stride_cn, 0, HALVES,
-                                    SUBS, TMA_STORE)),
-            (_wgrad_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, as_ptr, bs_ptr,
-                                     expert_tiles_ptr, M, N, E, stride_asr, stride_bsr, HALVES)),
-        ], [1], [LOAD_REGS])
+        gl.warp_specialize(
+            [
+                (
+                    _wgrad_mma_partition,
+                    (
+                        a_bufs,
+                        b_bufs,
+                        sa_bufs,
+                        sb_bufs,
+                        ready,
+                        empty,
+                        c_desc,
+                        c_bufs.index(0),
+                        c_ptr,
+                        expert_tiles_ptr,
+                        M,
+                        N,
+                        E,
+                        stride_ce,
+                        stride_cm,
+                        stride_cn,
+                        0,
+                        HALVES,
+                        SUBS,
+                        TMA_STORE,
+                    ),
+                ),
+                (
+                    _wgrad_load_partition,
+                    (
+                        a_desc,
+                        b_desc,
+                        a_bufs,
+                        b_bufs,
+                        sa_bufs,
+                        sb_bufs,
+                        ready,
+                        empty,
+                        as_ptr,
+                        bs_ptr,
+                        expert_tiles_ptr,
+                        M,
+                        N,
+                        E,
+                        stride_asr,
+                        stride_bsr,
+                        HALVES,
+                    ),
+                ),
+            ],
+            [1],
+            [LOAD_REGS],
+        )
     else:
-        gl.warp_specialize([
-            (_wgrad_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr,
-                                    expert_tiles_ptr, M, N, E, stride_ce, stride_cm, stride_cn, 0, HALVES,
-                                    SUBS, TMA_STORE)),
-            (_wgrad_mma_partition, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_desc, c_bufs.index(1), c_ptr,
-                                    expert_tiles_ptr, M, N, E, stride_ce, stride_cm, stride_cn, 1, HALVES,
-                                    SUBS, TMA_STORE)),
-            (_wgrad_load_partition, (a_desc, b_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, as_ptr, bs_ptr,
-                                     expert_tiles_ptr, M, N, E, stride_asr, stride_bsr, HALVES)),
-        ], [4, 1], [MMA_REGS, LOAD_REGS])
+        gl.warp_specialize(
+            [
+                (
+                    _wgrad_mma_partition,
+                    (
+                        a_bufs,
+                        b_bufs,
+                        sa_bufs,
+                        sb_bufs,
+                        ready,
+                        empty,
+                        c_desc,
+                        c_bufs.index(0),
+                        c_ptr,
+                        expert_tiles_ptr,
+                        M,
+                        N,
+                        E,
+                        stride_ce,
+                        stride_cm,
+                        stride_cn,
+                        0,
+                        HALVES,
+                        SUBS,
+                        TMA_STORE,
+                    ),
+                ),
+                (
+                    _wgrad_mma_partition,
+                    (
+                        a_bufs,
+                        b_bufs,
+                        sa_bufs,
+                        sb_bufs,
+                        ready,
+                        empty,
+                        c_desc,
+                        c_bufs.index(1),
+                        c_ptr,
+                        expert_tiles_ptr,
+                        M,
+                        N,
+                        E,
+                        stride_ce,
+                        stride_cm,
+                        stride_cn,
+                        1,
+                        HALVES,
+                        SUBS,
+                        TMA_STORE,
+                    ),
+                ),
+                (
+                    _wgrad_load_partition,
+                    (
+                        a_desc,
+                        b_desc,
+                        a_bufs,
+                        b_bufs,
+                        sa_bufs,
+                        sb_bufs,
+                        ready,
+                        empty,
+                        as_ptr,
+                        bs_ptr,
+                        expert_tiles_ptr,
+                        M,
+                        N,
+                        E,
+                        stride_asr,
+                        stride_bsr,
+                        HALVES,
+                    ),
+                ),
+            ],
+            [4, 1],
+            [MMA_REGS, LOAD_REGS],
+        )

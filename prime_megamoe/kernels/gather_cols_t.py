@@ -31,10 +31,23 @@ from .swiglu_grad_cols import _column_block, _column_layout, _store_cols
 
 @gluon.jit
 def gather_cols_t_kernel(
-    x_ptr, row_src_ptr, q_ptr, s_ptr,
-    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
-    K, stride_xm, stride_qk, stride_sr,
-    POW2: gl.constexpr, TILE_M: gl.constexpr, BC: gl.constexpr, CPT: gl.constexpr, num_warps: gl.constexpr,
+    x_ptr,
+    row_src_ptr,
+    q_ptr,
+    s_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    num_tiles_ptr,
+    expert_offsets_ptr,
+    K,
+    stride_xm,
+    stride_qk,
+    stride_sr,
+    POW2: gl.constexpr,
+    TILE_M: gl.constexpr,
+    BC: gl.constexpr,
+    CPT: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """Program (c, t): routing tile t (past the device-side tile count: nothing) by columns [c * BC, c * BC + BC) of
     x [R, K] (those below K; rows contiguous). A thread holds 16 rows of CPT adjacent columns; a warp TILE_M //
@@ -43,10 +56,23 @@ def gather_cols_t_kernel(
     store_layout: gl.constexpr = _column_layout(TILE_M, BC, CPT, num_warps, True)
     t = gl.program_id(1)
     if t < gl.load(num_tiles_ptr):
-        rows, ok, col, cols, col_ok, cols_s, pos = _column_block(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
-                                                                 t, K, TILE_M, BC, layout, store_layout)
+        rows, ok, col, cols, col_ok, cols_s, pos = _column_block(
+            tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, t, K, TILE_M, BC, layout, store_layout
+        )
         src = gl.load(row_src_ptr + rows, mask=ok, other=0).to(gl.int64)
-        x = gl.load(x_ptr + src[:, None] * stride_xm + (col + cols)[None, :], mask=ok[:, None] & col_ok[None, :],
-                    other=0.0).to(gl.float32)
-        _store_cols(q_ptr, s_ptr, x, t, col, cols, col_ok, cols_s.to(gl.int64)[None, :] * stride_qk + pos,
-                    (cols_s < K)[None, :], stride_sr, POW2)
+        x = gl.load(
+            x_ptr + src[:, None] * stride_xm + (col + cols)[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0
+        ).to(gl.float32)
+        _store_cols(
+            q_ptr,
+            s_ptr,
+            x,
+            t,
+            col,
+            cols,
+            col_ok,
+            cols_s.to(gl.int64)[None, :] * stride_qk + pos,
+            (cols_s < K)[None, :],
+            stride_sr,
+            POW2,
+        )

@@ -57,10 +57,32 @@ def tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M:
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _fc1_swiglu_tile(
-    x_ptr, row_src_ptr, w_ptr, h_ptr, a_ptr, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, pid_n,
-    N, K, row_base, stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_am,
-    SAVE_H: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_M: tl.constexpr,
+    x_ptr,
+    row_src_ptr,
+    w_ptr,
+    h_ptr,
+    a_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    expert_offsets_ptr,
+    pid_m,
+    pid_n,
+    N,
+    K,
+    row_base,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_hm,
+    stride_am,
+    SAVE_H: tl.constexpr,
+    CAST_F32: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    TILE_M: tl.constexpr,
     ONE_DOT: tl.constexpr,
 ):
     expert, rows, row_mask = tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M, TILE_M)
@@ -115,30 +137,101 @@ def _fc1_swiglu_tile(
 @autotune(autotune_configs("fc1"), key=["N", "K", "M_BUCKET"])
 @triton.jit
 def fc1_swiglu_kernel(
-    x_ptr, row_src_ptr, w_ptr, h_ptr, a_ptr,
-    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
-    N, K, M_BUCKET, NUM_SMS, row_base,
-    stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_am,
-    SAVE_H: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
+    x_ptr,
+    row_src_ptr,
+    w_ptr,
+    h_ptr,
+    a_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    num_tiles_ptr,
+    expert_offsets_ptr,
+    N,
+    K,
+    M_BUCKET,
+    NUM_SMS,
+    row_base,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_hm,
+    stride_am,
+    SAVE_H: tl.constexpr,
+    CAST_F32: tl.constexpr,
+    IEEE: tl.constexpr,
     TILE_M: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PERSISTENT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PERSISTENT: tl.constexpr,
     ONE_DOT: tl.constexpr,
 ):
     if PERSISTENT:
         num_n = tl.cdiv(N, BLOCK_N)
         total = tl.load(num_tiles_ptr) * (TILE_M // BLOCK_M) * num_n
         for work in tl.range(tl.program_id(0), total, NUM_SMS, flatten=True):
-            _fc1_swiglu_tile(x_ptr, row_src_ptr, w_ptr, h_ptr, a_ptr, tile_expert_ptr, tile_row_ptr,
-                             expert_offsets_ptr, work // num_n, work % num_n, N, K, row_base, stride_xm, stride_we,
-                             stride_wn, stride_wk, stride_hm, stride_am, SAVE_H, CAST_F32, IEEE, BLOCK_M, BLOCK_N,
-                             BLOCK_K, TILE_M, ONE_DOT)
+            _fc1_swiglu_tile(
+                x_ptr,
+                row_src_ptr,
+                w_ptr,
+                h_ptr,
+                a_ptr,
+                tile_expert_ptr,
+                tile_row_ptr,
+                expert_offsets_ptr,
+                work // num_n,
+                work % num_n,
+                N,
+                K,
+                row_base,
+                stride_xm,
+                stride_we,
+                stride_wn,
+                stride_wk,
+                stride_hm,
+                stride_am,
+                SAVE_H,
+                CAST_F32,
+                IEEE,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                TILE_M,
+                ONE_DOT,
+            )
     else:
         pid_m = tl.program_id(1)
         if pid_m < tl.load(num_tiles_ptr) * (TILE_M // BLOCK_M):
-            _fc1_swiglu_tile(x_ptr, row_src_ptr, w_ptr, h_ptr, a_ptr, tile_expert_ptr, tile_row_ptr,
-                             expert_offsets_ptr, pid_m, tl.program_id(0), N, K, row_base, stride_xm, stride_we,
-                             stride_wn, stride_wk, stride_hm, stride_am, SAVE_H, CAST_F32, IEEE, BLOCK_M, BLOCK_N,
-                             BLOCK_K, TILE_M, ONE_DOT)
+            _fc1_swiglu_tile(
+                x_ptr,
+                row_src_ptr,
+                w_ptr,
+                h_ptr,
+                a_ptr,
+                tile_expert_ptr,
+                tile_row_ptr,
+                expert_offsets_ptr,
+                pid_m,
+                tl.program_id(0),
+                N,
+                K,
+                row_base,
+                stride_xm,
+                stride_we,
+                stride_wn,
+                stride_wk,
+                stride_hm,
+                stride_am,
+                SAVE_H,
+                CAST_F32,
+                IEEE,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                TILE_M,
+                ONE_DOT,
+            )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -153,11 +246,37 @@ def fc1_swiglu_kernel(
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _gemm_tile(
-    a_desc, b_desc, a_ptr, row_src_ptr, b_ptr, c_ptr, row_scale_ptr, tile_expert_ptr, tile_row_ptr,
-    expert_offsets_ptr, pid_m, pid_n, N, K, row_base, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
-    GATHER_A: tl.constexpr, SCALE_ROWS: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
-    A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_M: tl.constexpr,
+    a_desc,
+    b_desc,
+    a_ptr,
+    row_src_ptr,
+    b_ptr,
+    c_ptr,
+    row_scale_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    expert_offsets_ptr,
+    pid_m,
+    pid_n,
+    N,
+    K,
+    row_base,
+    stride_am,
+    stride_be,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    GATHER_A: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    CAST_F32: tl.constexpr,
+    IEEE: tl.constexpr,
+    A_TMA: tl.constexpr,
+    B_TMA: tl.constexpr,
+    B_KMAJOR: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    TILE_M: tl.constexpr,
 ):
     expert, row_start, row_end = tile_span(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M, TILE_M)
     rows = row_start + tl.arange(0, BLOCK_M)
@@ -201,13 +320,39 @@ def _gemm_tile(
 @autotune(autotune_configs("gemm"), key=["N", "K", "M_BUCKET"])
 @triton.jit
 def grouped_gemm_kernel(
-    a_desc, b_desc, a_ptr, row_src_ptr, b_ptr, c_ptr, row_scale_ptr,
-    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
-    N, K, M_BUCKET, NUM_SMS, row_base,
-    stride_am, stride_be, stride_bk, stride_bn, stride_cm,
-    GATHER_A: tl.constexpr, SCALE_ROWS: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr,
-    A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_KMAJOR: tl.constexpr, TILE_M: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PERSISTENT: tl.constexpr,
+    a_desc,
+    b_desc,
+    a_ptr,
+    row_src_ptr,
+    b_ptr,
+    c_ptr,
+    row_scale_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    num_tiles_ptr,
+    expert_offsets_ptr,
+    N,
+    K,
+    M_BUCKET,
+    NUM_SMS,
+    row_base,
+    stride_am,
+    stride_be,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    GATHER_A: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    CAST_F32: tl.constexpr,
+    IEEE: tl.constexpr,
+    A_TMA: tl.constexpr,
+    B_TMA: tl.constexpr,
+    B_KMAJOR: tl.constexpr,
+    TILE_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
     if PERSISTENT:
         # NUM_SMS programs walk the (row tile, column block) work list; the flattened loop lets one tile's epilogue
@@ -215,19 +360,75 @@ def grouped_gemm_kernel(
         num_n = tl.cdiv(N, BLOCK_N)
         total = tl.load(num_tiles_ptr) * (TILE_M // BLOCK_M) * num_n
         for work in tl.range(tl.program_id(0), total, NUM_SMS, flatten=True):
-            _gemm_tile(a_desc, b_desc, a_ptr, row_src_ptr, b_ptr, c_ptr, row_scale_ptr, tile_expert_ptr,
-                       tile_row_ptr, expert_offsets_ptr, work // num_n, work % num_n, N, K, row_base,
-                       stride_am, stride_be, stride_bk, stride_bn, stride_cm,
-                       GATHER_A, SCALE_ROWS, CAST_F32, IEEE, A_TMA, B_TMA, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K,
-                       TILE_M)
+            _gemm_tile(
+                a_desc,
+                b_desc,
+                a_ptr,
+                row_src_ptr,
+                b_ptr,
+                c_ptr,
+                row_scale_ptr,
+                tile_expert_ptr,
+                tile_row_ptr,
+                expert_offsets_ptr,
+                work // num_n,
+                work % num_n,
+                N,
+                K,
+                row_base,
+                stride_am,
+                stride_be,
+                stride_bk,
+                stride_bn,
+                stride_cm,
+                GATHER_A,
+                SCALE_ROWS,
+                CAST_F32,
+                IEEE,
+                A_TMA,
+                B_TMA,
+                B_KMAJOR,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                TILE_M,
+            )
     else:
         pid_m = tl.program_id(1)
         if pid_m < tl.load(num_tiles_ptr) * (TILE_M // BLOCK_M):
-            _gemm_tile(a_desc, b_desc, a_ptr, row_src_ptr, b_ptr, c_ptr, row_scale_ptr, tile_expert_ptr,
-                       tile_row_ptr, expert_offsets_ptr, pid_m, tl.program_id(0), N, K, row_base,
-                       stride_am, stride_be, stride_bk, stride_bn, stride_cm,
-                       GATHER_A, SCALE_ROWS, CAST_F32, IEEE, A_TMA, B_TMA, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K,
-                       TILE_M)
+            _gemm_tile(
+                a_desc,
+                b_desc,
+                a_ptr,
+                row_src_ptr,
+                b_ptr,
+                c_ptr,
+                row_scale_ptr,
+                tile_expert_ptr,
+                tile_row_ptr,
+                expert_offsets_ptr,
+                pid_m,
+                tl.program_id(0),
+                N,
+                K,
+                row_base,
+                stride_am,
+                stride_be,
+                stride_bk,
+                stride_bn,
+                stride_cm,
+                GATHER_A,
+                SCALE_ROWS,
+                CAST_F32,
+                IEEE,
+                A_TMA,
+                B_TMA,
+                B_KMAJOR,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                TILE_M,
+            )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -258,19 +459,41 @@ def wgrad_tile_offsets(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
 
 
 @triton.jit
-def _wgrad_step(d_desc, d_ptr, g_ptr, rg, row, r_mask, d_cols, d_col_mask, d_col0, g_cols, g_col_mask, ks, acc,
-                stride_dm, stride_gm, DENSE_A: tl.constexpr, USE_TMA: tl.constexpr, CAST_F32: tl.constexpr,
-                IEEE: tl.constexpr):
+def _wgrad_step(
+    d_desc,
+    d_ptr,
+    g_ptr,
+    rg,
+    row,
+    r_mask,
+    d_cols,
+    d_col_mask,
+    d_col0,
+    g_cols,
+    g_col_mask,
+    ks,
+    acc,
+    stride_dm,
+    stride_gm,
+    DENSE_A: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    CAST_F32: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """acc += one BLOCK_K chunk of rows starting at sorted row ``row`` (gathered operand at rows ``rg``); rows
     outside ``r_mask`` read zeros on the gathered side (and on the sorted side through pointers). A TMA chunk reads
     whole rows: callers give it only chunks inside the expert."""
     if USE_TMA:
         d = d_desc.load([row, d_col0])
     else:
-        d = tl.load(d_ptr + (row + ks).to(tl.int64)[:, None] * stride_dm + d_cols[None, :],
-                    mask=r_mask[:, None] & d_col_mask[None, :], other=0.0)
-    g = tl.load(g_ptr + rg[:, None] * stride_gm + g_cols[None, :], mask=r_mask[:, None] & g_col_mask[None, :],
-                other=0.0)
+        d = tl.load(
+            d_ptr + (row + ks).to(tl.int64)[:, None] * stride_dm + d_cols[None, :],
+            mask=r_mask[:, None] & d_col_mask[None, :],
+            other=0.0,
+        )
+    g = tl.load(
+        g_ptr + rg[:, None] * stride_gm + g_cols[None, :], mask=r_mask[:, None] & g_col_mask[None, :], other=0.0
+    )
     if DENSE_A:
         return _dot(tl.trans(d), g, acc, CAST_F32, IEEE)
     else:
@@ -280,11 +503,30 @@ def _wgrad_step(d_desc, d_ptr, g_ptr, rg, row, r_mask, d_cols, d_col_mask, d_col
 @autotune(autotune_configs("wgrad"), key=["M", "N", "M_BUCKET"])
 @triton.jit
 def grouped_wgrad_kernel(
-    d_desc, d_ptr, g_ptr, g_src_ptr, c_ptr, expert_offsets_ptr,
-    M, N, M_BUCKET, num_segments, offsets_per_segment,
-    stride_dm, stride_gm, stride_ce, stride_cm, stride_cn,
-    DENSE_A: tl.constexpr, USE_TMA: tl.constexpr, CAST_F32: tl.constexpr,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    d_desc,
+    d_ptr,
+    g_ptr,
+    g_src_ptr,
+    c_ptr,
+    expert_offsets_ptr,
+    M,
+    N,
+    M_BUCKET,
+    num_segments,
+    offsets_per_segment,
+    stride_dm,
+    stride_gm,
+    stride_ce,
+    stride_cm,
+    stride_cn,
+    DENSE_A: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    CAST_F32: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     expert = tl.program_id(1)
     pid_m, pid_n = wgrad_tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -313,9 +555,27 @@ def grouped_wgrad_kernel(
             rg = tl.load(g_src_ptr + start + ks).to(tl.int64)
             for k0 in range(start, end, BLOCK_K):
                 row = tl.minimum(k0, last)
-                acc = _wgrad_step(d_desc, d_ptr, g_ptr, rg, row, row + ks >= k0, d_cols, d_col_mask, d_col0,
-                                  g_cols, g_col_mask, ks, acc, stride_dm, stride_gm, DENSE_A, USE_TMA, CAST_F32,
-                                  IEEE)
+                acc = _wgrad_step(
+                    d_desc,
+                    d_ptr,
+                    g_ptr,
+                    rg,
+                    row,
+                    row + ks >= k0,
+                    d_cols,
+                    d_col_mask,
+                    d_col0,
+                    g_cols,
+                    g_col_mask,
+                    ks,
+                    acc,
+                    stride_dm,
+                    stride_gm,
+                    DENSE_A,
+                    USE_TMA,
+                    CAST_F32,
+                    IEEE,
+                )
                 # The next step's gathered row ids, read one step ahead: a row load whose address comes from a
                 # load of the same step leaves the compiler's software pipeline two buffers deep, waiting on every
                 # copy each step; with the ids carried over, the operand loads run several steps ahead.
@@ -323,7 +583,26 @@ def grouped_wgrad_kernel(
         elif end > start:
             r_mask = start + ks < end
             rg = tl.load(g_src_ptr + start + ks, mask=r_mask, other=0).to(tl.int64)
-            acc = _wgrad_step(d_desc, d_ptr, g_ptr, rg, start, r_mask, d_cols, d_col_mask, d_col0, g_cols,
-                              g_col_mask, ks, acc, stride_dm, stride_gm, DENSE_A, False, CAST_F32, IEEE)
+            acc = _wgrad_step(
+                d_desc,
+                d_ptr,
+                g_ptr,
+                rg,
+                start,
+                r_mask,
+                d_cols,
+                d_col_mask,
+                d_col0,
+                g_cols,
+                g_col_mask,
+                ks,
+                acc,
+                stride_dm,
+                stride_gm,
+                DENSE_A,
+                False,
+                CAST_F32,
+                IEEE,
+            )
     c_ptrs = c_ptr + expert.to(tl.int64) * stride_ce + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])

@@ -107,14 +107,32 @@ def quant_groups_cols(x, BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr
 
 
 @triton.jit
-def store_rows_q(q_ptr, s_ptr, x, rows64, row_mask, cols, col_mask, col_off, sgrp_off, n_groups,
-                 stride_qm, stride_sm, pid_n, MX: tl.constexpr, POW2: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr):
+def store_rows_q(
+    q_ptr,
+    s_ptr,
+    x,
+    rows64,
+    row_mask,
+    cols,
+    col_mask,
+    col_off,
+    sgrp_off,
+    n_groups,
+    stride_qm,
+    stride_sm,
+    pid_n,
+    MX: tl.constexpr,
+    POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
+):
     """Quantise x [BLOCK_M, BLOCK_N] (columns pid_n * BLOCK_N + j) in 1 x GROUP_K blocks and store values at columns
     col_off + cols, scales at groups sgrp_off + pid_n * (BLOCK_N // GROUP_K) + j."""
     q, s = quant_groups_rows(x, BLOCK_M, BLOCK_N, GROUP_K, POW2 or MX)
-    tl.store(q_ptr + rows64[:, None] * stride_qm + (col_off + cols)[None, :], q,
-             mask=row_mask[:, None] & col_mask[None, :])
+    tl.store(
+        q_ptr + rows64[:, None] * stride_qm + (col_off + cols)[None, :], q, mask=row_mask[:, None] & col_mask[None, :]
+    )
     grp = pid_n * (BLOCK_N // GROUP_K) + tl.arange(0, BLOCK_N // GROUP_K)
     s_ptrs = s_ptr + rows64[:, None] * stride_sm + (sgrp_off + grp)[None, :]
     s_mask = row_mask[:, None] & (grp < n_groups)[None, :]
@@ -125,8 +143,21 @@ def store_rows_q(q_ptr, s_ptr, x, rows64, row_mask, cols, col_mask, col_off, sgr
 
 
 @triton.jit
-def store_cols_t(q_ptr, s_ptr, x, t, cols, col_mask, stride_qk, stride_sr, POW2: tl.constexpr, E8M0: tl.constexpr,
-                 TILE: tl.constexpr, BN: tl.constexpr, GROUP_R: tl.constexpr):
+def store_cols_t(
+    q_ptr,
+    s_ptr,
+    x,
+    t,
+    cols,
+    col_mask,
+    stride_qk,
+    stride_sr,
+    POW2: tl.constexpr,
+    E8M0: tl.constexpr,
+    TILE: tl.constexpr,
+    BN: tl.constexpr,
+    GROUP_R: tl.constexpr,
+):
     """x [TILE, BN] fp32 = row tile t of the sorted rows (zeros past its expert's end) at columns ``cols`` (int64):
     quantise in GROUP_R x 1 blocks and store the cols_t layout: q[cols, t * TILE + j], scales
     s[t * (TILE // GROUP_R) + b, cols]."""
@@ -143,10 +174,23 @@ def store_cols_t(q_ptr, s_ptr, x, t, cols, col_mask, stride_qk, stride_sr, POW2:
 
 @triton.jit
 def gather_quantize_cols_t_kernel(
-    x_ptr, row_src_ptr, q_ptr, s_ptr,
-    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
-    K, stride_xm, stride_qk, stride_sr,
-    POW2: tl.constexpr, E8M0: tl.constexpr, GROUP_R: tl.constexpr, TILE: tl.constexpr, BK: tl.constexpr,
+    x_ptr,
+    row_src_ptr,
+    q_ptr,
+    s_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    num_tiles_ptr,
+    expert_offsets_ptr,
+    K,
+    stride_xm,
+    stride_qk,
+    stride_sr,
+    POW2: tl.constexpr,
+    E8M0: tl.constexpr,
+    GROUP_R: tl.constexpr,
+    TILE: tl.constexpr,
+    BK: tl.constexpr,
 ):
     """Program (pid_k, t): the sorted rows of tile t gathered from the source rows (x[row_src[r]], x [R, K] with
     contiguous rows), columns [pid_k * BK, +BK), quantised into the cols_t layout. Written once, read by every
@@ -162,8 +206,9 @@ def gather_quantize_cols_t_kernel(
     src = tl.load(row_src_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     cols = (pid_k * BK + tl.arange(0, BK)).to(tl.int64)
     col_mask = cols < K
-    x = tl.load(x_ptr + src[:, None] * stride_xm + cols[None, :], mask=row_mask[:, None] & col_mask[None, :],
-                other=0.0).to(tl.float32)
+    x = tl.load(
+        x_ptr + src[:, None] * stride_xm + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0
+    ).to(tl.float32)
     store_cols_t(q_ptr, s_ptr, x, t, cols, col_mask, stride_qk, stride_sr, POW2, E8M0, TILE, BK, GROUP_R)
 
 
@@ -174,9 +219,33 @@ def gather_quantize_cols_t_kernel(
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
 def quantize_tile(
-    x_ptr, q_ptr, s_ptr, b1, b2, pid_m, pid_k, M, K,
-    sx0, sx1, sx2, sx3, sq0, sq1, sq2, sq3, ss0, ss1, ss2, ss3,
-    QM: tl.constexpr, QK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, POW2: tl.constexpr, E8M0: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    b1,
+    b2,
+    pid_m,
+    pid_k,
+    M,
+    K,
+    sx0,
+    sx1,
+    sx2,
+    sx3,
+    sq0,
+    sq1,
+    sq2,
+    sq3,
+    ss0,
+    ss1,
+    ss2,
+    ss3,
+    QM: tl.constexpr,
+    QK: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+    POW2: tl.constexpr,
+    E8M0: tl.constexpr,
 ):
     """Tile (pid_m, pid_k) of BM x BK elements of matrix (b1, b2) (int64): (BM / QM) x (BK / QK) blocks. Also run by
     ``routing.routing_keys_kernel``'s programs that quantise the forward's rows."""
@@ -206,29 +275,89 @@ def quantize_tile(
 
 @triton.jit
 def quantize_blocks_kernel(
-    x_ptr, q_ptr, s_ptr,
-    B2, M, K,
-    sx0, sx1, sx2, sx3,
-    sq0, sq1, sq2, sq3,
-    ss0, ss1, ss2, ss3,
-    QM: tl.constexpr, QK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, POW2: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    B2,
+    M,
+    K,
+    sx0,
+    sx1,
+    sx2,
+    sx3,
+    sq0,
+    sq1,
+    sq2,
+    sq3,
+    ss0,
+    ss1,
+    ss2,
+    ss3,
+    QM: tl.constexpr,
+    QK: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+    POW2: tl.constexpr,
     E8M0: tl.constexpr,
 ):
     """One program quantises a BM x BK tile: (BM / QM) x (BK / QK) blocks."""
     pid_b = tl.program_id(0)
-    quantize_tile(x_ptr, q_ptr, s_ptr, (pid_b // B2).to(tl.int64), (pid_b % B2).to(tl.int64), tl.program_id(1),
-                  tl.program_id(2), M, K, sx0, sx1, sx2, sx3, sq0, sq1, sq2, sq3, ss0, ss1, ss2, ss3,
-                  QM, QK, BM, BK, POW2, E8M0)
+    quantize_tile(
+        x_ptr,
+        q_ptr,
+        s_ptr,
+        (pid_b // B2).to(tl.int64),
+        (pid_b % B2).to(tl.int64),
+        tl.program_id(1),
+        tl.program_id(2),
+        M,
+        K,
+        sx0,
+        sx1,
+        sx2,
+        sx3,
+        sq0,
+        sq1,
+        sq2,
+        sq3,
+        ss0,
+        ss1,
+        ss2,
+        ss3,
+        QM,
+        QK,
+        BM,
+        BK,
+        POW2,
+        E8M0,
+    )
 
 
 @triton.jit
 def dequantize_blocks_kernel(
-    q_ptr, s_ptr, y_ptr,
-    B2, M, K,
-    sq0, sq1, sq2, sq3,
-    ss0, ss1, ss2, ss3,
-    sy0, sy1, sy2, sy3,
-    QM: tl.constexpr, QK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, E8M0: tl.constexpr,
+    q_ptr,
+    s_ptr,
+    y_ptr,
+    B2,
+    M,
+    K,
+    sq0,
+    sq1,
+    sq2,
+    sq3,
+    ss0,
+    ss1,
+    ss2,
+    ss3,
+    sy0,
+    sy1,
+    sy2,
+    sy3,
+    QM: tl.constexpr,
+    QK: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+    E8M0: tl.constexpr,
 ):
     """y = q * scale of its block (the inverse of ``quantize_blocks_kernel``, same view and strides)."""
     pid_b = tl.program_id(0)
@@ -248,5 +377,8 @@ def dequantize_blocks_kernel(
     if E8M0:
         s = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
     y = q.to(tl.float32) * s
-    tl.store(y_ptr + b1 * sy0 + b2 * sy1 + rows64[:, None] * sy2 + cols64[None, :] * sy3,
-             y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        y_ptr + b1 * sy0 + b2 * sy1 + rows64[:, None] * sy2 + cols64[None, :] * sy3,
+        y.to(y_ptr.dtype.element_ty),
+        mask=mask,
+    )

@@ -16,12 +16,37 @@ from .quantize import quantize_tile
 
 @triton.jit
 def routing_keys_kernel(
-    index_ptr, key_ptr, counts_ptr, hist_ptr, num_pairs, pairs_per_segment, expert_base,
-    weights_ptr, out_index_ptr, out_weights_ptr,
-    x_ptr, q_ptr, s_ptr, x_rows, x_cols, stride_xm, stride_qm, stride_sm, key_programs, x_col_tiles,
-    NUM_LOCAL: tl.constexpr, NUM_BINS: tl.constexpr, SKIP: tl.constexpr, BLOCK: tl.constexpr,
-    COPY_ROUTING: tl.constexpr, QUANT_ROWS: tl.constexpr, QK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-    POW2: tl.constexpr, E8M0: tl.constexpr,
+    index_ptr,
+    key_ptr,
+    counts_ptr,
+    hist_ptr,
+    num_pairs,
+    pairs_per_segment,
+    expert_base,
+    weights_ptr,
+    out_index_ptr,
+    out_weights_ptr,
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    x_rows,
+    x_cols,
+    stride_xm,
+    stride_qm,
+    stride_sm,
+    key_programs,
+    x_col_tiles,
+    NUM_LOCAL: tl.constexpr,
+    NUM_BINS: tl.constexpr,
+    SKIP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    COPY_ROUTING: tl.constexpr,
+    QUANT_ROWS: tl.constexpr,
+    QK: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+    POW2: tl.constexpr,
+    E8M0: tl.constexpr,
 ):
     """key = segment * NUM_LOCAL + local expert id of each (row, slot) pair, or SKIP (= segments * NUM_LOCAL) where
     the expert lives elsewhere; counts[key] += 1 for local keys. Segments count from the first one this launch
@@ -41,8 +66,35 @@ def routing_keys_kernel(
     if QUANT_ROWS:
         if pid >= key_programs:
             tile = pid - key_programs
-            quantize_tile(x_ptr, q_ptr, s_ptr, 0, 0, tile // x_col_tiles, tile % x_col_tiles, x_rows, x_cols,
-                          0, 0, stride_xm, 1, 0, 0, stride_qm, 1, 0, 0, stride_sm, 1, 1, QK, BM, BK, POW2, E8M0)
+            quantize_tile(
+                x_ptr,
+                q_ptr,
+                s_ptr,
+                0,
+                0,
+                tile // x_col_tiles,
+                tile % x_col_tiles,
+                x_rows,
+                x_cols,
+                0,
+                0,
+                stride_xm,
+                1,
+                0,
+                0,
+                stride_qm,
+                1,
+                0,
+                0,
+                stride_sm,
+                1,
+                1,
+                QK,
+                BM,
+                BK,
+                POW2,
+                E8M0,
+            )
             return
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_pairs
@@ -62,12 +114,35 @@ def routing_keys_kernel(
 
 @triton.jit
 def routing_place_kernel(
-    key_ptr, hist_ptr, weights_ptr, counts_ptr,
-    row_src_ptr, row_weight_ptr, pair_pos_ptr, expert_offsets_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
-    expert_tiles_ptr, half_tile_expert_ptr, half_tile_row_ptr, half_num_tiles_ptr,
-    num_pairs, first_segment, pairs_per_segment, tiles_per_segment, split_expert,
-    TOP_K: tl.constexpr, NUM_LOCAL: tl.constexpr, EXPERT_BLOCK: tl.constexpr, NUM_BINS: tl.constexpr,
-    SKIP: tl.constexpr, TILE_M: tl.constexpr, BLOCK: tl.constexpr, TILE_BLOCK: tl.constexpr, HALVES: tl.constexpr,
+    key_ptr,
+    hist_ptr,
+    weights_ptr,
+    counts_ptr,
+    row_src_ptr,
+    row_weight_ptr,
+    pair_pos_ptr,
+    expert_offsets_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    num_tiles_ptr,
+    expert_tiles_ptr,
+    half_tile_expert_ptr,
+    half_tile_row_ptr,
+    half_num_tiles_ptr,
+    num_pairs,
+    first_segment,
+    pairs_per_segment,
+    tiles_per_segment,
+    split_expert,
+    TOP_K: tl.constexpr,
+    NUM_LOCAL: tl.constexpr,
+    EXPERT_BLOCK: tl.constexpr,
+    NUM_BINS: tl.constexpr,
+    SKIP: tl.constexpr,
+    TILE_M: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TILE_BLOCK: tl.constexpr,
+    HALVES: tl.constexpr,
     HIST_BLOCK: tl.constexpr,
 ):
     """Grid (1 + segments of this launch, chunks of BLOCK pairs as routing_keys_kernel's programs). Plans segments
@@ -109,8 +184,9 @@ def routing_place_kernel(
         in_earlier_chunks = tl.zeros((NUM_BINS,), dtype=tl.int32)
         for c0 in range(0, chunk, HIST_BLOCK):
             hist_rows = c0 + tl.arange(0, HIST_BLOCK)
-            block = tl.load(hist_ptr + hist_rows[:, None] * NUM_BINS + bins[None, :],
-                            mask=(hist_rows < chunk)[:, None], other=0)
+            block = tl.load(
+                hist_ptr + hist_rows[:, None] * NUM_BINS + bins[None, :], mask=(hist_rows < chunk)[:, None], other=0
+            )
             in_earlier_chunks += tl.sum(block, 0)
         chunk_hist = tl.load(hist_ptr + chunk * NUM_BINS + bins)
         first_rows = (first_segment + bins // NUM_LOCAL) * pairs_per_segment

@@ -38,7 +38,10 @@ def wait_flags_kernel(flags_ptr, value, rank, channel, timeout_ns, WORLD: tl.con
                 tl.device_print(
                     "prime_megamoe expert-parallel wait timed out (comm_timeout_s); channel 0 = a peer's rows never "
                     "published, 1 = a peer's results never returned. rank, peer, channel, round:",
-                    rank, late, channel, value,
+                    rank,
+                    late,
+                    channel,
+                    value,
                 )
                 tl.inline_asm_elementwise("mov.u32 $0, 0; trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
                 pending = 0

@@ -38,10 +38,24 @@ def _swiglu_inputs(ga_ptr, h_ptr, rows64, cols, mask, N, stride_gam, stride_hm):
 
 @triton.jit
 def swiglu_backward_rows_kernel(
-    ga_ptr, h_ptr, row_weight_ptr, dh_ptr, aw_ptr, dw_ptr,
-    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
-    N, stride_gam, stride_hm, stride_dhm, stride_awm,
-    TILE_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    ga_ptr,
+    h_ptr,
+    row_weight_ptr,
+    dh_ptr,
+    aw_ptr,
+    dw_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    num_tiles_ptr,
+    expert_offsets_ptr,
+    N,
+    stride_gam,
+    stride_hm,
+    stride_dhm,
+    stride_awm,
+    TILE_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     """One program per BLOCK_R rows of a routing tile (programs past the device-side tile count return)."""
     pid = tl.program_id(0)
@@ -59,8 +73,9 @@ def swiglu_backward_rows_kernel(
             dh_ptrs = dh_ptr + rows64[:, None] * stride_dhm + cols[None, :]
             tl.store(dh_ptrs, (da * u * (sig + silu * (1.0 - sig))).to(dh_ptr.dtype.element_ty), mask=mask)
             tl.store(dh_ptrs + N, (da * silu).to(dh_ptr.dtype.element_ty), mask=mask)
-            tl.store(aw_ptr + rows64[:, None] * stride_awm + cols[None, :], (act * w).to(aw_ptr.dtype.element_ty),
-                     mask=mask)
+            tl.store(
+                aw_ptr + rows64[:, None] * stride_awm + cols[None, :], (act * w).to(aw_ptr.dtype.element_ty), mask=mask
+            )
         tl.store(dw_ptr + rows, dw, mask=row_mask)
 
 
@@ -78,12 +93,40 @@ def swiglu_backward_rows_kernel(
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
 def swiglu_backward_quantize_kernel(
-    ga_ptr, h_ptr, row_weight_ptr, dhq_ptr, dhs_ptr, dhtq_ptr, dhts_ptr, awtq_ptr, awts_ptr, dw_partial_ptr,
-    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
-    N, NG_OUT, stride_gam, stride_hm, stride_dhm, stride_dhsm, stride_dhtk, stride_dhtsr, stride_awtk, stride_awtsr,
+    ga_ptr,
+    h_ptr,
+    row_weight_ptr,
+    dhq_ptr,
+    dhs_ptr,
+    dhtq_ptr,
+    dhts_ptr,
+    awtq_ptr,
+    awts_ptr,
+    dw_partial_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    num_tiles_ptr,
+    expert_offsets_ptr,
+    N,
+    NG_OUT,
+    stride_gam,
+    stride_hm,
+    stride_dhm,
+    stride_dhsm,
+    stride_dhtk,
+    stride_dhtsr,
+    stride_awtk,
+    stride_awtsr,
     stride_dwp,
-    ROWS_OUT: tl.constexpr, COLS_OUT: tl.constexpr, MX: tl.constexpr, POW2: tl.constexpr, GROUP_K: tl.constexpr,
-    GROUP_R: tl.constexpr, TILE_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    ROWS_OUT: tl.constexpr,
+    COLS_OUT: tl.constexpr,
+    MX: tl.constexpr,
+    POW2: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    GROUP_R: tl.constexpr,
+    TILE_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     tl.static_assert(not ROWS_OUT or BLOCK_C % GROUP_K == 0)
     tl.static_assert(not COLS_OUT or BLOCK_R == TILE_M)
@@ -102,15 +145,90 @@ def swiglu_backward_quantize_kernel(
         du = da * silu
         if ROWS_OUT:
             tl.store(dw_partial_ptr + blk * stride_dwp + rows, tl.sum(ga * act, axis=1), mask=row_mask)
-            store_rows_q(dhq_ptr, dhs_ptr, dg, rows64, row_mask, cols, col_mask, 0, 0, NG_OUT, stride_dhm,
-                         stride_dhsm, blk, MX, POW2, BLOCK_R, BLOCK_C, GROUP_K)
-            store_rows_q(dhq_ptr, dhs_ptr, du, rows64, row_mask, cols, col_mask, N, NG_OUT, NG_OUT, stride_dhm,
-                         stride_dhsm, blk, MX, POW2, BLOCK_R, BLOCK_C, GROUP_K)
+            store_rows_q(
+                dhq_ptr,
+                dhs_ptr,
+                dg,
+                rows64,
+                row_mask,
+                cols,
+                col_mask,
+                0,
+                0,
+                NG_OUT,
+                stride_dhm,
+                stride_dhsm,
+                blk,
+                MX,
+                POW2,
+                BLOCK_R,
+                BLOCK_C,
+                GROUP_K,
+            )
+            store_rows_q(
+                dhq_ptr,
+                dhs_ptr,
+                du,
+                rows64,
+                row_mask,
+                cols,
+                col_mask,
+                N,
+                NG_OUT,
+                NG_OUT,
+                stride_dhm,
+                stride_dhsm,
+                blk,
+                MX,
+                POW2,
+                BLOCK_R,
+                BLOCK_C,
+                GROUP_K,
+            )
         if COLS_OUT:
             cols64 = cols.to(tl.int64)
-            store_cols_t(dhtq_ptr, dhts_ptr, dg, part, cols64, col_mask, stride_dhtk, stride_dhtsr, POW2, MX,
-                         TILE_M, BLOCK_C, GROUP_R)
-            store_cols_t(dhtq_ptr, dhts_ptr, du, part, cols64 + N, col_mask, stride_dhtk, stride_dhtsr, POW2, MX,
-                         TILE_M, BLOCK_C, GROUP_R)
-            store_cols_t(awtq_ptr, awts_ptr, act * w, part, cols64, col_mask, stride_awtk, stride_awtsr, POW2, MX,
-                         TILE_M, BLOCK_C, GROUP_R)
+            store_cols_t(
+                dhtq_ptr,
+                dhts_ptr,
+                dg,
+                part,
+                cols64,
+                col_mask,
+                stride_dhtk,
+                stride_dhtsr,
+                POW2,
+                MX,
+                TILE_M,
+                BLOCK_C,
+                GROUP_R,
+            )
+            store_cols_t(
+                dhtq_ptr,
+                dhts_ptr,
+                du,
+                part,
+                cols64 + N,
+                col_mask,
+                stride_dhtk,
+                stride_dhtsr,
+                POW2,
+                MX,
+                TILE_M,
+                BLOCK_C,
+                GROUP_R,
+            )
+            store_cols_t(
+                awtq_ptr,
+                awts_ptr,
+                act * w,
+                part,
+                cols64,
+                col_mask,
+                stride_awtk,
+                stride_awtsr,
+                POW2,
+                MX,
+                TILE_M,
+                BLOCK_C,
+                GROUP_R,
+            )

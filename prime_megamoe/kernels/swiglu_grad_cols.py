@@ -44,8 +44,10 @@ def _column_layout(tile_m, bc, cpt, num_warps, for_stores):
     thread's registers ordered rows first (so converting between the two moves no data)."""
     row_threads = tile_m // (16 * num_warps)
     if row_threads * (bc // cpt) != 32:
-        raise ValueError(f"a warp must cover TILE_M // num_warps rows of BC columns (TILE_M {tile_m}, BC {bc}, "
-                         f"CPT {cpt}, {num_warps} warps)")
+        raise ValueError(
+            f"a warp must cover TILE_M // num_warps rows of BC columns (TILE_M {tile_m}, BC {bc}, "
+            f"CPT {cpt}, {num_warps} warps)"
+        )
     return gl.BlockedLayout([16, cpt], [row_threads, bc // cpt], [num_warps, 1], [0, 1] if for_stores else [1, 0])
 
 
@@ -61,8 +63,17 @@ def _store_cols(q_ptr, s_ptr, x, t, col, cols, col_ok, q_offsets, q_ok, stride_s
 
 
 @gluon.jit
-def _column_block(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, t, n, TILE_M: gl.constexpr, BC: gl.constexpr,
-                  layout: gl.constexpr, store_layout: gl.constexpr):
+def _column_block(
+    tile_expert_ptr,
+    tile_row_ptr,
+    expert_offsets_ptr,
+    t,
+    n,
+    TILE_M: gl.constexpr,
+    BC: gl.constexpr,
+    layout: gl.constexpr,
+    store_layout: gl.constexpr,
+):
     """Program (c, t)'s block: routing tile t by columns [c * BC, c * BC + BC) of n. Returns, in ``layout``, the
     tile's rows, which of them are its expert's, the first column, the block's columns and which are below n; and in
     ``store_layout`` (the transposed stores') the column indices col + j and the tile-space rows t * TILE_M + r."""
@@ -79,10 +90,29 @@ def _column_block(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, t, n, TILE_
 
 @gluon.jit
 def swiglu_backward_cols_kernel(
-    ga_ptr, h_ptr, row_weight_ptr, dhtq_ptr, dhts_ptr, awtq_ptr, awts_ptr,
-    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
-    I, stride_gam, stride_hm, stride_dhtk, stride_dhtsr, stride_awtk, stride_awtsr,
-    POW2: gl.constexpr, TILE_M: gl.constexpr, BC: gl.constexpr, CPT: gl.constexpr, num_warps: gl.constexpr,
+    ga_ptr,
+    h_ptr,
+    row_weight_ptr,
+    dhtq_ptr,
+    dhts_ptr,
+    awtq_ptr,
+    awts_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    num_tiles_ptr,
+    expert_offsets_ptr,
+    I,
+    stride_gam,
+    stride_hm,
+    stride_dhtk,
+    stride_dhtsr,
+    stride_awtk,
+    stride_awtsr,
+    POW2: gl.constexpr,
+    TILE_M: gl.constexpr,
+    BC: gl.constexpr,
+    CPT: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """Program (c, t): routing tile t (past the device-side tile count: nothing) by gate columns [c * BC, c * BC +
     BC) of I (those below I) and the same up columns, I further. A thread holds 16 rows of CPT adjacent columns; a
@@ -92,21 +122,54 @@ def swiglu_backward_cols_kernel(
     store_layout: gl.constexpr = _column_layout(TILE_M, BC, CPT, num_warps, True)
     t = gl.program_id(1)
     if t < gl.load(num_tiles_ptr):
-        rows, ok, col, cols, col_ok, cols_s, pos = _column_block(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
-                                                                 t, I, TILE_M, BC, layout, store_layout)
+        rows, ok, col, cols, col_ok, cols_s, pos = _column_block(
+            tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, t, I, TILE_M, BC, layout, store_layout
+        )
         rows64 = rows.to(gl.int64)
         w = gl.load(row_weight_ptr + rows, mask=ok, other=0.0).to(gl.float32)
         mask = ok[:, None] & col_ok[None, :]
-        ga = gl.load(ga_ptr + rows64[:, None] * stride_gam + (col + cols)[None, :], mask=mask,
-                     other=0.0).to(gl.float32)
+        ga = gl.load(ga_ptr + rows64[:, None] * stride_gam + (col + cols)[None, :], mask=mask, other=0.0).to(gl.float32)
         h_ptrs = h_ptr + rows64[:, None] * stride_hm + (col + cols)[None, :]
         g = gl.load(h_ptrs, mask=mask, other=0.0).to(gl.float32)
         u = gl.load(h_ptrs + I, mask=mask, other=0.0).to(gl.float32)
         dg, du, aw, _ = _dswiglu_chunk(ga, g, u, w)
         q_ok = (cols_s < I)[None, :]
-        _store_cols(dhtq_ptr, dhts_ptr, dg, t, col, cols, col_ok, cols_s.to(gl.int64)[None, :] * stride_dhtk + pos,
-                    q_ok, stride_dhtsr, POW2)
-        _store_cols(dhtq_ptr, dhts_ptr, du, t, I + col, cols, col_ok,
-                    (I + cols_s).to(gl.int64)[None, :] * stride_dhtk + pos, q_ok, stride_dhtsr, POW2)
-        _store_cols(awtq_ptr, awts_ptr, aw, t, col, cols, col_ok, cols_s.to(gl.int64)[None, :] * stride_awtk + pos,
-                    q_ok, stride_awtsr, POW2)
+        _store_cols(
+            dhtq_ptr,
+            dhts_ptr,
+            dg,
+            t,
+            col,
+            cols,
+            col_ok,
+            cols_s.to(gl.int64)[None, :] * stride_dhtk + pos,
+            q_ok,
+            stride_dhtsr,
+            POW2,
+        )
+        _store_cols(
+            dhtq_ptr,
+            dhts_ptr,
+            du,
+            t,
+            I + col,
+            cols,
+            col_ok,
+            (I + cols_s).to(gl.int64)[None, :] * stride_dhtk + pos,
+            q_ok,
+            stride_dhtsr,
+            POW2,
+        )
+        _store_cols(
+            awtq_ptr,
+            awts_ptr,
+            aw,
+            t,
+            col,
+            cols,
+            col_ok,
+            cols_s.to(gl.int64)[None, :] * stride_awtk + pos,
+            q_ok,
+            stride_awtsr,
+            POW2,
+        )

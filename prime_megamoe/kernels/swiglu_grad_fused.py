@@ -80,8 +80,21 @@ def _item(item, NC, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, valid, BC
 
 
 @gluon.jit
-def _load_chunk(ga_ptr, h_ptr, row_weight_ptr, row0, row_end, col, k, I, stride_gam, stride_hm,
-                RB: gl.constexpr, BC: gl.constexpr, layout: gl.constexpr):
+def _load_chunk(
+    ga_ptr,
+    h_ptr,
+    row_weight_ptr,
+    row0,
+    row_end,
+    col,
+    k,
+    I,
+    stride_gam,
+    stride_hm,
+    RB: gl.constexpr,
+    BC: gl.constexpr,
+    layout: gl.constexpr,
+):
     """Rows [k * RB, k * RB + RB) of an item, in ``layout``: g_a, g, u (bf16) and the rows' weights; rows past the
     expert's end (or all, for an item past the end: row_end 0) read zeros, as the Triton pass's masked loads."""
     rows = row0 + k * RB + gl.arange(0, RB, layout=gl.SliceLayout(1, layout))
@@ -97,8 +110,7 @@ def _load_chunk(ga_ptr, h_ptr, row_weight_ptr, row0, row_end, col, k, I, stride_
 
 
 @gluon.jit
-def _store_cols_from_stash(q_ptr, stash, k, inv_scale, col, t, stride_q, TILE_M: gl.constexpr,
-                           t_layout: gl.constexpr):
+def _store_cols_from_stash(q_ptr, stash, k, inv_scale, col, t, stride_q, TILE_M: gl.constexpr, t_layout: gl.constexpr):
     """Chunk k of a stashed fp32 output, quantised with the per-column inverse scales (in t_layout's column slice)
     and stored transposed: q[col + j, t * TILE_M + k * RB + r], each thread's 16 rows of a column one 16-byte
     store."""
@@ -113,11 +125,35 @@ def _store_cols_from_stash(q_ptr, stash, k, inv_scale, col, t, stride_q, TILE_M:
 
 @gluon.jit
 def swiglu_backward_fused_kernel(
-    ga_ptr, h_ptr, row_weight_ptr, dhq_ptr, dhs_ptr, dhtq_ptr, dhts_ptr, awtq_ptr, awts_ptr, dw_partial_ptr,
-    tile_expert_ptr, tile_row_ptr, num_tiles_ptr, expert_offsets_ptr,
-    I, NG, stride_gam, stride_hm, stride_dhm, stride_dhsm, stride_dhtk, stride_dhtsr, stride_awtk, stride_awtsr,
+    ga_ptr,
+    h_ptr,
+    row_weight_ptr,
+    dhq_ptr,
+    dhs_ptr,
+    dhtq_ptr,
+    dhts_ptr,
+    awtq_ptr,
+    awts_ptr,
+    dw_partial_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    num_tiles_ptr,
+    expert_offsets_ptr,
+    I,
+    NG,
+    stride_gam,
+    stride_hm,
+    stride_dhm,
+    stride_dhsm,
+    stride_dhtk,
+    stride_dhtsr,
+    stride_awtk,
+    stride_awtsr,
     stride_dwp,
-    POW2: gl.constexpr, TILE_M: gl.constexpr, RB: gl.constexpr, num_warps: gl.constexpr,
+    POW2: gl.constexpr,
+    TILE_M: gl.constexpr,
+    RB: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """Persistent: program p takes work items p, p + programs, ... (item = routing tile * NC + 128-column group of
     I; the device-side tile count ends the sequence). Per item, CHUNKS = TILE_M // RB chunks of RB rows."""
@@ -130,8 +166,7 @@ def swiglu_backward_fused_kernel(
     # side by side over the columns.
     T_ROWS: gl.constexpr = RB * BC // (32 * num_warps)
     gl.static_assert((32 // (RB // T_ROWS)) * num_warps == BC, "the second sweep's layout must cover RB x 128")
-    t_layout: gl.constexpr = gl.BlockedLayout([T_ROWS, 1], [RB // T_ROWS, 32 // (RB // T_ROWS)], [1, num_warps],
-                                              [0, 1])
+    t_layout: gl.constexpr = gl.BlockedLayout([T_ROWS, 1], [RB // T_ROWS, 32 // (RB // T_ROWS)], [1, num_warps], [0, 1])
     cols_layout: gl.constexpr = gl.SliceLayout(0, layout)
     stash_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     # dg, du and w * a of one item in fp32: the column outputs are quantised from them once the column scales are
@@ -145,12 +180,14 @@ def swiglu_backward_fused_kernel(
     step = gl.num_programs(0)
     item = gl.program_id(0)
     t, col, row0, row_end = _item(item, NC, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, item < total, BC)
-    ga_n, g_n, u_n, w_n = _load_chunk(ga_ptr, h_ptr, row_weight_ptr, row0, row_end, col, 0, I, stride_gam,
-                                      stride_hm, RB, BC, layout)
+    ga_n, g_n, u_n, w_n = _load_chunk(
+        ga_ptr, h_ptr, row_weight_ptr, row0, row_end, col, 0, I, stride_gam, stride_hm, RB, BC, layout
+    )
     while item < total:
         nxt = item + step
-        t_n, col_n, row0_n, row_end_n = _item(nxt, NC, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
-                                              nxt < total, BC)
+        t_n, col_n, row0_n, row_end_n = _item(
+            nxt, NC, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, nxt < total, BC
+        )
         amax_g = gl.zeros([RB, BC], gl.float32, layout)
         amax_u = gl.zeros([RB, BC], gl.float32, layout)
         amax_a = gl.zeros([RB, BC], gl.float32, layout)
@@ -159,16 +196,17 @@ def swiglu_backward_fused_kernel(
             ga, g, u, w = ga_n, g_n, u_n, w_n
             # The next chunk's loads (this item's, or the next item's first) fly while this one is computed.
             if k + 1 < CHUNKS:
-                ga_n, g_n, u_n, w_n = _load_chunk(ga_ptr, h_ptr, row_weight_ptr, row0, row_end, col, k + 1, I,
-                                                  stride_gam, stride_hm, RB, BC, layout)
+                ga_n, g_n, u_n, w_n = _load_chunk(
+                    ga_ptr, h_ptr, row_weight_ptr, row0, row_end, col, k + 1, I, stride_gam, stride_hm, RB, BC, layout
+                )
             else:
-                ga_n, g_n, u_n, w_n = _load_chunk(ga_ptr, h_ptr, row_weight_ptr, row0_n, row_end_n, col_n, 0, I,
-                                                  stride_gam, stride_hm, RB, BC, layout)
+                ga_n, g_n, u_n, w_n = _load_chunk(
+                    ga_ptr, h_ptr, row_weight_ptr, row0_n, row_end_n, col_n, 0, I, stride_gam, stride_hm, RB, BC, layout
+                )
             rows = row0 + k * RB + gl.arange(0, RB, layout=gl.SliceLayout(1, layout))
             ok = rows < row_end
             rows64 = rows.to(gl.int64)
-            dg, du, aw, dw = _dswiglu_chunk(ga.to(gl.float32), g.to(gl.float32), u.to(gl.float32),
-                                            w.to(gl.float32))
+            dg, du, aw, dw = _dswiglu_chunk(ga.to(gl.float32), g.to(gl.float32), u.to(gl.float32), w.to(gl.float32))
             gl.store(dw_partial_ptr + c.to(gl.int64) * stride_dwp + rows, gl.sum(dw, axis=1), mask=ok)
             _store_rows_q(dhq_ptr, dhs_ptr, dg, rows64, ok, col, cols, c, stride_dhm, stride_dhsm, POW2)
             _store_rows_q(dhq_ptr, dhs_ptr, du, rows64, ok, I + col, cols, NG + c, stride_dhm, stride_dhsm, POW2)

@@ -13,6 +13,7 @@ import os
 
 import triton
 
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -47,13 +48,18 @@ def autotune(configs: list[triton.Config], key: list[str]):
     """``triton.autotune`` as every kernel of the package uses it: choices cached on disk, keyed on ``key``, and
     candidates pruned by ``prune_small_problems`` over the key's size arguments."""
     dims = [name for name in key if name in _SIZE_KEYS]
-    return triton.autotune(configs=configs, key=key, cache_results=True,
-                           prune_configs_by={"early_config_prune": prune_small_problems(*dims)})
+    return triton.autotune(
+        configs=configs,
+        key=key,
+        cache_results=True,
+        prune_configs_by={"early_config_prune": prune_small_problems(*dims)},
+    )
 
 
 def _cfg(bm, bn, bk, warps, stages, pre_hook=None, **extra):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, **extra}, num_warps=warps, num_stages=stages,
-                         pre_hook=pre_hook)
+    return triton.Config(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, **extra}, num_warps=warps, num_stages=stages, pre_hook=pre_hook
+    )
 
 
 def dense_chunk_shape(nargs) -> None:
@@ -105,8 +111,14 @@ def autotune_configs(kind: str) -> list[triton.Config]:
             _cfg(h, 128, 64, 4, 4, PERSISTENT=False, ONE_DOT=True),
         ]
     if kind == "gemm":  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, persistent)
-        tiles = ((m, 128, 64, 8, 4, False), (m, 256, 64, 8, 3, False), (m, 128, 64, 8, 4, True),
-                 (m, 256, 64, 8, 3, True), (m, 64, 64, 4, 5, False), (h, 256, 64, 4, 4, False))
+        tiles = (
+            (m, 128, 64, 8, 4, False),
+            (m, 256, 64, 8, 3, False),
+            (m, 128, 64, 8, 4, True),
+            (m, 256, 64, 8, 3, True),
+            (m, 64, 64, 4, 5, False),
+            (h, 256, 64, 4, 4, False),
+        )
         return [_cfg(*t, PERSISTENT=persistent, pre_hook=gemm_tma_boxes) for *t, persistent in tiles]
     if kind == "wgrad":
         # At Qwen3-30B-A3B, T = 16384, an EP=2 rank's rows (scripts/wgrad_probe.py, wgrad_probe_s7.txt), with the
@@ -114,7 +126,15 @@ def autotune_configs(kind: str) -> list[triton.Config]:
         # side, the gathered one on the narrow), 7-8% ahead of the best pointer-loaded program; the other two are
         # the runners-up. The first fits fp32 operands too (GPU tests run it alone). The two wide tiles also with a
         # fourth stage (196 KB of shared memory, no spills: scripts/register_check.py).
-        return [_cfg(*t, GROUP_M=8, pre_hook=dense_chunk_shape)
-                for t in ((128, 128, 64, 8, 3), (256, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 32, 4, 4),
-                          (256, 128, 64, 8, 4), (128, 256, 64, 8, 4))]
+        return [
+            _cfg(*t, GROUP_M=8, pre_hook=dense_chunk_shape)
+            for t in (
+                (128, 128, 64, 8, 3),
+                (256, 128, 64, 8, 3),
+                (128, 256, 64, 8, 3),
+                (128, 128, 32, 4, 4),
+                (256, 128, 64, 8, 4),
+                (128, 256, 64, 8, 4),
+            )
+        ]
     raise ValueError(f"unknown kernel family {kind!r}")

@@ -174,5 +174,15 @@ def launch(kernel, grid, *args, **constexprs) -> None:
     metadata = None
     if hooked:
         metadata = entry.compiled.launch_metadata(grid, stream, *[args[v] if arg else v for arg, v in entry.params])
-    entry.run(grid0, grid1, grid2, stream, entry.function, entry.packed_metadata, metadata, enter,
-              hooks.launch_exit_hook, *[values[v] if is_arg else v for is_arg, v in entry.params])
+    entry.run(
+        grid0,
+        grid1,
+        grid2,
+        stream,
+        entry.function,
+        entry.packed_metadata,
+        metadata,
+        enter,
+        hooks.launch_exit_hook,
+        *[values[v] if is_arg else v for is_arg, v in entry.params],
+    )

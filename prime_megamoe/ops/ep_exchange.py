@@ -62,13 +62,15 @@ class CombineRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        out = all_gather_blocks(pad_rows(grad.contiguous(), ctx.capacity), ctx.group, ctx.timeout_s,
-                                "dispatch of output gradients")
+        out = all_gather_blocks(
+            pad_rows(grad.contiguous(), ctx.capacity), ctx.group, ctx.timeout_s, "dispatch of output gradients"
+        )
         return out, None, None, None
 
 
-def dispatch_rows(x: torch.Tensor, capacity: int, group, fill=0, timeout_s: float | None = None,
-                  fmt: fl.QFormat | None = None) -> torch.Tensor:
+def dispatch_rows(
+    x: torch.Tensor, capacity: int, group, fill=0, timeout_s: float | None = None, fmt: fl.QFormat | None = None
+) -> torch.Tensor:
     """Every rank's rows, padded to ``capacity`` each; ``fmt``: send them quantised in that format (tokens [T, H])."""
     if x.requires_grad or x.is_floating_point():
         return DispatchRows.apply(x, capacity, group, fill, timeout_s, fmt)

@@ -51,14 +51,25 @@ def own_split(num_local: int) -> int:
     return num_local * 3 // 4
 
 
-def lease_forward_plan(transport: Transport, top_k: int, num_local: int, tile_m: int,
-                       device: torch.device) -> PlanLease:
+def lease_forward_plan(
+    transport: Transport, top_k: int, num_local: int, tile_m: int, device: torch.device
+) -> PlanLease:
     """A forward plan for this transport's rounds at these sizes, emptied for a new fill: a free one from the
     transport's pool, else a new one. A plan last used on another stream is waited for (its stream) first."""
     pool = transport.reused.setdefault(("forward_plans", top_k, num_local, tile_m, device), [])
-    return take_plan(pool, lambda: allocate_routing_plan(
-        transport.world * transport.capacity, top_k, num_local_experts=num_local, tile_m=tile_m, device=device,
-        num_segments=transport.world, split_expert=own_split(num_local)), device)
+    return take_plan(
+        pool,
+        lambda: allocate_routing_plan(
+            transport.world * transport.capacity,
+            top_k,
+            num_local_experts=num_local,
+            tile_m=tile_m,
+            device=device,
+            num_segments=transport.world,
+            split_expert=own_split(num_local),
+        ),
+        device,
+    )
 
 
 class ExpertParallelExperts(torch.autograd.Function):
@@ -78,8 +89,9 @@ class ExpertParallelExperts(torch.autograd.Function):
         # writes the routing the peers read (where the transport asks for it): no conversion kernel is left for the
         # push, which then needs no SM while the GEMMs hold them.
         sink = transport.routing_sink()
-        fill_routing_plan(plan, *transport.routing(rank, 1), expert_base=rank * num_local, first_segment=rank,
-                          copy_to=sink)
+        fill_routing_plan(
+            plan, *transport.routing(rank, 1), expert_base=rank * num_local, first_segment=rank, copy_to=sink
+        )
         if sink is not None:
             transport.routing_written()
         a = x.new_empty(plan.sorted_rows, inter)
@@ -90,8 +102,12 @@ class ExpertParallelExperts(torch.autograd.Function):
             if s != rank and not peers_planned:
                 for first_peer, count in ((0, rank), (rank + 1, world - rank - 1)):  # the peers below and above
                     if count:
-                        fill_routing_plan(plan, *transport.routing(first_peer, count),
-                                          expert_base=rank * num_local, first_segment=first_peer)
+                        fill_routing_plan(
+                            plan,
+                            *transport.routing(first_peer, count),
+                            expert_base=rank * num_local,
+                            first_segment=first_peer,
+                        )
                 peers_planned = True
             piece = plan.segment(s, half)
             if s == rank:  # the own tokens straight from x (source rows [rank*C, rank*C + T)): nothing to wait for
@@ -108,8 +124,7 @@ class ExpertParallelExperts(torch.autograd.Function):
             # FC2 by pointer reads, as in expert_compute.unquantized_forward (TMA: no faster, more host time)
             launch.grouped_gemm(a, w2, piece, transpose_b=True, row_scale=plan.row_weight, out=y, use_tma=False)
             if last:
-                launch.combine_rows(y, plan.segment(s).pair_pos, x.dtype,
-                                    out=transport.partial_buffers(s)[ROW_RESULTS])
+                launch.combine_rows(y, plan.segment(s).pair_pos, x.dtype, out=transport.partial_buffers(s)[ROW_RESULTS])
                 transport.send(s)
         out = launch.sum_blocks(transport.finish()[ROW_RESULTS], num_tokens, x.dtype)
         if need_grad:
@@ -146,8 +161,14 @@ class ExpertParallelExperts(torch.autograd.Function):
             launch.grouped_gemm(dh, w1, piece, transpose_b=False, out=dx_sorted)
             if last:
                 seg, results = plan.segment(s), transport.partial_buffers(s)
-                launch.combine_rows(dx_sorted, seg.pair_pos, rows.dtype, out=results[ROW_RESULTS],
-                                    pair_src=dw_row, pair_out=results[PAIR_RESULTS])
+                launch.combine_rows(
+                    dx_sorted,
+                    seg.pair_pos,
+                    rows.dtype,
+                    out=results[ROW_RESULTS],
+                    pair_src=dw_row,
+                    pair_out=results[PAIR_RESULTS],
+                )
                 transport.send(s)
         # Weight gradients stay local; they run while the last result blocks travel.
         grad_w1 = grad_w2 = None
@@ -170,5 +191,6 @@ def expert_parallel_experts(x, top_k_index, top_k_weights, w1, w2, *, transport:
             f"{x.shape[0]} tokens on rank {transport.rank} exceed max_tokens_per_rank = {transport.capacity}; raise "
             f"[model.moe.dispatch] max_tokens_per_rank or pass fewer tokens per call"
         )
-    return ExpertParallelExperts.apply(x, top_k_index, top_k_weights, w1, w2, transport, tile_m,
-                                       torch.is_grad_enabled())
+    return ExpertParallelExperts.apply(
+        x, top_k_index, top_k_weights, w1, w2, transport, tile_m, torch.is_grad_enabled()
+    )

@@ -75,8 +75,9 @@ class RoutedExperts(torch.autograd.Function):
         grad_rows = grad_weights = grad_w1 = grad_w2 = None
         if ctx.needs_input_grad[0]:
             dx_sorted = launch.grouped_gemm(dh, w1, plan, transpose_b=False)
-            grad_rows, grad_weights = combine_with_pair_values(dx_sorted, dw_row, plan, rows.dtype,
-                                                               ctx.weights_dtype if ctx.needs_input_grad[2] else None)
+            grad_rows, grad_weights = combine_with_pair_values(
+                dx_sorted, dw_row, plan, rows.dtype, ctx.weights_dtype if ctx.needs_input_grad[2] else None
+            )
         elif ctx.needs_input_grad[2]:
             grad_weights = plan.pair_values(dw_row, ctx.weights_dtype)
         if ctx.needs_input_grad[3]:

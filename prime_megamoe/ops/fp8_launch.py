@@ -20,7 +20,7 @@ The GEMM launchers read operands through TMA tensor descriptors where the GPU ha
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -38,10 +38,10 @@ from .fp8_ws_launch import (
     ws_wgrad_unavailable,
 )
 from .launch import _num_sms, tma_descriptor, tma_readable
+from .qtensor import FP8_DTYPE, MX_FORMAT, QFormat, QTensor, fp8_format
 from .routing_plan import RoutingPlan, RowQuantization
 from .sizes import cdiv
 
-FP8_DTYPE = torch.float8_e4m3fn
 # The quantising SwiGLU backward pass in two launches: the row-scaled outputs from 32 x 128 blocks (4 warps), then the
 # column-scaled ones from 128 x 16 blocks (2 warps). One launch over 128 x 128 blocks (8 warps) holds too many fp32
 # tiles at once (0.767 against 0.664 ms for two, fp8_probe_s11_pruned.txt). Block shapes and warps timed alone at
@@ -66,40 +66,6 @@ GATHER_COLS_T_BLOCK = (32, 2)
 GATHER_COLS_T_GLUON_BLOCK = (64, 8, 2)
 
 
-@dataclass(frozen=True)
-class QFormat:
-    """How operands are quantised: block along the reduction dim, weight block along the other dim, scale type."""
-
-    name: str  # "fp8" or "mx"
-    group: int  # elements per scale along a reduction dim (128 or 32)
-    weight_rows: int  # weight block height across the reduction dim (128 for fp8, 1 for mx)
-    pow2: bool  # power-of-two scales (always true for mx)
-
-    @property
-    def mx(self) -> bool:
-        return self.name == "mx"
-
-    @property
-    def scale_dtype(self) -> torch.dtype:
-        return torch.uint8 if self.mx else torch.float32
-
-
-def fp8_format(pow2: bool = False) -> QFormat:
-    return QFormat("fp8", 128, 128, pow2)
-
-
-MX_FORMAT = QFormat("mx", 32, 1, True)
-
-
-@dataclass
-class QTensor:
-    data: torch.Tensor  # float8_e4m3fn
-    scale: torch.Tensor  # fp32 (fp8 format) or uint8 e8m0 (mx format)
-    # TMA descriptors over ``data`` made so far, by box and layout: a cached weight operand keeps its own, so the
-    # launchers do not rebuild them on every call (``fp8_ws_launch.weight_descriptor``)
-    descriptors: dict = field(default_factory=dict, repr=False, compare=False)
-
-
 def _4d(t: torch.Tensor) -> torch.Tensor:
     while t.dim() < 4:
         t = t.unsqueeze(0)
@@ -111,8 +77,9 @@ def _quant_tile(qm: int, qk: int) -> tuple[int, int]:
     return max(qm, 64), max(qk, 128)
 
 
-def quantize_view(src: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tuple[int, int], *, pow2: bool,
-                  e8m0: bool) -> None:
+def quantize_view(
+    src: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tuple[int, int], *, pow2: bool, e8m0: bool
+) -> None:
     """Quantise the (up to 4-D, any strides) view ``src`` [.., M, K] in blocks of block = (QM, QK) on its last two
     dims into the views ``q`` (same shape) and ``s`` [.., cdiv(M, QM), cdiv(K, QK)]."""
     src, q, s = _4d(src), _4d(q), _4d(s)
@@ -122,14 +89,29 @@ def quantize_view(src: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tu
         return
     bm, bk = _quant_tile(qm, qk)
     grid = (b1 * b2, cdiv(m, bm), cdiv(k, bk))
-    launch(quantize_blocks_kernel, grid,
-        src, q, s, b2, m, k, *src.stride(), *q.stride(), *s.stride(),
-        QM=qm, QK=qk, BM=bm, BK=bk, POW2=pow2, E8M0=e8m0, num_warps=4,
+    launch(
+        quantize_blocks_kernel,
+        grid,
+        src,
+        q,
+        s,
+        b2,
+        m,
+        k,
+        *src.stride(),
+        *q.stride(),
+        *s.stride(),
+        QM=qm,
+        QK=qk,
+        BM=bm,
+        BK=bk,
+        POW2=pow2,
+        E8M0=e8m0,
+        num_warps=4,
     )
 
 
-def dequantize_view(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, block: tuple[int, int], *,
-                    e8m0: bool) -> None:
+def dequantize_view(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, block: tuple[int, int], *, e8m0: bool) -> None:
     """Inverse of ``quantize_view``: out = q * (scale of its block)."""
     q, s, out = _4d(q), _4d(s), _4d(out)
     b1, b2, m, k = q.shape
@@ -138,9 +120,24 @@ def dequantize_view(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, block: 
         return
     bm, bk = _quant_tile(qm, qk)
     grid = (b1 * b2, cdiv(m, bm), cdiv(k, bk))
-    launch(dequantize_blocks_kernel, grid,
-        q, s, out, b2, m, k, *q.stride(), *s.stride(), *out.stride(),
-        QM=qm, QK=qk, BM=bm, BK=bk, E8M0=e8m0, num_warps=4,
+    launch(
+        dequantize_blocks_kernel,
+        grid,
+        q,
+        s,
+        out,
+        b2,
+        m,
+        k,
+        *q.stride(),
+        *s.stride(),
+        *out.stride(),
+        QM=qm,
+        QK=qk,
+        BM=bm,
+        BK=bk,
+        E8M0=e8m0,
+        num_warps=4,
     )
 
 
@@ -156,8 +153,12 @@ def quantize_rows(x: torch.Tensor, fmt: QFormat, *, segments: int = 1) -> QTenso
     q = torch.empty(rows, k, dtype=FP8_DTYPE, device=x.device)
     s = torch.empty(rows, segments * ng, dtype=fmt.scale_dtype, device=x.device)
     quantize_view(
-        x.unflatten(1, (segments, seg)).transpose(0, 1), q.view(rows, segments, seg).transpose(0, 1),
-        s.view(rows, segments, ng).transpose(0, 1), (1, fmt.group), pow2=fmt.pow2, e8m0=fmt.mx,
+        x.unflatten(1, (segments, seg)).transpose(0, 1),
+        q.view(rows, segments, seg).transpose(0, 1),
+        s.view(rows, segments, ng).transpose(0, 1),
+        (1, fmt.group),
+        pow2=fmt.pow2,
+        e8m0=fmt.mx,
     )
     return QTensor(q, s)
 
@@ -167,8 +168,10 @@ def row_quantization(x: torch.Tensor, fmt: QFormat) -> tuple[QTensor, RowQuantiz
     write it (``routing_plan.RowQuantization``: same tiles, same bits): the quantised forward's x, with one launch
     fewer on the host's path to its first GEMM. x [R, K] with contiguous rows."""
     if x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError(f"row_quantization: x must be [R, K] with contiguous rows, got shape {list(x.shape)}, "
-                         f"strides {list(x.stride())}")
+        raise ValueError(
+            f"row_quantization: x must be [R, K] with contiguous rows, got shape {list(x.shape)}, "
+            f"strides {list(x.stride())}"
+        )
     rows, k = x.shape
     q = torch.empty(rows, k, dtype=FP8_DTYPE, device=x.device)
     s = torch.empty(rows, cdiv(k, fmt.group), dtype=fmt.scale_dtype, device=x.device)
@@ -182,8 +185,11 @@ def dequantize_rows(qt: QTensor, fmt: QFormat, dtype=torch.float32, *, segments:
     ng = qt.scale.shape[1] // segments
     out = torch.empty(rows, k, dtype=dtype, device=qt.data.device)
     dequantize_view(
-        qt.data.view(rows, segments, seg).transpose(0, 1), qt.scale.view(rows, segments, ng).transpose(0, 1),
-        out.view(rows, segments, seg).transpose(0, 1), (1, fmt.group), e8m0=fmt.mx,
+        qt.data.view(rows, segments, seg).transpose(0, 1),
+        qt.scale.view(rows, segments, ng).transpose(0, 1),
+        out.view(rows, segments, seg).transpose(0, 1),
+        (1, fmt.group),
+        e8m0=fmt.mx,
     )
     return out
 
@@ -214,8 +220,9 @@ def _weight_views(w: torch.Tensor, fmt: QFormat, *, n_halves: int, k_halves: int
     return q, s, views
 
 
-def quantize_weight(w: torch.Tensor, fmt: QFormat, *, n_halves: int = 1, k_halves: int = 1,
-                    transpose: bool = False) -> QTensor:
+def quantize_weight(
+    w: torch.Tensor, fmt: QFormat, *, n_halves: int = 1, k_halves: int = 1, transpose: bool = False
+) -> QTensor:
     """Weight [E, A, B] -> K-major fp8 operand [E, N, K] ((N, K) = (A, B), or (B, A) with ``transpose``) with scales
     [E, n_halves * cdiv(N / n_halves, weight_rows), k_halves * cdiv(K / k_halves, group)]."""
     q, s, (src, qv, sv) = _weight_views(w, fmt, n_halves=n_halves, k_halves=k_halves, transpose=transpose)
@@ -223,8 +230,9 @@ def quantize_weight(w: torch.Tensor, fmt: QFormat, *, n_halves: int = 1, k_halve
     return QTensor(q, s)
 
 
-def dequantize_weight(qt: QTensor, fmt: QFormat, dtype=torch.float32, *, n_halves: int = 1,
-                      k_halves: int = 1) -> torch.Tensor:
+def dequantize_weight(
+    qt: QTensor, fmt: QFormat, dtype=torch.float32, *, n_halves: int = 1, k_halves: int = 1
+) -> torch.Tensor:
     """Inverse of ``quantize_weight`` in the K-major layout [E, N, K]."""
     e, n, k = qt.data.shape
     n_part, k_part = n // n_halves, k // k_halves
@@ -328,17 +336,44 @@ def quantize_sorted_cols_t(x: torch.Tensor, plan: RoutingPlan, fmt: QFormat, *, 
         from ..kernels.gather_cols_t import gather_cols_t_kernel
 
         bc, cpt, warps = GATHER_COLS_T_GLUON_BLOCK
-        launch(gather_cols_t_kernel, (cdiv(k, bc), plan.max_tiles),
-            x, plan.row_src, out.data, out.scale, *_tile_args(plan),
-            k, x.stride(0), out.data.stride(0), out.scale.stride(0),
-            POW2=fmt.pow2, TILE_M=QTILE_M, BC=bc, CPT=cpt, num_warps=warps,
+        launch(
+            gather_cols_t_kernel,
+            (cdiv(k, bc), plan.max_tiles),
+            x,
+            plan.row_src,
+            out.data,
+            out.scale,
+            *_tile_args(plan),
+            k,
+            x.stride(0),
+            out.data.stride(0),
+            out.scale.stride(0),
+            POW2=fmt.pow2,
+            TILE_M=QTILE_M,
+            BC=bc,
+            CPT=cpt,
+            num_warps=warps,
         )
         return out
     block_k, warps = GATHER_COLS_T_BLOCK
-    launch(gather_quantize_cols_t_kernel, (cdiv(k, block_k), plan.max_tiles),
-        x, plan.row_src, out.data, out.scale, *_tile_args(plan),
-        k, x.stride(0), out.data.stride(0), out.scale.stride(0),
-        POW2=fmt.pow2, E8M0=fmt.mx, GROUP_R=fmt.group, TILE=QTILE_M, BK=block_k, num_warps=warps,
+    launch(
+        gather_quantize_cols_t_kernel,
+        (cdiv(k, block_k), plan.max_tiles),
+        x,
+        plan.row_src,
+        out.data,
+        out.scale,
+        *_tile_args(plan),
+        k,
+        x.stride(0),
+        out.data.stride(0),
+        out.scale.stride(0),
+        POW2=fmt.pow2,
+        E8M0=fmt.mx,
+        GROUP_R=fmt.group,
+        TILE=QTILE_M,
+        BK=block_k,
+        num_warps=warps,
     )
     return out
 
@@ -369,8 +404,17 @@ def _weight_descriptor(bq: QTensor, use_tma: bool | None):
     return tma_descriptor(w_2d) if use_tma else None
 
 
-def fp8_fc1_swiglu(xq: QTensor, w1q: QTensor, plan: RoutingPlan, fmt: QFormat, *, inter: int,
-                   h_dtype: torch.dtype | None, use_tma: bool = False, use_ws: bool | None = False):
+def fp8_fc1_swiglu(
+    xq: QTensor,
+    w1q: QTensor,
+    plan: RoutingPlan,
+    fmt: QFormat,
+    *,
+    inter: int,
+    h_dtype: torch.dtype | None,
+    use_tma: bool = False,
+    use_ws: bool | None = False,
+):
     """xq [R, H] (source rows, row-scaled), w1q = quantize_w1_fwd(W1) -> (h [P, 2I] in h_dtype or None,
     a = silu(g) * u as a row-scaled QTensor [P, I]) in expert-sorted row order. ``use_ws=True``: the
     warp-specialised Hopper kernel (``kernels/fp8_fc1_ws.py``; an error where ``fp8_ws_launch.ws_fc1_unavailable``
@@ -385,25 +429,72 @@ def fp8_fc1_swiglu(xq: QTensor, w1q: QTensor, plan: RoutingPlan, fmt: QFormat, *
     a_s = torch.empty(num_pairs, ng_out, dtype=fmt.scale_dtype, device=xq.data.device)
     save_h = h_dtype is not None
     h = torch.empty(num_pairs, 2 * inter, dtype=h_dtype, device=xq.data.device) if save_h else a_s
-    if _use_form(use_ws, "use_ws", "the warp-specialised fp8 FC1 + SwiGLU", ws_fc1_unavailable, xq.data, w1q.data,
-                 mx=fmt.mx, group=fmt.group, weight_rows=fmt.weight_rows, inter=inter):
+    if _use_form(
+        use_ws,
+        "use_ws",
+        "the warp-specialised fp8 FC1 + SwiGLU",
+        ws_fc1_unavailable,
+        xq.data,
+        w1q.data,
+        mx=fmt.mx,
+        group=fmt.group,
+        weight_rows=fmt.weight_rows,
+        inter=inter,
+    ):
         fp8_fc1_swiglu_ws(xq, w1q, plan, h if save_h else None, aq, a_s, inter=inter, pow2=fmt.pow2)
         return (h if save_h else None), QTensor(aq, a_s)
     up_scale_off = cdiv(inter, fmt.weight_rows)
     b_desc = _weight_descriptor(w1q, use_tma)
-    launch(fp8_fc1_swiglu_kernel, _tile_grid(plan, inter),
-        b_desc, xq.data, xq.scale, plan.row_src, w1q.data, w1q.scale, h, aq, a_s, *_tile_args(plan),
-        inter, hidden, cdiv(hidden, fmt.group), ng_out, up_scale_off, num_pairs,
-        xq.data.stride(0), xq.scale.stride(0), w1q.data.stride(0), w1q.data.stride(1),
-        w1q.scale.stride(0), w1q.scale.stride(1), h.stride(0), aq.stride(0), a_s.stride(0),
-        SAVE_H=save_h, POW2=fmt.pow2, B_TMA=b_desc is not None, TILE_M=QTILE_M, **_fmt_args(fmt),
+    launch(
+        fp8_fc1_swiglu_kernel,
+        _tile_grid(plan, inter),
+        b_desc,
+        xq.data,
+        xq.scale,
+        plan.row_src,
+        w1q.data,
+        w1q.scale,
+        h,
+        aq,
+        a_s,
+        *_tile_args(plan),
+        inter,
+        hidden,
+        cdiv(hidden, fmt.group),
+        ng_out,
+        up_scale_off,
+        num_pairs,
+        xq.data.stride(0),
+        xq.scale.stride(0),
+        w1q.data.stride(0),
+        w1q.data.stride(1),
+        w1q.scale.stride(0),
+        w1q.scale.stride(1),
+        h.stride(0),
+        aq.stride(0),
+        a_s.stride(0),
+        SAVE_H=save_h,
+        POW2=fmt.pow2,
+        B_TMA=b_desc is not None,
+        TILE_M=QTILE_M,
+        **_fmt_args(fmt),
     )
     return (h if save_h else None), QTensor(aq, a_s)
 
 
-def fp8_grouped_gemm(aq: QTensor, bq: QTensor, plan: RoutingPlan, fmt: QFormat, *, out_dtype: torch.dtype,
-                     segments: int = 1, gather: bool = False, row_scale: torch.Tensor | None = None,
-                     use_tma: bool | None = None, use_ws: bool | None = False) -> torch.Tensor:
+def fp8_grouped_gemm(
+    aq: QTensor,
+    bq: QTensor,
+    plan: RoutingPlan,
+    fmt: QFormat,
+    *,
+    out_dtype: torch.dtype,
+    segments: int = 1,
+    gather: bool = False,
+    row_scale: torch.Tensor | None = None,
+    use_tma: bool | None = None,
+    use_ws: bool | None = False,
+) -> torch.Tensor:
     """C[r] = scale[r] * A[src[r] if gather else r] @ B[e]^T with B the K-major operand [E, N, segments * K].
     ``use_ws=True``: run the warp-specialised Hopper kernel (``kernels/fp8_gemm_ws.py``, same bits); where it does
     not apply (``fp8_ws_launch.ws_gemm_unavailable``) that is an error. ``use_ws=None``: that kernel where it
@@ -414,22 +505,54 @@ def fp8_grouped_gemm(aq: QTensor, bq: QTensor, plan: RoutingPlan, fmt: QFormat, 
     n, k_total = bq.data.shape[1], bq.data.shape[2]
     k = k_total // segments
     c = torch.empty(plan.num_pairs, n, dtype=out_dtype, device=aq.data.device)
-    if _use_form(use_ws, "use_ws", "the warp-specialised fp8 GEMM", ws_gemm_unavailable, aq.data, bq.data,
-                 mx=fmt.mx, gather=gather, segments=segments, k=k):
+    if _use_form(
+        use_ws,
+        "use_ws",
+        "the warp-specialised fp8 GEMM",
+        ws_gemm_unavailable,
+        aq.data,
+        bq.data,
+        mx=fmt.mx,
+        gather=gather,
+        segments=segments,
+        k=k,
+    ):
         fp8_grouped_gemm_ws(aq, bq, plan, c, segments=segments, row_scale=row_scale, gather=gather)
         return c
     b_desc = _weight_descriptor(bq, use_tma)
-    a_tma = b_desc is not None and not gather and (segments == 1 or k % 128 == 0) and (
-        use_tma or tma_readable(aq.data))
+    a_tma = b_desc is not None and not gather and (segments == 1 or k % 128 == 0) and (use_tma or tma_readable(aq.data))
     a_desc = tma_descriptor(aq.data) if a_tma else None
-    launch(fp8_grouped_gemm_kernel, _tile_grid(plan, n),
-        a_desc, b_desc, aq.data, aq.scale, plan.row_src, bq.data, bq.scale, c,
-        row_scale if row_scale is not None else plan.row_weight, *_tile_args(plan),
-        n, k, cdiv(k, fmt.group), plan.num_pairs,
-        aq.data.stride(0), aq.scale.stride(0), bq.data.stride(0), bq.data.stride(1),
-        bq.scale.stride(0), bq.scale.stride(1), c.stride(0),
-        SEGS=segments, GATHER_A=gather, SCALE_ROWS=row_scale is not None, A_TMA=a_tma, B_TMA=b_desc is not None,
-        TILE_M=QTILE_M, **_fmt_args(fmt),
+    launch(
+        fp8_grouped_gemm_kernel,
+        _tile_grid(plan, n),
+        a_desc,
+        b_desc,
+        aq.data,
+        aq.scale,
+        plan.row_src,
+        bq.data,
+        bq.scale,
+        c,
+        row_scale if row_scale is not None else plan.row_weight,
+        *_tile_args(plan),
+        n,
+        k,
+        cdiv(k, fmt.group),
+        plan.num_pairs,
+        aq.data.stride(0),
+        aq.scale.stride(0),
+        bq.data.stride(0),
+        bq.data.stride(1),
+        bq.scale.stride(0),
+        bq.scale.stride(1),
+        c.stride(0),
+        SEGS=segments,
+        GATHER_A=gather,
+        SCALE_ROWS=row_scale is not None,
+        A_TMA=a_tma,
+        B_TMA=b_desc is not None,
+        TILE_M=QTILE_M,
+        **_fmt_args(fmt),
     )
     return c
 
@@ -442,8 +565,9 @@ class DSwiGLUOut:
     dw_row: torch.Tensor  # [P] fp32: <dy W2, a> per sorted row (the top-k weight gradient)
 
 
-def fp8_fc2_dgrad(dyq: QTensor, w2q_bwd: QTensor, plan: RoutingPlan, fmt: QFormat,
-                  out_dtype: torch.dtype) -> torch.Tensor:
+def fp8_fc2_dgrad(
+    dyq: QTensor, w2q_bwd: QTensor, plan: RoutingPlan, fmt: QFormat, out_dtype: torch.dtype
+) -> torch.Tensor:
     """The fp8 FC2 dgrad GEMM g_a = dy[src] @ W2[e] [P, I] in ``out_dtype``, from dyq [R, H] (row-scaled source rows)
     and w2q_bwd = quantize_w2_bwd(W2) [E, I, H]. The warp-specialised Hopper kernel where it applies (its producer
     warps gather dy's rows by cp.async): 0.490 against 0.542 ms for the Triton kernel at Qwen3-30B-A3B, T = 16384
@@ -452,34 +576,67 @@ def fp8_fc2_dgrad(dyq: QTensor, w2q_bwd: QTensor, plan: RoutingPlan, fmt: QForma
     return fp8_grouped_gemm(dyq, w2q_bwd, plan, fmt, out_dtype=out_dtype, gather=True, use_ws=None)
 
 
-def _dswiglu_launch(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFormat, *, rows_out: bool,
-                    dh_rows: QTensor, dh_t: QTensor, aw_t: QTensor, dw_partial: torch.Tensor) -> None:
+def _dswiglu_launch(
+    g_a: torch.Tensor,
+    h: torch.Tensor,
+    plan: RoutingPlan,
+    fmt: QFormat,
+    *,
+    rows_out: bool,
+    dh_rows: QTensor,
+    dh_t: QTensor,
+    aw_t: QTensor,
+    dw_partial: torch.Tensor,
+) -> None:
     inter = g_a.shape[1]
     ng = cdiv(inter, fmt.group)
     args = (g_a, h, plan.row_weight, dh_rows.data, dh_rows.scale, dh_t.data, dh_t.scale, aw_t.data, aw_t.scale)
-    strides = (inter, ng, g_a.stride(0), h.stride(0), dh_rows.data.stride(0), dh_rows.scale.stride(0),
-               dh_t.data.stride(0), dh_t.scale.stride(0), aw_t.data.stride(0), aw_t.scale.stride(0))
+    strides = (
+        inter,
+        ng,
+        g_a.stride(0),
+        h.stride(0),
+        dh_rows.data.stride(0),
+        dh_rows.scale.stride(0),
+        dh_t.data.stride(0),
+        dh_t.scale.stride(0),
+        aw_t.data.stride(0),
+        aw_t.scale.stride(0),
+    )
     fmt_args = {"MX": fmt.mx, "POW2": fmt.pow2, "GROUP_K": fmt.group, "GROUP_R": fmt.group, "TILE_M": QTILE_M}
     block_r, block_c, warps = DSWIGLU_ROWS_BLOCK if rows_out else DSWIGLU_COLS_BLOCK
-    launch(swiglu_backward_quantize_kernel, (cdiv(inter, block_c), plan.max_tiles * (QTILE_M // block_r)),
-        *args, dw_partial, *_tile_args(plan), *strides, dw_partial.stride(0),
-        ROWS_OUT=rows_out, COLS_OUT=not rows_out, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps, **fmt_args,
+    launch(
+        swiglu_backward_quantize_kernel,
+        (cdiv(inter, block_c), plan.max_tiles * (QTILE_M // block_r)),
+        *args,
+        dw_partial,
+        *_tile_args(plan),
+        *strides,
+        dw_partial.stride(0),
+        ROWS_OUT=rows_out,
+        COLS_OUT=not rows_out,
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        num_warps=warps,
+        **fmt_args,
     )
 
 
-def dswiglu_rows(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan,
-                 fmt: QFormat) -> tuple[QTensor, torch.Tensor]:
+def dswiglu_rows(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFormat) -> tuple[QTensor, torch.Tensor]:
     """The quantising SwiGLU backward pass's row outputs (``kernels.swiglu_grad.swiglu_backward_quantize_kernel``,
     ROWS_OUT): from g_a [P, I] (``fp8_fc2_dgrad``) and h = [g | u] [P, 2I], dh row-scaled [P, 2I] (the A of the FC1
     dgrad) and dw_row [P] fp32 (the top-k weight gradient per sorted row)."""
     _check_tile_space_plan(plan)
     num_pairs, inter, device = plan.num_pairs, g_a.shape[1], g_a.device
     ng = cdiv(inter, fmt.group)
-    dh_rows = QTensor(torch.empty(num_pairs, 2 * inter, dtype=FP8_DTYPE, device=device),
-                      torch.empty(num_pairs, 2 * ng, dtype=fmt.scale_dtype, device=device))
+    dh_rows = QTensor(
+        torch.empty(num_pairs, 2 * inter, dtype=FP8_DTYPE, device=device),
+        torch.empty(num_pairs, 2 * ng, dtype=fmt.scale_dtype, device=device),
+    )
     dw_partial = torch.empty(cdiv(inter, DSWIGLU_ROWS_BLOCK[1]), num_pairs, dtype=torch.float32, device=device)
-    _dswiglu_launch(g_a, h, plan, fmt, rows_out=True, dh_rows=dh_rows, dh_t=dh_rows, aw_t=dh_rows,
-                    dw_partial=dw_partial)
+    _dswiglu_launch(
+        g_a, h, plan, fmt, rows_out=True, dh_rows=dh_rows, dh_t=dh_rows, aw_t=dh_rows, dw_partial=dw_partial
+    )
     return dh_rows, dw_partial.sum(0)
 
 
@@ -492,8 +649,9 @@ def gluon_cols_unavailable(g_a: torch.Tensor, h: torch.Tensor, fmt: QFormat) -> 
     return why_not
 
 
-def dswiglu_cols_t(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFormat, *,
-                   gluon: bool | None = None) -> tuple[QTensor, QTensor]:
+def dswiglu_cols_t(
+    g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFormat, *, gluon: bool | None = None
+) -> tuple[QTensor, QTensor]:
     """The same pass's column outputs (COLS_OUT): dh^T [2I, max_tiles * 128] and (w * a)^T [I, ..] in the cols_t
     layout, the K-major operands of the two weight gradients. ``gluon`` None: the Gluon form
     (``kernels/swiglu_grad_cols.py``, the same bits) where ``gluon_cols_unavailable`` says it applies, else the
@@ -507,10 +665,29 @@ def dswiglu_cols_t(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: Q
         from ..kernels.swiglu_grad_cols import swiglu_backward_cols_kernel
 
         bc, cpt, warps = DSWIGLU_COLS_GLUON_BLOCK
-        launch(swiglu_backward_cols_kernel, (cdiv(inter, bc), plan.max_tiles),
-            g_a, h, plan.row_weight, dh_t.data, dh_t.scale, aw_t.data, aw_t.scale, *_tile_args(plan),
-            inter, g_a.stride(0), h.stride(0), dh_t.data.stride(0), dh_t.scale.stride(0), aw_t.data.stride(0),
-            aw_t.scale.stride(0), POW2=fmt.pow2, TILE_M=QTILE_M, BC=bc, CPT=cpt, num_warps=warps,
+        launch(
+            swiglu_backward_cols_kernel,
+            (cdiv(inter, bc), plan.max_tiles),
+            g_a,
+            h,
+            plan.row_weight,
+            dh_t.data,
+            dh_t.scale,
+            aw_t.data,
+            aw_t.scale,
+            *_tile_args(plan),
+            inter,
+            g_a.stride(0),
+            h.stride(0),
+            dh_t.data.stride(0),
+            dh_t.scale.stride(0),
+            aw_t.data.stride(0),
+            aw_t.scale.stride(0),
+            POW2=fmt.pow2,
+            TILE_M=QTILE_M,
+            BC=bc,
+            CPT=cpt,
+            num_warps=warps,
         )
         return dh_t, aw_t
     unused_dw = torch.empty(1, 1, dtype=torch.float32, device=device)  # (the row outputs are not written here)
@@ -531,8 +708,9 @@ def fused_dswiglu_unavailable(g_a: torch.Tensor, h: torch.Tensor, fmt: QFormat) 
     return None
 
 
-def fp8_dswiglu(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFormat, *,
-                fused: bool | None = False) -> DSwiGLUOut:
+def fp8_dswiglu(
+    g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFormat, *, fused: bool | None = False
+) -> DSwiGLUOut:
     """The quantising SwiGLU backward from g_a [P, I] (``fp8_fc2_dgrad``) and h = [g | u] [P, 2I]: every output of
     ``DSwiGLUOut``. ``fused=False`` (the layer's choice): two launches, ``dswiglu_rows`` then ``dswiglu_cols_t``
     (its Gluon form where it applies); True: the one-pass Gluon kernel (``kernels/swiglu_grad_fused.py``, g_a and h
@@ -546,18 +724,43 @@ def fp8_dswiglu(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFor
         _check_tile_space_plan(plan)
         num_pairs, inter, device = plan.num_pairs, g_a.shape[1], g_a.device
         ng = inter // fmt.group
-        dh_rows = QTensor(torch.empty(num_pairs, 2 * inter, dtype=FP8_DTYPE, device=device),
-                          torch.empty(num_pairs, 2 * ng, dtype=fmt.scale_dtype, device=device))
+        dh_rows = QTensor(
+            torch.empty(num_pairs, 2 * inter, dtype=FP8_DTYPE, device=device),
+            torch.empty(num_pairs, 2 * ng, dtype=fmt.scale_dtype, device=device),
+        )
         dh_t = empty_cols_t(2 * inter, plan, fmt, device)
         aw_t = empty_cols_t(inter, plan, fmt, device)
         dw_partial = torch.empty(ng, num_pairs, dtype=torch.float32, device=device)
         rb, warps = DSWIGLU_FUSED_BLOCK
-        launch(swiglu_backward_fused_kernel, (max(1, min(_num_sms(device), ng * plan.max_tiles)),),
-            g_a, h, plan.row_weight, dh_rows.data, dh_rows.scale, dh_t.data, dh_t.scale, aw_t.data, aw_t.scale,
-            dw_partial, *_tile_args(plan), inter, ng, g_a.stride(0), h.stride(0), dh_rows.data.stride(0),
-            dh_rows.scale.stride(0), dh_t.data.stride(0), dh_t.scale.stride(0), aw_t.data.stride(0),
-            aw_t.scale.stride(0), dw_partial.stride(0),
-            POW2=fmt.pow2, TILE_M=QTILE_M, RB=rb, num_warps=warps,
+        launch(
+            swiglu_backward_fused_kernel,
+            (max(1, min(_num_sms(device), ng * plan.max_tiles)),),
+            g_a,
+            h,
+            plan.row_weight,
+            dh_rows.data,
+            dh_rows.scale,
+            dh_t.data,
+            dh_t.scale,
+            aw_t.data,
+            aw_t.scale,
+            dw_partial,
+            *_tile_args(plan),
+            inter,
+            ng,
+            g_a.stride(0),
+            h.stride(0),
+            dh_rows.data.stride(0),
+            dh_rows.scale.stride(0),
+            dh_t.data.stride(0),
+            dh_t.scale.stride(0),
+            aw_t.data.stride(0),
+            aw_t.scale.stride(0),
+            dw_partial.stride(0),
+            POW2=fmt.pow2,
+            TILE_M=QTILE_M,
+            RB=rb,
+            num_warps=warps,
         )
         return DSwiGLUOut(dh_rows, dh_t, aw_t, dw_partial.sum(0))
     dh_rows, dw_row = dswiglu_rows(g_a, h, plan, fmt)
@@ -565,8 +768,9 @@ def fp8_dswiglu(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFor
     return DSwiGLUOut(dh_rows, dh_t, aw_t, dw_row)
 
 
-def fp8_fc2_dgrad_dswiglu(dyq: QTensor, w2q_bwd: QTensor, h: torch.Tensor, plan: RoutingPlan,
-                          fmt: QFormat, *, fused: bool | None = False) -> DSwiGLUOut:
+def fp8_fc2_dgrad_dswiglu(
+    dyq: QTensor, w2q_bwd: QTensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFormat, *, fused: bool | None = False
+) -> DSwiGLUOut:
     """``fp8_fc2_dgrad``, then the quantising SwiGLU backward (``fp8_dswiglu``): every output below."""
     g_a = fp8_fc2_dgrad(dyq, w2q_bwd, plan, fmt, h.dtype)
     return fp8_dswiglu(g_a, h, plan, fmt, fused=fused)
@@ -580,9 +784,17 @@ def expert_tile_offsets(plan: RoutingPlan) -> torch.Tensor:
     return plan.expert_tiles
 
 
-def fp8_grouped_wgrad(a_t: QTensor, b_t: QTensor, plan: RoutingPlan, fmt: QFormat, out: torch.Tensor, *,
-                      expert_tiles: torch.Tensor, use_tma: bool | None = None,
-                      use_ws: bool | None = False) -> torch.Tensor:
+def fp8_grouped_wgrad(
+    a_t: QTensor,
+    b_t: QTensor,
+    plan: RoutingPlan,
+    fmt: QFormat,
+    out: torch.Tensor,
+    *,
+    expert_tiles: torch.Tensor,
+    use_tma: bool | None = None,
+    use_ws: bool | None = False,
+) -> torch.Tensor:
     """out[e] = A[rows of e]^T @ B[rows of e] in fp8 with fp32 accumulation, out [E, M, N] (any dtype and strides).
     Both operands come in the cols_t layout (``quantize_sorted_cols_t`` or ``fp8_fc2_dgrad_dswiglu``): a_t [M, T128],
     b_t [N, T128], T128 = max_tiles * 128; ``expert_tiles`` = ``expert_tile_offsets(plan)``. ``use_ws=True``: the
@@ -594,8 +806,13 @@ def fp8_grouped_wgrad(a_t: QTensor, b_t: QTensor, plan: RoutingPlan, fmt: QForma
     width = plan.max_tiles * QTILE_M
     blocks = plan.max_tiles * (QTILE_M // fmt.group)
     for name, op, cols in (("a_t", a_t, m), ("b_t", b_t, n)):
-        if op.data.shape != (cols, width) or op.data.stride(1) != 1 or op.scale.shape != (blocks, cols) \
-                or op.scale.stride(1) != 1 or op.scale.dtype != fmt.scale_dtype:
+        if (
+            op.data.shape != (cols, width)
+            or op.data.stride(1) != 1
+            or op.scale.shape != (blocks, cols)
+            or op.scale.stride(1) != 1
+            or op.scale.dtype != fmt.scale_dtype
+        ):
             raise ValueError(
                 f"{name} is not a cols_t operand of this plan and format: data {list(op.data.shape)} (want "
                 f"[{cols}, {width}], rows contiguous), scale {list(op.scale.shape)} {op.scale.dtype} (want "
@@ -603,30 +820,75 @@ def fp8_grouped_wgrad(a_t: QTensor, b_t: QTensor, plan: RoutingPlan, fmt: QForma
             )
     if out.shape != (plan.num_local_experts, m, n):
         raise ValueError(f"out must be [{plan.num_local_experts}, {m}, {n}], got {list(out.shape)}")
-    if _use_form(use_ws, "use_ws", "the warp-specialised fp8 weight gradient", ws_wgrad_unavailable, a_t.data,
-                 b_t.data, mx=fmt.mx):
+    if _use_form(
+        use_ws,
+        "use_ws",
+        "the warp-specialised fp8 weight gradient",
+        ws_wgrad_unavailable,
+        a_t.data,
+        b_t.data,
+        mx=fmt.mx,
+    ):
         fp8_grouped_wgrad_ws(a_t, b_t, out, expert_tiles=expert_tiles)
         return out
     if use_tma is None:
         use_tma = tma_readable(a_t.data) and tma_readable(b_t.data)
     a_desc, b_desc = (tma_descriptor(a_t.data), tma_descriptor(b_t.data)) if use_tma else (None, None)
     grid = lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]), plan.num_local_experts)
-    launch(fp8_grouped_wgrad_kernel, grid,
-        a_desc, b_desc, a_t.data, a_t.scale, b_t.data, b_t.scale, out, expert_tiles,
-        m, n, plan.num_pairs,
-        a_t.data.stride(0), a_t.scale.stride(0), b_t.data.stride(0), b_t.scale.stride(0),
-        out.stride(0), out.stride(1), out.stride(2),
-        MX=fmt.mx, GROUP_R=fmt.group, USE_TMA=use_tma,
+    launch(
+        fp8_grouped_wgrad_kernel,
+        grid,
+        a_desc,
+        b_desc,
+        a_t.data,
+        a_t.scale,
+        b_t.data,
+        b_t.scale,
+        out,
+        expert_tiles,
+        m,
+        n,
+        plan.num_pairs,
+        a_t.data.stride(0),
+        a_t.scale.stride(0),
+        b_t.data.stride(0),
+        b_t.scale.stride(0),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        MX=fmt.mx,
+        GROUP_R=fmt.group,
+        USE_TMA=use_tma,
     )
     return out
 
 
 __all__ = [
-    "FP8_DTYPE", "MX_FORMAT", "QFormat", "QTensor", "DSwiGLUOut", "fp8_format", "tuning",
-    "quantize_rows", "dequantize_rows", "quantize_weight", "dequantize_weight", "empty_cols_t",
+    "FP8_DTYPE",
+    "MX_FORMAT",
+    "QFormat",
+    "QTensor",
+    "DSwiGLUOut",
+    "fp8_format",
+    "tuning",
+    "quantize_rows",
+    "dequantize_rows",
+    "quantize_weight",
+    "dequantize_weight",
+    "empty_cols_t",
     "quantize_sorted_cols_t",
-    "quantize_w1_fwd", "quantize_w1_bwd", "quantize_w2_fwd", "quantize_w2_bwd",
-    "fp8_fc1_swiglu", "fp8_grouped_gemm", "fp8_fc2_dgrad", "dswiglu_rows", "dswiglu_cols_t", "fp8_dswiglu",
-    "fused_dswiglu_unavailable", "fp8_fc2_dgrad_dswiglu",
-    "fp8_grouped_wgrad", "expert_tile_offsets",
+    "quantize_w1_fwd",
+    "quantize_w1_bwd",
+    "quantize_w2_fwd",
+    "quantize_w2_bwd",
+    "fp8_fc1_swiglu",
+    "fp8_grouped_gemm",
+    "fp8_fc2_dgrad",
+    "dswiglu_rows",
+    "dswiglu_cols_t",
+    "fp8_dswiglu",
+    "fused_dswiglu_unavailable",
+    "fp8_fc2_dgrad_dswiglu",
+    "fp8_grouped_wgrad",
+    "expert_tile_offsets",
 ]

@@ -33,7 +33,7 @@ from .routing_plan import RoutingPlan
 from .sizes import cdiv
 
 if TYPE_CHECKING:
-    from .fp8_launch import QTensor
+    from .qtensor import QTensor
 
 WS_BLOCK_N, WS_BLOCK_K = 128, 128
 WS_WEIGHT_BLOCK = 128  # rows of a weight scale block in the fp8 format (the only one the kernel takes)
@@ -110,8 +110,9 @@ def _hopper_fp8_unavailable(data: torch.Tensor, mx: bool) -> str | None:
     return None
 
 
-def ws_gemm_unavailable(aq_data: torch.Tensor, bq_data: torch.Tensor, *, mx: bool, gather: bool, segments: int,
-                        k: int) -> str | None:
+def ws_gemm_unavailable(
+    aq_data: torch.Tensor, bq_data: torch.Tensor, *, mx: bool, gather: bool, segments: int, k: int
+) -> str | None:
     """Why the warp-specialised kernel cannot run this GEMM, or None when it can."""
     why_not = _hopper_fp8_unavailable(aq_data, mx)
     if why_not is not None:
@@ -125,7 +126,7 @@ def ws_gemm_unavailable(aq_data: torch.Tensor, bq_data: torch.Tensor, *, mx: boo
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def box_layout(rows: int):
     """The shared-memory layout of an fp8 operand box of ``rows`` x WS_BLOCK_K (A's and B's alike)."""
     from triton.experimental.gluon import language as gl
@@ -133,12 +134,13 @@ def box_layout(rows: int):
     return gl.NVMMASharedLayout.get_default_for([rows, WS_BLOCK_K], gl.float8e4nv)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _out_layout(block_m: int, dtype: torch.dtype):
     from triton.experimental.gluon import language as gl
 
-    return gl.NVMMASharedLayout.get_default_for([block_m, WS_BLOCK_N], {torch.bfloat16: gl.bfloat16,
-                                                                       torch.float16: gl.float16}[dtype])
+    return gl.NVMMASharedLayout.get_default_for(
+        [block_m, WS_BLOCK_N], {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    )
 
 
 def tma_store_applies(c: torch.Tensor) -> bool:
@@ -155,7 +157,8 @@ def weight_descriptor(bq: QTensor, rows: int = WS_BLOCK_N):
     desc = bq.descriptors.get((rows, layout))
     if desc is None:
         desc = bq.descriptors[(rows, layout)] = TensorDescriptor.from_tensor(
-            bq.data.view(-1, bq.data.shape[-1]), [rows, WS_BLOCK_K], layout)
+            bq.data.view(-1, bq.data.shape[-1]), [rows, WS_BLOCK_K], layout
+        )
     return desc
 
 
@@ -168,8 +171,11 @@ def _descriptors(a_2d: torch.Tensor, b_desc, c_2d: torch.Tensor | None, config: 
 
     a_desc = TensorDescriptor.from_tensor(a_2d, [config.a_rows, WS_BLOCK_K], box_layout(config.a_rows))
     tma_store = config.tma_store and c_2d is not None and tma_store_applies(c_2d)
-    c_desc = (TensorDescriptor.from_tensor(c_2d, [config.a_rows, WS_BLOCK_N], _out_layout(config.a_rows, c_2d.dtype))
-              if tma_store else a_desc)
+    c_desc = (
+        TensorDescriptor.from_tensor(c_2d, [config.a_rows, WS_BLOCK_N], _out_layout(config.a_rows, c_2d.dtype))
+        if tma_store
+        else a_desc
+    )
     return a_desc, b_desc, c_desc, tma_store
 
 
@@ -179,9 +185,18 @@ def _grid(per_sm: int, device: torch.device, tiles: int, programs: int | None) -
     return (max(1, min(per_sm * _num_sms(device), tiles, programs or tiles)),)
 
 
-def fp8_grouped_gemm_ws(aq: QTensor, bq: QTensor, plan: RoutingPlan, c: torch.Tensor, *, segments: int,
-                        row_scale: torch.Tensor | None, gather: bool = False, config: WSConfig = WS_GEMM_DEFAULT,
-                        programs: int | None = None) -> None:
+def fp8_grouped_gemm_ws(
+    aq: QTensor,
+    bq: QTensor,
+    plan: RoutingPlan,
+    c: torch.Tensor,
+    *,
+    segments: int,
+    row_scale: torch.Tensor | None,
+    gather: bool = False,
+    config: WSConfig = WS_GEMM_DEFAULT,
+    programs: int | None = None,
+) -> None:
     """c[r] = row_scale[r] * A[src[r] if gather else r] @ B[e]^T with the warp-specialised kernel (callers check
     ``ws_gemm_unavailable`` first): A [P or R, segments * K] fp8 with row scales [.., segments * cdiv(K, 128)], B the
     K-major weights [E, N, segments * K] in fp8 blocks; ``gather``: A's rows are the plan's source rows (copied by
@@ -196,17 +211,48 @@ def fp8_grouped_gemm_ws(aq: QTensor, bq: QTensor, plan: RoutingPlan, c: torch.Te
     a_desc, b_desc, c_desc, tma_store = _descriptors(aq_data, weight_descriptor(bq, config.block_n), c, config)
     tiles = plan.max_tiles * (QTILE_M // config.block_m) * cdiv(n, config.block_n)
     grid = _grid(config.programs_per_sm, c.device, tiles, programs)
-    load_warps, load_regs, mma_regs = ((WS_GATHER_LOAD_WARPS, WS_GATHER_LOAD_REGS, WS_GATHER_MMA_REGS) if gather
-                                       else (1, WS_LOAD_REGS, WS_MMA_REGS))
+    load_warps, load_regs, mma_regs = (
+        (WS_GATHER_LOAD_WARPS, WS_GATHER_LOAD_REGS, WS_GATHER_MMA_REGS) if gather else (1, WS_LOAD_REGS, WS_MMA_REGS)
+    )
     launch(
-        fp8_grouped_gemm_ws_kernel, grid, a_desc, b_desc, c_desc, aq_data, plan.row_src, aq_scale, bq_scale, c,
+        fp8_grouped_gemm_ws_kernel,
+        grid,
+        a_desc,
+        b_desc,
+        c_desc,
+        aq_data,
+        plan.row_src,
+        aq_scale,
+        bq_scale,
+        c,
         row_scale if row_scale is not None else plan.row_weight,
-        plan.tile_expert, plan.tile_row, plan.num_tiles, plan.expert_offsets,
-        rows, n, k, aq_scale.shape[1] // segments, aq_data.stride(0), aq_scale.stride(0), bq_scale.stride(0),
-        bq_scale.stride(1), c.stride(0), SEGS=segments, SCALE_ROWS=row_scale is not None, B_GROUP_N=WS_WEIGHT_BLOCK,
-        STAGES=config.stages, TILE_M=QTILE_M, HALVES=config.halves, TMA_STORE=tma_store, GATHER=gather,
-        SCALES_FIRST=config.scales_first, SUBS=config.subs,
-        LOAD_WARPS=load_warps, LOAD_REGS=load_regs, MMA_REGS=mma_regs, num_warps=config.num_warps,
+        plan.tile_expert,
+        plan.tile_row,
+        plan.num_tiles,
+        plan.expert_offsets,
+        rows,
+        n,
+        k,
+        aq_scale.shape[1] // segments,
+        aq_data.stride(0),
+        aq_scale.stride(0),
+        bq_scale.stride(0),
+        bq_scale.stride(1),
+        c.stride(0),
+        SEGS=segments,
+        SCALE_ROWS=row_scale is not None,
+        B_GROUP_N=WS_WEIGHT_BLOCK,
+        STAGES=config.stages,
+        TILE_M=QTILE_M,
+        HALVES=config.halves,
+        TMA_STORE=tma_store,
+        GATHER=gather,
+        SCALES_FIRST=config.scales_first,
+        SUBS=config.subs,
+        LOAD_WARPS=load_warps,
+        LOAD_REGS=load_regs,
+        MMA_REGS=mma_regs,
+        num_warps=config.num_warps,
         maxnreg=config.maxnreg,
     )
 
@@ -219,8 +265,15 @@ def ws_wgrad_unavailable(a_t_data: torch.Tensor, b_t_data: torch.Tensor, *, mx: 
     return why_not
 
 
-def fp8_grouped_wgrad_ws(a_t: QTensor, b_t: QTensor, out: torch.Tensor, *, expert_tiles: torch.Tensor,
-                         config: WSConfig = WS_WGRAD_DEFAULT, programs: int | None = None) -> None:
+def fp8_grouped_wgrad_ws(
+    a_t: QTensor,
+    b_t: QTensor,
+    out: torch.Tensor,
+    *,
+    expert_tiles: torch.Tensor,
+    config: WSConfig = WS_WGRAD_DEFAULT,
+    programs: int | None = None,
+) -> None:
     """out[e] = A_t[:, tiles of e] @ B_t[:, tiles of e]^T with ``kernels/fp8_wgrad_ws.py`` (callers check the
     operands and ``ws_wgrad_unavailable`` first; ``fp8_launch.fp8_grouped_wgrad(use_ws=True)`` does both): cols_t
     operands a_t [M, T128], b_t [N, T128] with scales [T128 / 128, M] / [.., N], out [E, M, N]. Stores by TMA where
@@ -234,15 +287,37 @@ def fp8_grouped_wgrad_ws(a_t: QTensor, b_t: QTensor, out: torch.Tensor, *, exper
     tiles = experts * cdiv(m, config.block_m) * cdiv(n, config.block_n)
     grid = _grid(config.programs_per_sm, out.device, tiles, programs)
     launch(
-        fp8_grouped_wgrad_ws_kernel, grid, a_desc, b_desc, c_desc, a_t.scale, b_t.scale, out, expert_tiles, m, n,
-        experts, a_t.scale.stride(0), b_t.scale.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        STAGES=config.stages, HALVES=config.halves, SUBS=config.subs, TMA_STORE=tma_store, LOAD_REGS=WS_LOAD_REGS,
-        MMA_REGS=WS_MMA_REGS, num_warps=config.num_warps, maxnreg=config.maxnreg,
+        fp8_grouped_wgrad_ws_kernel,
+        grid,
+        a_desc,
+        b_desc,
+        c_desc,
+        a_t.scale,
+        b_t.scale,
+        out,
+        expert_tiles,
+        m,
+        n,
+        experts,
+        a_t.scale.stride(0),
+        b_t.scale.stride(0),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        STAGES=config.stages,
+        HALVES=config.halves,
+        SUBS=config.subs,
+        TMA_STORE=tma_store,
+        LOAD_REGS=WS_LOAD_REGS,
+        MMA_REGS=WS_MMA_REGS,
+        num_warps=config.num_warps,
+        maxnreg=config.maxnreg,
     )
 
 
-def ws_fc1_unavailable(xq_data: torch.Tensor, w1q_data: torch.Tensor, *, mx: bool, group: int, weight_rows: int,
-                       inter: int) -> str | None:
+def ws_fc1_unavailable(
+    xq_data: torch.Tensor, w1q_data: torch.Tensor, *, mx: bool, group: int, weight_rows: int, inter: int
+) -> str | None:
     """Why the warp-specialised FC1 + SwiGLU kernel cannot run, or None when it can."""
     why_not = _hopper_fp8_unavailable(xq_data, mx)
     if why_not is not None:
@@ -260,9 +335,19 @@ def ws_fc1_unavailable(xq_data: torch.Tensor, w1q_data: torch.Tensor, *, mx: boo
     return None
 
 
-def fp8_fc1_swiglu_ws(xq: QTensor, w1q: QTensor, plan: RoutingPlan, h: torch.Tensor | None, aq: torch.Tensor,
-                      a_scale: torch.Tensor, *, inter: int, pow2: bool, stages: int = 4,
-                      programs: int | None = None) -> None:
+def fp8_fc1_swiglu_ws(
+    xq: QTensor,
+    w1q: QTensor,
+    plan: RoutingPlan,
+    h: torch.Tensor | None,
+    aq: torch.Tensor,
+    a_scale: torch.Tensor,
+    *,
+    inter: int,
+    pow2: bool,
+    stages: int = 4,
+    programs: int | None = None,
+) -> None:
     """h = x[src] @ W1[e]^T (stored in h's dtype unless h is None) and a = silu(gate) * up into aq (fp8) with its
     row scales a_scale [P, inter / 128], with ``kernels/fp8_fc1_ws.py`` (callers check ``ws_fc1_unavailable``
     first): xq [R, H] row-scaled source rows, w1q = quantize_w1_fwd(W1) [E, 2I, H]. ``programs``: at most that many
@@ -279,10 +364,38 @@ def fp8_fc1_swiglu_ws(xq: QTensor, w1q: QTensor, plan: RoutingPlan, h: torch.Ten
     grid = _grid(1, aq.device, plan.max_tiles * (inter // WS_BLOCK_N), programs)
     save_h = h is not None
     launch(
-        fp8_fc1_swiglu_ws_kernel, grid, b_desc, xq.data, plan.row_src, xq.scale, w1q.scale, h if save_h else aq, aq,
-        a_scale, plan.tile_expert, plan.tile_row, plan.num_tiles, plan.expert_offsets,
-        rows, inter, hidden, cdiv(inter, WS_WEIGHT_BLOCK), xq.data.stride(0), xq.scale.stride(0),
-        w1q.scale.stride(0), w1q.scale.stride(1), h.stride(0) if save_h else 0, aq.stride(0), a_scale.stride(0),
-        SAVE_H=save_h, POW2=pow2, STAGES=stages, TILE_M=QTILE_M, LOAD_WARPS=WS_GATHER_LOAD_WARPS,
-        LOAD_REGS=WS_GATHER_LOAD_REGS, MMA_REGS=WS_GATHER_MMA_REGS, num_warps=4, maxnreg=168,
+        fp8_fc1_swiglu_ws_kernel,
+        grid,
+        b_desc,
+        xq.data,
+        plan.row_src,
+        xq.scale,
+        w1q.scale,
+        h if save_h else aq,
+        aq,
+        a_scale,
+        plan.tile_expert,
+        plan.tile_row,
+        plan.num_tiles,
+        plan.expert_offsets,
+        rows,
+        inter,
+        hidden,
+        cdiv(inter, WS_WEIGHT_BLOCK),
+        xq.data.stride(0),
+        xq.scale.stride(0),
+        w1q.scale.stride(0),
+        w1q.scale.stride(1),
+        h.stride(0) if save_h else 0,
+        aq.stride(0),
+        a_scale.stride(0),
+        SAVE_H=save_h,
+        POW2=pow2,
+        STAGES=stages,
+        TILE_M=QTILE_M,
+        LOAD_WARPS=WS_GATHER_LOAD_WARPS,
+        LOAD_REGS=WS_GATHER_LOAD_REGS,
+        MMA_REGS=WS_GATHER_MMA_REGS,
+        num_warps=4,
+        maxnreg=168,
     )

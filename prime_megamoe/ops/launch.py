@@ -26,7 +26,7 @@ def _cuda_properties(device: torch.device):
     return _cuda_properties_at(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_properties_at(index: int):  # asked on every launch: keep it off the host's hot path
     return torch.cuda.get_device_properties(index)
 
@@ -63,11 +63,29 @@ def fc1_swiglu(x: torch.Tensor, w1: torch.Tensor, plan: RoutingPlan, save_h: boo
         h, a = out
         h = h if save_h else a
     num_sms = _num_sms(x.device)
-    launch(fc1_swiglu_kernel, _tile_grid(plan, inter, num_sms),
-        x, plan.row_src, w1, h, a, *_tile_args(plan),
-        inter, hidden, num_pairs, num_sms, row_base,
-        x.stride(0), w1.stride(0), w1.stride(1), w1.stride(2), h.stride(0), a.stride(0),
-        SAVE_H=save_h, TILE_M=plan.tile_m, **_flags(x),
+    launch(
+        fc1_swiglu_kernel,
+        _tile_grid(plan, inter, num_sms),
+        x,
+        plan.row_src,
+        w1,
+        h,
+        a,
+        *_tile_args(plan),
+        inter,
+        hidden,
+        num_pairs,
+        num_sms,
+        row_base,
+        x.stride(0),
+        w1.stride(0),
+        w1.stride(1),
+        w1.stride(2),
+        h.stride(0),
+        a.stride(0),
+        SAVE_H=save_h,
+        TILE_M=plan.tile_m,
+        **_flags(x),
     )
     return (h if save_h else None), a
 
@@ -108,12 +126,34 @@ def grouped_gemm(
         a_desc = None if gather else tma_descriptor(a)
     c = a.new_empty(plan.sorted_rows, n) if out is None else out
     num_sms = _num_sms(a.device)
-    launch(grouped_gemm_kernel, _tile_grid(plan, n, num_sms),
-        a_desc, b_desc, a, plan.row_src, b, c, row_scale if row_scale is not None else plan.row_weight,
-        *_tile_args(plan), n, k, plan.num_pairs, num_sms, row_base,
-        a.stride(0), b.stride(0), stride_bk, stride_bn, c.stride(0),
-        GATHER_A=gather, SCALE_ROWS=row_scale is not None, A_TMA=a_desc is not None, B_TMA=use_tma,
-        B_KMAJOR=transpose_b, TILE_M=plan.tile_m, **_flags(a),
+    launch(
+        grouped_gemm_kernel,
+        _tile_grid(plan, n, num_sms),
+        a_desc,
+        b_desc,
+        a,
+        plan.row_src,
+        b,
+        c,
+        row_scale if row_scale is not None else plan.row_weight,
+        *_tile_args(plan),
+        n,
+        k,
+        plan.num_pairs,
+        num_sms,
+        row_base,
+        a.stride(0),
+        b.stride(0),
+        stride_bk,
+        stride_bn,
+        c.stride(0),
+        GATHER_A=gather,
+        SCALE_ROWS=row_scale is not None,
+        A_TMA=a_desc is not None,
+        B_TMA=use_tma,
+        B_KMAJOR=transpose_b,
+        TILE_M=plan.tile_m,
+        **_flags(a),
     )
     return c
 
@@ -126,12 +166,17 @@ def tma_descriptor(t: torch.Tensor) -> TensorDescriptor:
 def dswiglu_buffers(dy: torch.Tensor, w2: torch.Tensor, plan: RoutingPlan):
     """(g_a, dh, aw, dw_row) sized for every sorted row of ``plan``, for ``fc2_dgrad_dswiglu(out=...)``."""
     inter, rows = w2.shape[2], plan.sorted_rows
-    return (dy.new_empty(rows, inter), dy.new_empty(rows, 2 * inter), dy.new_empty(rows, inter),
-            torch.empty(rows, dtype=torch.float32, device=dy.device))
+    return (
+        dy.new_empty(rows, inter),
+        dy.new_empty(rows, 2 * inter),
+        dy.new_empty(rows, inter),
+        torch.empty(rows, dtype=torch.float32, device=dy.device),
+    )
 
 
-def fc2_dgrad_dswiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, out=None,
-                      row_base: int = 0):
+def fc2_dgrad_dswiglu(
+    dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, out=None, row_base: int = 0
+):
     """From dy [R, H] (source rows): (dh [P, 2I], aw [P, I] = w * a, dw_row [P] = <dy W2, a>) in sorted order: the
     FC2 dgrad GEMM g_a = dy[src - row_base] @ W2[e], then the SwiGLU backward row pass (``kernels.swiglu_grad``).
     ``out``: buffers from ``dswiglu_buffers`` shared by all segments; the rows of ``plan``'s tiles are written.
@@ -141,10 +186,25 @@ def fc2_dgrad_dswiglu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, plan:
     inter = w2.shape[2]
     block_r = plan.tile_m if tuning.interpreting() else 16
     block_c = min(next_power_of_2(inter), 64 if tuning.interpreting() else 128)
-    launch(swiglu_backward_rows_kernel, (plan.max_tiles * (plan.tile_m // block_r),),
-        g_a, h, plan.row_weight, dh, aw, dw_row, *_tile_args(plan),
-        inter, g_a.stride(0), h.stride(0), dh.stride(0), aw.stride(0),
-        TILE_M=plan.tile_m, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
+    launch(
+        swiglu_backward_rows_kernel,
+        (plan.max_tiles * (plan.tile_m // block_r),),
+        g_a,
+        h,
+        plan.row_weight,
+        dh,
+        aw,
+        dw_row,
+        *_tile_args(plan),
+        inter,
+        g_a.stride(0),
+        h.stride(0),
+        dh.stride(0),
+        aw.stride(0),
+        TILE_M=plan.tile_m,
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        num_warps=4,
     )
     return dh, aw, dw_row
 
@@ -155,8 +215,9 @@ def tma_readable(t: torch.Tensor) -> bool:
     the layer runs the pointer path there and tests choose either."""
     if t.device.type != "cuda" or tuning.interpreting() or t.dim() != 2 or t.stride(1) != 1:
         return False
-    return (_cuda_properties(t.device).major >= 9 and t.data_ptr() % 16 == 0
-            and (t.stride(0) * t.element_size()) % 16 == 0)
+    return (
+        _cuda_properties(t.device).major >= 9 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+    )
 
 
 def grouped_wgrad(
@@ -181,17 +242,41 @@ def grouped_wgrad(
     desc = tma_descriptor(dense) if use_tma else None
     m, n = a.shape[1], b.shape[1]
     grid = lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]), plan.num_local_experts)
-    launch(grouped_wgrad_kernel, grid,
-        desc, dense, gathered, plan.row_src, out, plan.expert_offsets,
-        m, n, plan.num_pairs, plan.num_segments, plan.num_local_experts + 1,
-        dense.stride(0), gathered.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        DENSE_A=not gather_a, USE_TMA=use_tma, **_flags(a),
+    launch(
+        grouped_wgrad_kernel,
+        grid,
+        desc,
+        dense,
+        gathered,
+        plan.row_src,
+        out,
+        plan.expert_offsets,
+        m,
+        n,
+        plan.num_pairs,
+        plan.num_segments,
+        plan.num_local_experts + 1,
+        dense.stride(0),
+        gathered.stride(0),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        DENSE_A=not gather_a,
+        USE_TMA=use_tma,
+        **_flags(a),
     )
     return out
 
 
-def combine_rows(src: torch.Tensor, pair_pos: torch.Tensor, out_dtype: torch.dtype, out=None, *,
-                 pair_src: torch.Tensor | None = None, pair_out: torch.Tensor | None = None) -> torch.Tensor:
+def combine_rows(
+    src: torch.Tensor,
+    pair_pos: torch.Tensor,
+    out_dtype: torch.dtype,
+    out=None,
+    *,
+    pair_src: torch.Tensor | None = None,
+    pair_out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """out [R, H]: out[r] = sum_j src[pair_pos[r, j]] (fixed slot order, fp32 sum), zeros where no slot is local.
     ``out``: a row-contiguous [R, H] tensor to write into (it may live on a peer GPU). With ``pair_src`` (a value
     per sorted row) and ``pair_out`` (contiguous [R, k]), the same launch also writes pair_out[r, j] =
@@ -204,15 +289,29 @@ def combine_rows(src: torch.Tensor, pair_pos: torch.Tensor, out_dtype: torch.dty
     if pair_values != (pair_out is not None):
         raise ValueError("combine_rows: pass pair_src and pair_out together")
     if pair_values and (tuple(pair_out.shape) != (rows, top_k) or not pair_out.is_contiguous()):
-        raise ValueError(f"combine_rows: pair_out must be contiguous [{rows}, {top_k}], got "
-                         f"{tuple(pair_out.shape)} with strides {pair_out.stride()}")
+        raise ValueError(
+            f"combine_rows: pair_out must be contiguous [{rows}, {top_k}], got "
+            f"{tuple(pair_out.shape)} with strides {pair_out.stride()}"
+        )
     if rows == 0:
         return out
     block_h = min(next_power_of_2(hidden), 64 if tuning.interpreting() else 1024)
-    launch(combine_rows_kernel, (rows, cdiv(hidden, block_h)),
-        src, pair_pos, out, pair_src if pair_values else src, pair_out if pair_values else out,
-        hidden, src.stride(0), out.stride(0),
-        TOP_K=top_k, BLOCK_H=block_h, PAIR_VALUES=pair_values, K_BLOCK=next_power_of_2(top_k), num_warps=4,
+    launch(
+        combine_rows_kernel,
+        (rows, cdiv(hidden, block_h)),
+        src,
+        pair_pos,
+        out,
+        pair_src if pair_values else src,
+        pair_out if pair_values else out,
+        hidden,
+        src.stride(0),
+        out.stride(0),
+        TOP_K=top_k,
+        BLOCK_H=block_h,
+        PAIR_VALUES=pair_values,
+        K_BLOCK=next_power_of_2(top_k),
+        num_warps=4,
     )
     return out
 
@@ -226,8 +325,19 @@ def sum_blocks(blocks: torch.Tensor, num_rows: int, out_dtype: torch.dtype) -> t
     # A few rows per program: a program per row would mostly pay launch and (in the interpreter) per-program costs.
     block_c = min(next_power_of_2(cols), 64 if tuning.interpreting() else 512)
     block_r = max(1, min(32, 4096 // block_c))
-    launch(sum_blocks_kernel, (cdiv(num_rows, block_r), cdiv(cols, block_c)),
-        blocks, out, num_rows, cols, blocks.stride(0), blocks.stride(1), out.stride(0),
-        NUM_BLOCKS=world, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
+    launch(
+        sum_blocks_kernel,
+        (cdiv(num_rows, block_r), cdiv(cols, block_c)),
+        blocks,
+        out,
+        num_rows,
+        cols,
+        blocks.stride(0),
+        blocks.stride(1),
+        out.stride(0),
+        NUM_BLOCKS=world,
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        num_warps=4,
     )
     return out

@@ -224,19 +224,34 @@ def weight_cache_info() -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 # Autograd
 # ----------------------------------------------------------------------------------------------------------------
-def _plan(top_k_index, top_k_weights, num_local_experts: int, expert_base: int, tile_m: int,
-          quantize=None) -> PlanLease:
+def _plan(
+    top_k_index, top_k_weights, num_local_experts: int, expert_base: int, tile_m: int, quantize=None
+) -> PlanLease:
     """The filled routing plan on a lease from the pool of plans of its sizes (no allocation on the host's path to the
     first GEMM); whoever keeps the plan for the backward keeps the lease with it. ``quantize``: rows the fill's first
     launch also quantises (``fp8_launch.row_quantization``)."""
     return lease_routing_plan(
-        top_k_index, top_k_weights, expert_base=expert_base, num_local_experts=num_local_experts, tile_m=tile_m,
+        top_k_index,
+        top_k_weights,
+        expert_base=expert_base,
+        num_local_experts=num_local_experts,
+        tile_m=tile_m,
         quantize=quantize,
     )
 
 
-def _forward(rows, top_k_index, top_k_weights, w1, w2, expert_base: int, tile_m: int, precision: str,
-             pow2_scales: bool, need_grad: bool):
+def _forward(
+    rows,
+    top_k_index,
+    top_k_weights,
+    w1,
+    w2,
+    expert_base: int,
+    tile_m: int,
+    precision: str,
+    pow2_scales: bool,
+    need_grad: bool,
+):
     """The layer's forward: (out [R, H], and for the backward (None unless ``need_grad``): the plan's lease, h)."""
     check_precision_supported(precision, rows.device)
     rows = rows.contiguous()
@@ -256,10 +271,12 @@ def _forward(rows, top_k_index, top_k_weights, w1, w2, expert_base: int, tile_m:
         plan = lease.plan
         w1q = cached_weight_operand(w1, "w1_fwd", fmt)
         w2q = cached_weight_operand(w2, "w2_fwd", fmt)
-        h, aq = fl.fp8_fc1_swiglu(xq, w1q, plan, fmt, inter=inter, h_dtype=rows.dtype if need_grad else None,
-                                  use_ws=None)
-        out_sorted = fl.fp8_grouped_gemm(aq, w2q, plan, fmt, out_dtype=rows.dtype, row_scale=plan.row_weight,
-                                         use_ws=None)
+        h, aq = fl.fp8_fc1_swiglu(
+            xq, w1q, plan, fmt, inter=inter, h_dtype=rows.dtype if need_grad else None, use_ws=None
+        )
+        out_sorted = fl.fp8_grouped_gemm(
+            aq, w2q, plan, fmt, out_dtype=rows.dtype, row_scale=plan.row_weight, use_ws=None
+        )
         out = launch.combine_rows(out_sorted, plan.pair_pos, rows.dtype)
     return (out, lease, h) if need_grad else (out, None, None)
 
@@ -268,12 +285,24 @@ class QuantizedRoutedExperts(torch.autograd.Function):
     """Like ``expert_compute.RoutedExperts`` with fp8 / MXFP8 GEMMs; ``precision`` in QUANTIZED_PRECISIONS."""
 
     @staticmethod
-    def forward(ctx, rows, top_k_index, top_k_weights, w1, w2, expert_base: int, tile_m: int, precision: str,
-                pow2_scales: bool, grad_enabled: bool):
+    def forward(
+        ctx,
+        rows,
+        top_k_index,
+        top_k_weights,
+        w1,
+        w2,
+        expert_base: int,
+        tile_m: int,
+        precision: str,
+        pow2_scales: bool,
+        grad_enabled: bool,
+    ):
         need_grad = grad_enabled and any(ctx.needs_input_grad[i] for i in (0, 2, 3, 4))
         rows = rows.contiguous()
-        out, lease, h = _forward(rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, precision,
-                                 pow2_scales, need_grad)
+        out, lease, h = _forward(
+            rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, precision, pow2_scales, need_grad
+        )
         if need_grad:
             ctx.save_for_backward(rows, w1, w2, h)
             ctx.plan, ctx.plan_lease = lease.plan, lease  # the lease (and its plan) held until the graph is freed
@@ -299,7 +328,8 @@ class QuantizedRoutedExperts(torch.autograd.Function):
             # Qwen3-30B-A3B, T = 16384 (benchmarks/results/fp8_probe_s14.txt).
             dx_sorted = fl.fp8_grouped_gemm(d.dh_rows, w1q, plan, fmt, out_dtype=rows.dtype, segments=2, use_ws=None)
             grad_rows, grad_weights = combine_with_pair_values(
-                dx_sorted, d.dw_row, plan, rows.dtype, ctx.weights_dtype if ctx.needs_input_grad[2] else None)
+                dx_sorted, d.dw_row, plan, rows.dtype, ctx.weights_dtype if ctx.needs_input_grad[2] else None
+            )
             del dx_sorted
         elif ctx.needs_input_grad[2]:
             grad_weights = plan.pair_values(d.dw_row, ctx.weights_dtype)
@@ -311,19 +341,31 @@ class QuantizedRoutedExperts(torch.autograd.Function):
             tiles = fl.expert_tile_offsets(plan)
             if ctx.needs_input_grad[3]:
                 x_t = fl.quantize_sorted_cols_t(rows, plan, fmt)
-                grad_w1 = fl.fp8_grouped_wgrad(d.dh_t, x_t, plan, fmt, torch.empty_like(w1), expert_tiles=tiles,
-                                               use_ws=None)
+                grad_w1 = fl.fp8_grouped_wgrad(
+                    d.dh_t, x_t, plan, fmt, torch.empty_like(w1), expert_tiles=tiles, use_ws=None
+                )
                 del x_t
             d.dh_t = None
             if ctx.needs_input_grad[4]:
                 dy_t = fl.quantize_sorted_cols_t(grad_out, plan, fmt)
-                grad_w2 = fl.fp8_grouped_wgrad(dy_t, d.aw_t, plan, fmt, torch.empty_like(w2), expert_tiles=tiles,
-                                               use_ws=None)
+                grad_w2 = fl.fp8_grouped_wgrad(
+                    dy_t, d.aw_t, plan, fmt, torch.empty_like(w2), expert_tiles=tiles, use_ws=None
+                )
         return grad_rows, None, grad_weights, grad_w1, grad_w2, None, None, None, None, None
 
 
-def routed_experts_quantized(rows, top_k_index, top_k_weights, w1, w2, *, expert_base: int, tile_m: int,
-                             precision: str, pow2_scales: bool = False) -> torch.Tensor:
+def routed_experts_quantized(
+    rows,
+    top_k_index,
+    top_k_weights,
+    w1,
+    w2,
+    *,
+    expert_base: int,
+    tile_m: int,
+    precision: str,
+    pow2_scales: bool = False,
+) -> torch.Tensor:
     """``expert_compute.routed_experts`` with quantised GEMMs (same inputs, output and gradients).
 
     rows [R, H], top_k_index [R, k] (global ids; ids outside [expert_base, expert_base + E_local) are skipped),
@@ -339,8 +381,18 @@ def routed_experts_quantized(rows, top_k_index, top_k_weights, w1, w2, *, expert
     if not torch.is_grad_enabled():
         # Nothing to record (inference, the first forward under activation checkpointing): the forward alone,
         # without autograd's bookkeeping on the host's path to the first GEMM (single calls are host-bound).
-        return _forward(rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, precision,
-                        bool(pow2_scales), need_grad=False)[0]
+        return _forward(
+            rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, precision, bool(pow2_scales), need_grad=False
+        )[0]
     return QuantizedRoutedExperts.apply(
-        rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, precision, bool(pow2_scales), True,
+        rows,
+        top_k_index,
+        top_k_weights,
+        w1,
+        w2,
+        expert_base,
+        tile_m,
+        precision,
+        bool(pow2_scales),
+        True,
     )

@@ -69,7 +69,7 @@ class RoutingPlan:
     def max_tiles(self) -> int:
         return self.tile_expert.numel()
 
-    def segment(self, s: int, half: int | None = None) -> "RoutingPlan":
+    def segment(self, s: int, half: int | None = None) -> RoutingPlan:
         """The plan of segment ``s`` alone, for the tile-list kernels: its tiles and experts' row ranges, indexing the
         same sorted-row buffers (``sorted_rows`` long) and the same source rows as the whole plan. ``half`` = 0 or 1
         keeps only the tiles of the experts below or from ``split_expert`` (the plan must have been built with it);
@@ -83,7 +83,7 @@ class RoutingPlan:
             view = self._views[(s, half)] = self._segment_view(s, half)
         return view
 
-    def _segment_view(self, s: int, half: int | None) -> "RoutingPlan":
+    def _segment_view(self, s: int, half: int | None) -> RoutingPlan:
         rows, tiles = self.num_rows // self.num_segments, self.max_tiles // self.num_segments
         experts = self.num_local_experts
         tile_expert, tile_row, num_tiles = self.tile_expert, self.tile_row, self.num_tiles[s : s + 1]
@@ -92,16 +92,21 @@ class RoutingPlan:
             if half == 1:
                 tile_expert, tile_row = self.half_tile_expert, self.half_tile_row
         return RoutingPlan(
-            num_rows=rows, top_k=self.top_k, num_local_experts=experts, tile_m=self.tile_m,
+            num_rows=rows,
+            top_k=self.top_k,
+            num_local_experts=experts,
+            tile_m=self.tile_m,
             expert_offsets=self.expert_offsets[s * (experts + 1) : (s + 1) * (experts + 1)],
             # (a half's tile list is compacted apart: the whole segment's expert tiles do not index it)
             expert_tiles=None if half is not None else self.expert_tiles[s * (experts + 1) : (s + 1) * (experts + 1)],
-            row_src=self.row_src, row_weight=self.row_weight,
+            row_src=self.row_src,
+            row_weight=self.row_weight,
             pair_pos=self.pair_pos[s * rows : (s + 1) * rows],
             tile_expert=tile_expert[s * tiles : (s + 1) * tiles],
             tile_row=tile_row[s * tiles : (s + 1) * tiles],
             num_tiles=num_tiles,
-            num_segments=1, sorted_rows=self.sorted_rows,
+            num_segments=1,
+            sorted_rows=self.sorted_rows,
         )
 
     def scratch(self, size: int) -> torch.Tensor:
@@ -142,11 +147,20 @@ def allocate_routing_plan(
         return storage[first : first + size]
 
     plan = RoutingPlan(
-        num_rows=num_rows, top_k=top_k, num_local_experts=num_local_experts, tile_m=tile_m,
-        expert_offsets=part("expert_offsets"), row_src=part("row_src"),
-        row_weight=part("row_weight").view(torch.float32), pair_pos=part("pair_pos").view(num_rows, top_k),
-        tile_expert=part("tile_expert"), tile_row=part("tile_row"), num_tiles=part("num_tiles"),
-        expert_tiles=part("expert_tiles"), num_segments=num_segments, counts=part("counts"),
+        num_rows=num_rows,
+        top_k=top_k,
+        num_local_experts=num_local_experts,
+        tile_m=tile_m,
+        expert_offsets=part("expert_offsets"),
+        row_src=part("row_src"),
+        row_weight=part("row_weight").view(torch.float32),
+        pair_pos=part("pair_pos").view(num_rows, top_k),
+        tile_expert=part("tile_expert"),
+        tile_row=part("tile_row"),
+        num_tiles=part("num_tiles"),
+        expert_tiles=part("expert_tiles"),
+        num_segments=num_segments,
+        counts=part("counts"),
     )
     if split_expert is not None:
         plan.split_expert = split_expert
@@ -165,9 +179,15 @@ def _plan_layout(num_rows, top_k, num_local, tile_m, num_segments, split_expert)
     num_pairs = num_rows * top_k
     tiles = num_segments * ((num_pairs // num_segments + tile_m - 1) // tile_m + num_local)
     sizes = {  # row_weight's fp32 has int32's size
-        "counts": num_segments * num_local, "expert_offsets": num_segments * (num_local + 1), "row_src": num_pairs,
-        "row_weight": num_pairs, "pair_pos": num_pairs, "tile_expert": tiles, "tile_row": tiles,
-        "num_tiles": num_segments, "expert_tiles": num_segments * (num_local + 1),
+        "counts": num_segments * num_local,
+        "expert_offsets": num_segments * (num_local + 1),
+        "row_src": num_pairs,
+        "row_weight": num_pairs,
+        "pair_pos": num_pairs,
+        "tile_expert": tiles,
+        "tile_row": tiles,
+        "num_tiles": num_segments,
+        "expert_tiles": num_segments * (num_local + 1),
     }
     if split_expert is not None:
         sizes.update(half_tile_expert=tiles, half_tile_row=tiles, half_num_tiles=2 * num_segments)
@@ -197,9 +217,18 @@ class RowQuantization(NamedTuple):
     e8m0: bool
 
 
-def routing_keys(top_k_index: torch.Tensor, counts: torch.Tensor, *, segment_pairs: int, expert_base: int,
-                 num_local_experts: int, chunk: int = ROUTING_CHUNK, scratch=None, copy_routing=None,
-                 quantize: RowQuantization | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+def routing_keys(
+    top_k_index: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    segment_pairs: int,
+    expert_base: int,
+    num_local_experts: int,
+    chunk: int = ROUTING_CHUNK,
+    scratch=None,
+    copy_routing=None,
+    quantize: RowQuantization | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(keys, hist, bins) of the (row, slot) pairs of ``top_k_index`` [n * R_s, k]: keys [n * R_s * k] int32, key =
     segment * E_local + local expert, or n * E_local where the expert is elsewhere; hist [chunks, bins] int32, each
     chunk's pairs per key (``bins`` a power of two > n * E_local + 1). ``counts`` [n * E_local] int32, zeroed: gets
@@ -224,23 +253,61 @@ def routing_keys(top_k_index: torch.Tensor, counts: torch.Tensor, *, segment_pai
         x_rows, x_cols = quantize.x.shape
         col_tiles = cdiv(x_cols, quantize.block_cols)
         programs = chunks + cdiv(x_rows, quantize.block_rows) * col_tiles
-        x_args = (quantize.x, quantize.q, quantize.scale, x_rows, x_cols, quantize.x.stride(0), quantize.q.stride(0),
-                  quantize.scale.stride(0), chunks, col_tiles)
-        quant = {"QUANT_ROWS": True, "QK": quantize.group, "BM": quantize.block_rows, "BK": quantize.block_cols,
-                 "POW2": quantize.pow2, "E8M0": quantize.e8m0}
+        x_args = (
+            quantize.x,
+            quantize.q,
+            quantize.scale,
+            x_rows,
+            x_cols,
+            quantize.x.stride(0),
+            quantize.q.stride(0),
+            quantize.scale.stride(0),
+            chunks,
+            col_tiles,
+        )
+        quant = {
+            "QUANT_ROWS": True,
+            "QK": quantize.group,
+            "BM": quantize.block_rows,
+            "BK": quantize.block_cols,
+            "POW2": quantize.pow2,
+            "E8M0": quantize.e8m0,
+        }
     launch(
-        routing_keys_kernel, (programs,), top_k_index.reshape(-1), keys, counts, hist, num_pairs,
-        max(segment_pairs, 1), expert_base, weights, out_index, out_weights, *x_args,
-        NUM_LOCAL=num_local_experts, NUM_BINS=num_bins, SKIP=counts.numel(), BLOCK=chunk,
-        COPY_ROUTING=copy_routing is not None, **quant,
+        routing_keys_kernel,
+        (programs,),
+        top_k_index.reshape(-1),
+        keys,
+        counts,
+        hist,
+        num_pairs,
+        max(segment_pairs, 1),
+        expert_base,
+        weights,
+        out_index,
+        out_weights,
+        *x_args,
+        NUM_LOCAL=num_local_experts,
+        NUM_BINS=num_bins,
+        SKIP=counts.numel(),
+        BLOCK=chunk,
+        COPY_ROUTING=copy_routing is not None,
+        **quant,
     )
     return keys, hist, num_bins
 
 
-def fill_routing_plan(plan: RoutingPlan, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
-                      expert_base: int, first_segment: int = 0, chunk: int = ROUTING_CHUNK,
-                      copy_to: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      quantize: RowQuantization | None = None) -> None:
+def fill_routing_plan(
+    plan: RoutingPlan,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    expert_base: int,
+    first_segment: int = 0,
+    chunk: int = ROUTING_CHUNK,
+    copy_to: tuple[torch.Tensor, torch.Tensor] | None = None,
+    quantize: RowQuantization | None = None,
+) -> None:
     """Plan segments [first_segment, first_segment + n) from their source rows' global expert ids ``top_k_index``
     [n * R_s, k] (ids outside [expert_base, expert_base + E_local), including -1 for padding rows, are other ranks'
     and skipped) and weights. Segments filled in separate calls do not touch each other's parts of the plan. Two
@@ -260,23 +327,52 @@ def fill_routing_plan(plan: RoutingPlan, top_k_index: torch.Tensor, top_k_weight
     experts = plan.num_local_experts
     seg_pairs = seg_rows * top_k
     counts = plan.counts[first_segment * experts : (first_segment + num_segments) * experts]
-    keys, hist, num_bins = routing_keys(top_k_index, counts, segment_pairs=seg_pairs, expert_base=expert_base,
-                                        num_local_experts=experts, chunk=chunk, scratch=plan.scratch,
-                                        copy_routing=None if copy_to is None else (top_k_weights.reshape(-1),
-                                                                                   *copy_to), quantize=quantize)
+    keys, hist, num_bins = routing_keys(
+        top_k_index,
+        counts,
+        segment_pairs=seg_pairs,
+        expert_base=expert_base,
+        num_local_experts=experts,
+        chunk=chunk,
+        scratch=plan.scratch,
+        copy_routing=None if copy_to is None else (top_k_weights.reshape(-1), *copy_to),
+        quantize=quantize,
+    )
     halves = plan.split_expert is not None
     skip = num_segments * experts
     launch(
-        routing_place_kernel, (1 + num_segments, hist.numel() // num_bins),
-        keys, hist, top_k_weights.reshape(-1), counts,
-        plan.row_src, plan.row_weight, plan.pair_pos, plan.expert_offsets, plan.tile_expert, plan.tile_row,
-        plan.num_tiles, plan.expert_tiles,
-        plan.half_tile_expert if halves else plan.tile_expert, plan.half_tile_row if halves else plan.tile_row,
+        routing_place_kernel,
+        (1 + num_segments, hist.numel() // num_bins),
+        keys,
+        hist,
+        top_k_weights.reshape(-1),
+        counts,
+        plan.row_src,
+        plan.row_weight,
+        plan.pair_pos,
+        plan.expert_offsets,
+        plan.tile_expert,
+        plan.tile_row,
+        plan.num_tiles,
+        plan.expert_tiles,
+        plan.half_tile_expert if halves else plan.tile_expert,
+        plan.half_tile_row if halves else plan.tile_row,
         plan.half_num_tiles if halves else plan.num_tiles,
-        keys.numel(), first_segment, max(seg_pairs, 1), plan.max_tiles // plan.num_segments,
+        keys.numel(),
+        first_segment,
+        max(seg_pairs, 1),
+        plan.max_tiles // plan.num_segments,
         plan.split_expert if halves else experts,
-        TOP_K=top_k, NUM_LOCAL=experts, EXPERT_BLOCK=next_power_of_2(experts), NUM_BINS=num_bins, SKIP=skip,
-        TILE_M=plan.tile_m, BLOCK=chunk, TILE_BLOCK=32, HALVES=halves, HIST_BLOCK=16,
+        TOP_K=top_k,
+        NUM_LOCAL=experts,
+        EXPERT_BLOCK=next_power_of_2(experts),
+        NUM_BINS=num_bins,
+        SKIP=skip,
+        TILE_M=plan.tile_m,
+        BLOCK=chunk,
+        TILE_BLOCK=32,
+        HALVES=halves,
+        HIST_BLOCK=16,
     )
 
 
@@ -293,8 +389,13 @@ def build_routing_plan(
     """The plan of source rows with global expert ids ``top_k_index`` [R, k], every segment filled at once (see
     ``allocate_routing_plan`` and ``fill_routing_plan``)."""
     plan = allocate_routing_plan(
-        top_k_index.shape[0], top_k_index.shape[1], num_local_experts=num_local_experts, tile_m=tile_m,
-        device=top_k_index.device, num_segments=num_segments, split_expert=split_expert,
+        top_k_index.shape[0],
+        top_k_index.shape[1],
+        num_local_experts=num_local_experts,
+        tile_m=tile_m,
+        device=top_k_index.device,
+        num_segments=num_segments,
+        split_expert=split_expert,
     )
     fill_routing_plan(plan, top_k_index, top_k_weights, expert_base=expert_base)
     return plan
@@ -326,8 +427,12 @@ def take_plan(pool: list, allocate, device: torch.device) -> PlanLease:
     stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
     if pool:
         plan, last_stream = pool.pop()
-        if (stream is not None and last_stream is not None and last_stream != stream
-                and not (_capturing(stream) and not _capturing(last_stream))):
+        if (
+            stream is not None
+            and last_stream is not None
+            and last_stream != stream
+            and not (_capturing(stream) and not _capturing(last_stream))
+        ):
             stream.wait_stream(last_stream)
         plan.counts.zero_()
     else:
@@ -342,8 +447,15 @@ _PLAN_POOLS: OrderedDict[tuple, list] = OrderedDict()
 PLAN_POOL_SIZES = 4
 
 
-def lease_routing_plan(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *, expert_base: int,
-                       num_local_experts: int, tile_m: int, quantize: RowQuantization | None = None) -> PlanLease:
+def lease_routing_plan(
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    expert_base: int,
+    num_local_experts: int,
+    tile_m: int,
+    quantize: RowQuantization | None = None,
+) -> PlanLease:
     """``build_routing_plan``'s plan (one segment), filled, on a lease from the pool of plans of its sizes;
     ``quantize``: the fill's first launch also quantises those rows (``RowQuantization``)."""
     rows, top_k = top_k_index.shape
@@ -356,7 +468,10 @@ def lease_routing_plan(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *
             _PLAN_POOLS.popitem(last=False)
     else:
         _PLAN_POOLS.move_to_end(key)
-    lease = take_plan(pool, lambda: allocate_routing_plan(rows, top_k, num_local_experts=num_local_experts,
-                                                          tile_m=tile_m, device=device), device)
+    lease = take_plan(
+        pool,
+        lambda: allocate_routing_plan(rows, top_k, num_local_experts=num_local_experts, tile_m=tile_m, device=device),
+        device,
+    )
     fill_routing_plan(lease.plan, top_k_index, top_k_weights, expert_base=expert_base, quantize=quantize)
     return lease

@@ -128,14 +128,18 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         state = {}
         for idx, param in enumerate(params):
             prefix = f"optim/{idx}/"
-            entries = {k[len(prefix):]: f.get_tensor(k) for k in keys if k.startswith(prefix)}
+            entries = {k[len(prefix) :]: f.get_tensor(k) for k in keys if k.startswith(prefix)}
             if not entries:
                 continue
             for k, v in entries.items():
                 if isinstance(param, DTensor) and v.dim() > 0:
                     v = DTensor.from_local(
-                        v.to(param.device), param.device_mesh, param.placements, run_check=False,
-                        shape=param.shape, stride=param.stride(),
+                        v.to(param.device),
+                        param.device_mesh,
+                        param.placements,
+                        run_check=False,
+                        shape=param.shape,
+                        stride=param.stride(),
                     )
                 entries[k] = v
             entries.update(scalars.get(str(idx), {}))

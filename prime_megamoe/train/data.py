@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -81,7 +82,9 @@ def build_tokenizer(data: DataConfig, model_dir: str | None) -> Tokenizer:
     if name == "byte":
         return ByteTokenizer()
     if not Path(name).is_dir():
-        raise ConfigError(f"data.tokenizer = {name!r} is not a local directory (nor 'byte'); give a tokenizer directory")
+        raise ConfigError(
+            f"data.tokenizer = {name!r} is not a local directory (nor 'byte'); give a tokenizer directory"
+        )
     return HFTokenizer(name)
 
 

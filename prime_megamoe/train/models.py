@@ -116,7 +116,11 @@ def resolve_model(model: ModelConfig) -> ModelSource:
             from transformers import CONFIG_MAPPING
 
             # A model type (e.g. qwen3_moe), or a Hub id already in the local cache: the trainer downloads nothing.
-            cfg = CONFIG_MAPPING[name]() if name in CONFIG_MAPPING else AutoConfig.from_pretrained(name, local_files_only=True)
+            cfg = (
+                CONFIG_MAPPING[name]()
+                if name in CONFIG_MAPPING
+                else AutoConfig.from_pretrained(name, local_files_only=True)
+            )
         except Exception as err:  # noqa: BLE001 - re-raised as a config error naming the key
             raise ConfigError(
                 f"model.name = {name!r} is not a preset ({', '.join(PRESETS)}), a local directory with config.json, "
@@ -204,7 +208,7 @@ def initialize(model: nn.Module, source: ModelSource, device: torch.device, *, s
     experts = set()
     for _, module in hf.experts_modules(model):
         experts.update(id(p) for p in (module.gate_up_proj, module.down_proj))
-    for name, param in model.named_parameters():
+    for _name, param in model.named_parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
         if isinstance(param, DTensor):
             gen = own_shard  # each rank holds different rows

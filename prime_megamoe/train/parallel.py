@@ -164,6 +164,7 @@ def sync_gradients(dense: list[nn.Parameter], experts: list[nn.Parameter], rt: R
 @torch.no_grad()
 def clip_grad_norm(dense: list[nn.Parameter], experts: list[nn.Parameter], max_norm: float, rt: Runtime) -> float:
     """Global L2 norm of all gradients (each weight counted once), then scale them to at most ``max_norm``."""
+
     def sq(params):
         total = torch.zeros((), dtype=torch.float32, device=rt.device)
         for p in params:

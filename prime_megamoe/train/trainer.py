@@ -106,7 +106,9 @@ class _Progress:
         if self.bar is not None:
             self.bar.update(1)
             if rec["step"] % self.every == 0 or rec["step"] == self.total:
-                self.bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", tok_s=f"{rec['tokens_per_s']:.0f}")
+                self.bar.set_postfix(
+                    loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", tok_s=f"{rec['tokens_per_s']:.0f}"
+                )
         elif rec["step"] % self.every == 0 or rec["step"] == self.total:
             print(
                 f"step {rec['step']}/{self.total} loss {rec['loss']:.4f} lr {rec['lr']:.2e} "
@@ -124,8 +126,11 @@ def _report_workspaces(rt: Runtime) -> None:
     from ..comm.symmetric_memory import workspace_info
 
     for ws in workspace_info():
-        _log(rt, f"symmetric-memory workspace: ep {ws['ep']}, max_tokens_per_rank {ws['max_tokens_per_rank']}, "
-                 f"H {ws['hidden']}, k {ws['top_k']}, {ws['dtype']}: {ws['bytes_per_rank'] / 2**20:.1f} MiB per rank")
+        _log(
+            rt,
+            f"symmetric-memory workspace: ep {ws['ep']}, max_tokens_per_rank {ws['max_tokens_per_rank']}, "
+            f"H {ws['hidden']}, k {ws['top_k']}, {ws['dtype']}: {ws['bytes_per_rank'] / 2**20:.1f} MiB per rank",
+        )
 
 
 def _log(rt: Runtime, msg: str) -> None:
@@ -207,7 +212,9 @@ def _run(cfg: Config, rt: Runtime, source, dataset, out_dir: Path, resume_path, 
         out_dir.mkdir(parents=True, exist_ok=True)
         kept = []
         if start and metrics_path.is_file():
-            kept = [line for line in metrics_path.read_text().splitlines() if line and json.loads(line)["step"] <= start]
+            kept = [
+                line for line in metrics_path.read_text().splitlines() if line and json.loads(line)["step"] <= start
+            ]
         metrics_path.write_text("".join(line + "\n" for line in kept))
         (out_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
 
@@ -241,9 +248,7 @@ def _run(cfg: Config, rt: Runtime, source, dataset, out_dir: Path, resume_path, 
             group["lr"] = lr
 
         logits = model(input_ids=input_ids, use_cache=False).logits
-        loss_sum = F.cross_entropy(
-            logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum"
-        )
+        loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
         counted = all_reduce_sum((labels != IGNORE).sum().to(torch.float32))
         loss = loss_sum / counted.clamp(min=1.0)
         loss.backward()

@@ -1,0 +1,38 @@
+"""``[model.moe.dispatch] transport``: the transport object of a group, made once and reused by every call."""
+
+from __future__ import annotations
+
+import torch
+
+from .symmetric_memory import SymmetricMemoryTransport
+from .transport import CollectiveTransport, Transport
+
+_TRANSPORTS: dict[tuple, tuple] = {}
+
+
+def make_transport(name: str, group, capacity: int, device: torch.device, timeout_s: float) -> Transport:
+    """The transport named by ``[model.moe.dispatch] transport`` for this group and device, made once per (name,
+    group, capacity, device, timeout) and reused by every call (a round starts and ends inside one call, so calls
+    never share a round; a single call is host-bound, so the per-call setup is worth saving)."""
+    key = (name, id(group), capacity, device, timeout_s)
+    found = _TRANSPORTS.get(key)
+    if found is not None:
+        return found[1]
+    transport = _make_transport(name, group, capacity, device, timeout_s)
+    _TRANSPORTS[key] = (group, transport)  # the group is kept alive with its entry, so its id is never reused
+    return transport
+
+
+def _make_transport(name: str, group, capacity: int, device: torch.device, timeout_s: float) -> Transport:
+    if name == "auto":
+        name = "symmetric_memory" if device.type == "cuda" else "collectives"
+    if name == "collectives":
+        return CollectiveTransport(group, capacity, timeout_s)
+    if name == "symmetric_memory":
+        if device.type != "cuda":
+            raise ValueError(
+                f"[model.moe.dispatch] transport = 'symmetric_memory' needs CUDA tensors, but the layer runs on "
+                f"{device}; use transport = 'collectives' (or 'auto')"
+            )
+        return SymmetricMemoryTransport(group, capacity, device, timeout_s)
+    raise ValueError(f"[model.moe.dispatch] transport = {name!r}; allowed: 'auto', 'symmetric_memory', 'collectives'")
