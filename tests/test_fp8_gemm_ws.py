@@ -80,7 +80,7 @@ def test_ws_kernel_compiles_for_hopper_with_its_register_split(cfg, scale_rows, 
     )
     # With two accumulators (subs = 2) ptxas keeps a few of the tile loop's scalars on the stack (24-40 bytes for
     # these variants with Triton 3.9), one local load a step in the main loop. The config was measured faster
-    # with them (benchmarks/results/fp8_probe_s19b.txt); a real spill of the accumulators would be hundreds of bytes.
+    # with them (scripts/fp8_probe.py --ws-only); a real spill of the accumulators would be hundreds of bytes.
     _assert_compiles_with_register_split(
         "prime_megamoe.kernels.fp8_gemm_ws:fp8_grouped_gemm_ws_kernel",
         cfg,

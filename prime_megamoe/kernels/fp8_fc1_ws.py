@@ -22,9 +22,9 @@ multiple of 128, H a multiple of 16 (16-byte row pieces of x).
 
 History: the first form (commit 10aa39d) split each tile into two 64-column sub-tiles, gate and up side by side in
 one wgmma; it gave the same bits as the Triton kernel but took 1.285 ms against 1.163 (Qwen3-30B-A3B, T = 16384,
-one H200; ``benchmarks/results/fp8_probe_s14.txt``, run 5): Nsight Compute put its L1/TEX path at 77%, as it
+one H200; ``scripts/fp8_probe.py --ws-only``): Nsight Compute put its L1/TEX path at 77%, as it
 gathered x's rows once per sub-tile. This form gathers them once per tile: the same bits as the Triton kernel, 0.899
-ms against 1.164 with 4 stages, 0.905 with 3 (``benchmarks/results/fp8_probe_s15.txt``); the layer runs it. It
+ms against 1.164 with 4 stages, 0.905 with 3 (the same probe, another run); the layer runs it. It
 compiles for sm_90 on the CPU (Triton 3.6: no spill; 3.9: 24 bytes; no wgmma serialisation).
 """
 

@@ -59,8 +59,8 @@ def _candidates(kind: str) -> list[triton.Config]:
     if interpreting():
         extra = {"GROUP_M": 1} if kind == "wgrad" else {}
         return [_cfg(128, 128, 1, 1, **extra)]  # (tests launch the half-tile path explicitly)
-    # Kept from every earlier candidate by scripts/fp8_probe.py at Qwen3-30B-A3B, T = 16384 (fp8_probe_s11_*.txt in
-    # benchmarks/results); the first one runs untuned (small problems, PRIME_MEGAMOE_AUTOTUNE=0). bm=64: half a row
+    # Kept from every earlier candidate by scripts/fp8_probe.py at Qwen3-30B-A3B, T = 16384 (one H200);
+    # the first one runs untuned (small problems, PRIME_MEGAMOE_AUTOTUNE=0). bm=64: half a row
     # tile per program, for the registers: each fp8 step needs a fresh dot tile next to the accumulators.
     if kind == "fc1":  # two accumulators (gate and up); 128 x 128 leads (1.19 ms against 1.38 for 64 x 128)
         return [_cfg(128, 128, 8, 3), _cfg(128, 128, 8, 4), _cfg(128, 128, 8, 3, bm=64), _cfg(128, 128, 8, 4, bm=64)]

@@ -27,14 +27,14 @@ the other MMA partition (HALVES = 2, the layer's config), the other warp group, 
 SUBS = 2 (every row-tiled GEMM of the layer): 256-column tiles, each MMA partition computing its rows' two
 128-column parts in turn (one accumulator each, one fresh tile live at a time), each part's weight-block scale staged
 by the producer; each A box is read once per 256 output columns. FC2 0.465 ms against 0.485, the FC1 dgrad 0.802
-against 0.845 (``fp8_probe_s19b.txt``), the gathering FC2 dgrad 0.448-0.455 against 0.482-0.537 on three machines
-(``fp8_probe_s20.txt``; 0.474 against 0.476 on the machine of s19b), same bits. ptxas keeps a few loop scalars on the
-stack in this form (24-40 bytes, one local load a step).
+against 0.845 (``scripts/fp8_probe.py --ws-only``), the gathering FC2 dgrad 0.448-0.455 against 0.482-0.537 on
+three machines (0.474 against 0.476 on a fourth), same bits. ptxas keeps a few loop scalars on the stack in this form
+(24-40 bytes, one local load a step).
 
 GATHER (the FC2 dgrad's dy, FC1's x: A's rows are the plan's source rows): TMA cannot gather on Hopper, so four
 producer warps copy A's rows by cp.async into the swizzled stage (16 bytes a thread), and the MMA warps fence the
 async proxy before their wgmma reads them. The layer's FC2 dgrad runs it: 0.490 ms against 0.542 for the Triton
-kernel's gather (``benchmarks/results/fp8_probe_s14.txt``, same bits).
+kernel's gather (``scripts/fp8_probe.py --ws-only``, same bits).
 
 Tiles are numbered row tile major, column tile minor (as the Triton kernel's grid), and program p takes tiles p,
 p + programs, ...; all partitions walk that sequence. Requirements (the launcher checks them): BLOCK_K = 128 = the
@@ -43,7 +43,7 @@ of 128 (a box must not run into the next segment). Gluon kernels have no interpr
 against the Triton kernel and compiled for sm_90 on the CPU.
 
 Measured (Qwen3-30B-A3B, T = 16384, one H200, ``scripts/fp8_probe.py --ws-only``, the same bits as the Triton
-kernel; ``benchmarks/results/fp8_probe_s13.txt``), the layer's config (two 4-warp MMA partitions on the halves of
+kernel; ``scripts/fp8_probe.py --ws-only``), the layer's config (two 4-warp MMA partitions on the halves of
 each 128-row tile, TMA stores): FC2 0.468-0.483 ms against 0.576-0.580 for the Triton kernel, the FC1 dgrad
 0.847-0.858 against 1.063-1.070. How it got there, FC2:
 one two-warp-group partition 0.593; two partitions on the halves 0.543-0.559; TMA stores 0.522; scales staged by
@@ -241,7 +241,7 @@ def _mma_step(
     """Step ``it`` for the rows of half HALF: wait for the stage, issue its wgmma into a fresh fp32 tile, read the
     step's scales while it runs, wait for it, free the stage, add the product scaled. SCALES_FIRST: read the scales
     before the wgmma is issued (read after it, ptxas puts their product between the step's wgmma instructions, whose
-    issue then waits for the reads: ncu_fp8_fc2_s13.txt)."""
+    issue then waits for the reads: Nsight Compute on scripts/fp8_gemm_once.py)."""
     STAGES: gl.constexpr = b_bufs.type.shape[0]
     s = it % STAGES
     mbarrier.wait(ready.index(s), (it // STAGES) & 1)

@@ -24,9 +24,9 @@ bits. An expert without tiles gets zeros.
 The layer's two weight gradients run it on Hopper. ``tests/test_fp8_gemm_ws.py`` checks it against the Triton kernel
 on the GPU (Gluon has no interpreter; on the CPU it is compiled for sm_90), ``scripts/fp8_ws_smoke.py wgrad``
 launches every config under a watchdog. Measured (Qwen3-30B-A3B, T = 16384, one H200, ``scripts/fp8_probe.py
---ws-only --gemms dW1 dW2``, the same bits as the Triton kernel; ``benchmarks/results/fp8_probe_s14.txt``): dW1
-1.001 ms against 1.244, dW2 0.536 against 0.693; with SUBS = 2 (``fp8_probe_s19a.txt``, another machine) dW1 0.981
-against 1.115 for 128-column tiles, dW2 0.542 against 0.589.
+--ws-only --gemms dW1 dW2``, the same bits as the Triton kernel): dW1 1.001 ms against 1.244, dW2 0.536 against
+0.693; with SUBS = 2 (the same probe, another machine) dW1 0.981 against 1.115 for 128-column tiles, dW2 0.542
+against 0.589.
 """
 
 from __future__ import annotations

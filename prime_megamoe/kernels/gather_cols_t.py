@@ -15,7 +15,7 @@ columns from the load on:
 - each column's transposed store is 16 consecutive bytes a thread, from the same registers in row order.
 
 An earlier form with one column a thread (2-byte loads) took 0.335 ms against 0.242 for the Triton launch
-(fp8_pass_probe_s18a.txt) and was dropped.
+(scripts/fp8_pass_probe.py) and was dropped.
 
 Rows past the tile's expert load zeros, which is what the cols_t layout stores there. Gluon kernels have no
 interpreter: this one is tested on the GPU against the Triton launch and compiled for sm_90 on the CPU.

@@ -546,7 +546,7 @@ def grouped_wgrad_kernel(
     # the loop left its loads' latency exposed once per segment and tile). An expert with fewer than BLOCK_K rows in
     # a segment takes that one masked step, through pointers (a box there could reach rows no plan wrote).
     # (One loop over every segment's chunks, so the pipeline fills once per tile, measured 2-10% slower:
-    # benchmarks/results/wgrad_probe_s7.txt.)
+    # scripts/wgrad_probe.py --segments 2 --experts 64.)
     for seg in range(0, num_segments):
         start = tl.load(expert_offsets_ptr + seg * offsets_per_segment + expert)
         end = tl.load(expert_offsets_ptr + seg * offsets_per_segment + expert + 1)

@@ -9,8 +9,8 @@ Why a second kernel: the Triton launch loads its block with 8 consecutive column
 dim), so each column's max over the tile's 128 rows crosses threads, and its fp8 values go through shared memory,
 a byte at a time, to be stored transposed. Nsight Compute found that launch issuing an instruction every ~4.5
 cycles a warp (busy, not waiting on memory), at ~2.2 TB/s, and ~74 SASS instructions a thread per element
-(benchmarks/results/ncu_fp8_passes_s16.txt). Here each thread holds 16 consecutive rows of CPT adjacent columns
-from the load on:
+(Qwen3-30B-A3B, T = 16384, one H200). Here each thread holds 16 consecutive rows of CPT adjacent columns from the
+load on:
 
 - each load is one vector of a row's CPT columns (4 bytes with the launcher's CPT = 2; a warp's load covers whole
   32-byte sectors);
@@ -18,9 +18,9 @@ from the load on:
 - each column's transposed store is 16 consecutive bytes a thread (one vector store) from the same registers: the
   store layout differs from the load layout only in the order of a thread's registers, which moves no data.
 
-Measured (Qwen3-30B-A3B, T = 16384, one H200, ``scripts/fp8_pass_probe.py``, fp8_pass_probe_s21.txt): 0.318 ms with
-CPT = 2 against 0.342 with one column a thread (whose loads are 2 bytes), and 0.367 for that before the quantisers
-lost their clamp to +-448 (the conversion saturates; sass_counts_s20.txt: 1008 instructions against 1104).
+Measured (Qwen3-30B-A3B, T = 16384, one H200, ``scripts/fp8_pass_probe.py``): 0.318 ms with CPT = 2 against 0.342
+with one column a thread (whose loads are 2 bytes), and 0.367 for that before the quantisers lost their clamp to
++-448 (the conversion saturates; ``scripts/register_check.py --sass``: 1008 instructions against 1104).
 
 The arithmetic is the Triton pass's, in its order (``swiglu_grad_fused._dswiglu_chunk``, ``_quantise``,
 ``fp8_fc1_ws._scale_from_amax``), so the outputs are the same bits; rows past the tile's expert load zeros, which

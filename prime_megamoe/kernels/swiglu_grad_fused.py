@@ -16,9 +16,9 @@ rows by a 128-column group of I):
 - the second sweep quantises the stash with the column scales and stores it transposed, each thread 16 consecutive
   rows of a column (one 16-byte store).
 
-That is ~78 instructions an element (``benchmarks/results/sass_counts_s21.txt``), but the stash leaves room for one
+That is ~78 instructions an element (``scripts/register_check.py --sass``), but the stash leaves room for one
 program an SM. With eight warps it ran at ~30% of the SM's issue rate: 0.771 ms against 0.525 for the two launches
-(``scripts/fp8_pass_probe.py``, ``fp8_pass_probe_s21.txt``), and in the layer's profile 752 against 519 us. With
+(``scripts/fp8_pass_probe.py``), and in the layer's profile 752 against 519 us. With
 sixteen warps (125 registers) it took 1.003 ms: the per-item work (column reductions over more warps, the scales)
 grows to ~93 instructions an element in all. So the layer keeps the two launches (``fp8_launch.fp8_dswiglu``'s
 ``fused`` is False by default). Two earlier forms were slower still (BENCHMARKS.md, fifteenth and twenty-first

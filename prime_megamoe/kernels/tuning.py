@@ -121,7 +121,7 @@ def autotune_configs(kind: str) -> list[triton.Config]:
         )
         return [_cfg(*t, PERSISTENT=persistent, pre_hook=gemm_tma_boxes) for *t, persistent in tiles]
     if kind == "wgrad":
-        # At Qwen3-30B-A3B, T = 16384, an EP=2 rank's rows (scripts/wgrad_probe.py, wgrad_probe_s7.txt), with the
+        # At Qwen3-30B-A3B, T = 16384, an EP=2 rank's rows (scripts/wgrad_probe.py, one H200), with the
         # sorted operand read by TMA: 256 x 128 leads for dW1 and 128 x 256 for dW2 (the sorted operand on the wide
         # side, the gathered one on the narrow), 7-8% ahead of the best pointer-loaded program; the other two are
         # the runners-up. The first fits fp32 operands too (GPU tests run it alone). The two wide tiles also with a

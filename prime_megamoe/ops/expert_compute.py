@@ -25,7 +25,7 @@ def unquantized_forward(rows, w1, w2, plan: RoutingPlan, save_h: bool):
     """FC1 + SwiGLU, FC2 + top-k weight, combine: (out [R, H], h [P, 2I] or None)."""
     h, act = launch.fc1_swiglu(rows, w1, plan, save_h=save_h)
     # FC2 reads by pointer: TMA reads measured no faster here (0.731 against 0.738 ms at Qwen3-30B-A3B, T = 16384,
-    # gemm_tma_probe_s7.txt) and cost host time per launch, which single forwards wait on.
+    # one H200) and cost host time per launch, which single forwards wait on.
     out_sorted = launch.grouped_gemm(act, w2, plan, transpose_b=True, row_scale=plan.row_weight, use_tma=False)
     return launch.combine_rows(out_sorted, plan.pair_pos, rows.dtype), h
 

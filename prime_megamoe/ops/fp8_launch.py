@@ -44,25 +44,25 @@ from .sizes import cdiv
 
 # The quantising SwiGLU backward pass in two launches: the row-scaled outputs from 32 x 128 blocks (4 warps), then the
 # column-scaled ones from 128 x 16 blocks (2 warps). One launch over 128 x 128 blocks (8 warps) holds too many fp32
-# tiles at once (0.767 against 0.664 ms for two, fp8_probe_s11_pruned.txt). Block shapes and warps timed alone at
-# Qwen3-30B-A3B, T = 16384 (scripts/fp8_pass_probe.py, fp8_pass_probe_s16.txt): rows 0.211 ms against 0.219 for
+# tiles at once (0.767 against 0.664 ms for two, scripts/fp8_probe.py). Block shapes and warps timed alone at
+# Qwen3-30B-A3B, T = 16384 (scripts/fp8_pass_probe.py, one H200): rows 0.211 ms against 0.219 for
 # 16 x 128; columns 0.434 against 0.460 for 128 x 64 with 4 warps (which takes 255 registers a thread, 12% occupancy,
 # yet no config reached 2.2 TB/s: the column pass's time is its instructions, not its occupancy).
 DSWIGLU_ROWS_BLOCK = (32, 128, 4)  # (BLOCK_R, BLOCK_C, num_warps)
 DSWIGLU_COLS_BLOCK = (QTILE_M, 16, 2)
 # The column launch's Gluon form (kernels/swiglu_grad_cols.py), the layer's on GPUs: BC columns, CPT columns a
 # thread, num_warps. 0.318 ms against 0.439 for the Triton launch's best blocks and 0.342 for (16, 1, 4), the same
-# bits (Qwen3-30B-A3B, T = 16384, one H200, scripts/fp8_pass_probe.py: benchmarks/results/fp8_pass_probe_s21.txt).
+# bits (Qwen3-30B-A3B, T = 16384, one H200, scripts/fp8_pass_probe.py).
 DSWIGLU_COLS_GLUON_BLOCK = (32, 2, 4)
 # The one-pass form (kernels/swiglu_grad_fused.py): RB-row chunks of a 128-row tile, num_warps of its persistent
 # programs (one an SM).
 DSWIGLU_FUSED_BLOCK = (32, 8)
 # The x^T / dy^T gather-quantise pass: a 128-row tile x GATHER_COLS_T_BLOCK[0] columns per program, [1] warps (0.241
-# against 0.245 ms for 64 columns, 4 warps; fp8_pass_probe_s16.txt).
+# against 0.245 ms for 64 columns, 4 warps; scripts/fp8_pass_probe.py).
 GATHER_COLS_T_BLOCK = (32, 2)
 # Its Gluon form (kernels/gather_cols_t.py), the layer's on GPUs: BC columns a program, CPT columns a thread (one
 # 16-byte load), num_warps. 0.218 ms against 0.242 for the Triton launch's best blocks and 0.226-0.261 for the other
-# shapes tried, the same bits (Qwen3-30B-A3B, T = 16384, one H200: benchmarks/results/fp8_pass_probe_s21.txt).
+# shapes tried, the same bits (Qwen3-30B-A3B, T = 16384, one H200, scripts/fp8_pass_probe.py).
 GATHER_COLS_T_GLUON_BLOCK = (64, 8, 2)
 
 
@@ -419,9 +419,9 @@ def fp8_fc1_swiglu(
     a = silu(g) * u as a row-scaled QTensor [P, I]) in expert-sorted row order. ``use_ws=True``: the
     warp-specialised Hopper kernel (``kernels/fp8_fc1_ws.py``; an error where ``fp8_ws_launch.ws_fc1_unavailable``
     says it does not apply), ``None``: that kernel where it applies (the layer asks for that: 0.899 against 1.164 ms
-    at Qwen3-30B-A3B, T = 16384, fp8_probe_s15.txt). Otherwise the Triton kernel, with ``use_tma``:
+    at Qwen3-30B-A3B, T = 16384, scripts/fp8_probe.py). Otherwise the Triton kernel, with ``use_tma``:
     read W1 by TMA; off by default: for FC1 pointer loads measured as fast or faster (1.172 / 1.166 ms against
-    1.205 / 1.168 with TMA at Qwen3-30B-A3B, T = 16384, fp8_probe_s11_tma.txt / _wgrad_tma.txt)."""
+    1.205 / 1.168 with TMA at Qwen3-30B-A3B, T = 16384, two runs of scripts/fp8_probe.py)."""
     _check_plan(plan)
     num_pairs, hidden = plan.num_pairs, xq.data.shape[1]
     ng_out = cdiv(inter, fmt.group)
@@ -498,7 +498,7 @@ def fp8_grouped_gemm(
     """C[r] = scale[r] * A[src[r] if gather else r] @ B[e]^T with B the K-major operand [E, N, segments * K].
     ``use_ws=True``: run the warp-specialised Hopper kernel (``kernels/fp8_gemm_ws.py``, same bits); where it does
     not apply (``fp8_ws_launch.ws_gemm_unavailable``) that is an error. ``use_ws=None``: that kernel where it
-    applies, else the Triton one (the layer's FC2 and FC1 dgrad ask for that: fp8_probe_s13.txt). Otherwise the
+    applies, else the Triton one (the layer's FC2 and FC1 dgrad ask for that: scripts/fp8_probe.py). Otherwise the
     Triton kernel, with ``use_tma``: read B by TMA, and A too where it is not gathered and each segment's K is a
     multiple of 128 (a box must not run into the next segment); default: where the GPU can."""
     _check_plan(plan)
@@ -571,7 +571,7 @@ def fp8_fc2_dgrad(
     """The fp8 FC2 dgrad GEMM g_a = dy[src] @ W2[e] [P, I] in ``out_dtype``, from dyq [R, H] (row-scaled source rows)
     and w2q_bwd = quantize_w2_bwd(W2) [E, I, H]. The warp-specialised Hopper kernel where it applies (its producer
     warps gather dy's rows by cp.async): 0.490 against 0.542 ms for the Triton kernel at Qwen3-30B-A3B, T = 16384
-    (benchmarks/results/fp8_probe_s14.txt)."""
+    (scripts/fp8_probe.py --ws-only, one H200)."""
     _check_tile_space_plan(plan)
     return fp8_grouped_gemm(dyq, w2q_bwd, plan, fmt, out_dtype=out_dtype, gather=True, use_ws=None)
 
@@ -717,7 +717,7 @@ def fp8_dswiglu(
     read once, the same bits but for dw's last bits) or an error saying why not (``fused_dswiglu_unavailable``);
     None: that kernel where it applies. It is slower: 0.771 against 0.525 ms for the two launches in
     ``scripts/fp8_pass_probe.py``, the layer's backward GPU span 4.115 against 3.869 ms (Qwen3-30B-A3B, T = 16384,
-    one H200; benchmarks/results/fp8_pass_probe_s21.txt, backward_span_s21.txt)."""
+    one H200; scripts/backward_span.py on the profiled benchmark's trace)."""
     if _use_form(fused, "fused", "the one-pass SwiGLU backward", fused_dswiglu_unavailable, g_a, h, fmt):
         from ..kernels.swiglu_grad_fused import swiglu_backward_fused_kernel
 

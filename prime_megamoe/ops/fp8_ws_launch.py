@@ -7,14 +7,14 @@ segments (16 when A is gathered), and both operands TMA-readable. ``fp8_launch.f
 asking for it where it does not apply is an error that says why. The layer asks for it for FC2 and the FC1 dgrad,
 where it applies: with the default config (two 4-warp MMA partitions on the halves of each 128-row tile, TMA
 stores) FC2 took 0.468-0.483 ms against 0.576-0.580 for the Triton kernel and the FC1 dgrad 0.847-0.858 against
-1.063-1.070 (Qwen3-30B-A3B, T = 16384, one H200; benchmarks/results/fp8_probe_s13.txt, runs 4 and 5).
+1.063-1.070 (Qwen3-30B-A3B, T = 16384, one H200, two runs of scripts/fp8_probe.py --ws-only).
 The FC2 dgrad runs it too, its producer warps gathering dy's rows: 0.490 against 0.542 ms
-(benchmarks/results/fp8_probe_s14.txt). ``fp8_launch.fp8_grouped_wgrad(use_ws=...)`` likewise runs the
+(scripts/fp8_probe.py --ws-only). ``fp8_launch.fp8_grouped_wgrad(use_ws=...)`` likewise runs the
 weight-gradient kernel (``ws_wgrad_unavailable`` says where it cannot); the layer's two weight gradients ask for it:
-dW1 1.001 ms against 1.244 for the Triton kernel, dW2 0.536 against 0.693 (same file, run 4).
+dW1 1.001 ms against 1.244 for the Triton kernel, dW2 0.536 against 0.693 (the same probe).
 ``fp8_launch.fp8_fc1_swiglu(use_ws=...)`` runs the FC1 + SwiGLU kernel (``ws_fc1_unavailable``); the layer asks for
-it: 0.899 ms against 1.164 for the Triton kernel, same bits (benchmarks/results/fp8_probe_s15.txt; its first form,
-which gathered x's rows twice per tile, took 1.285 against 1.163: fp8_probe_s14.txt, run 5). All of them launch
+it: 0.899 ms against 1.164 for the Triton kernel, same bits (the same probe; its first form,
+which gathered x's rows twice per tile, took 1.285 against 1.163). All of them launch
 through the compiled-kernel cache (``compiled_launch.launch``).
 """
 
@@ -48,7 +48,7 @@ class WSConfig:
     stages: buffers of A (block_m x 128) and B (128 x 128) fp8. tma_store: tile parts holding only their expert's
     rows are stored by TMA, for outputs of 2-byte elements that TMA can write (a 4-byte output's buffers would not
     fit beside the ring; other outputs are stored from registers, the same values). scales_first: each step reads
-    its scales before issuing its wgmma (see ``_mma_step``): no faster (fp8_probe_s14.txt), so not the default.
+    its scales before issuing its wgmma (see ``_mma_step``): no faster (scripts/fp8_probe.py), so not the default.
     subs = 2: 256-column tiles whose two 128-column parts each MMA partition computes in turn, one accumulator
     each, so that every A box is read once per 256 output columns."""
 
@@ -85,8 +85,8 @@ WS_MMA_REGS = 232  # the second MMA partition's registers (halves = 2)
 WS_GATHER_LOAD_WARPS, WS_GATHER_LOAD_REGS, WS_GATHER_MMA_REGS = 4, 64, 216
 # The second (256 columns, 3 stages: a stage holds twice the B box) is every GEMM's default. Against the first (128
 # columns): FC2 0.465 against 0.485 ms, the FC1 dgrad 0.802 against 0.845, dW1 0.981 against 1.115, dW2 0.542
-# against 0.589 (fp8_probe_s19a.txt, fp8_probe_s19b.txt); the gathering FC2 dgrad 0.448-0.455 against 0.482-0.537
-# on three machines (fp8_probe_s20.txt; 0.474 against 0.476 on the machine of fp8_probe_s19b.txt). Same bits.
+# against 0.589 (scripts/fp8_probe.py --ws-only, one H200); the gathering FC2 dgrad 0.448-0.455 against 0.482-0.537
+# on three machines (0.474 against 0.476 on a fourth). Same bits.
 WS_CONFIGS = (
     WSConfig(128, 4, halves=2, tma_store=True),
     WSConfig(128, 3, halves=2, tma_store=True, subs=2),

@@ -325,7 +325,7 @@ class QuantizedRoutedExperts(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             w1q = cached_weight_operand(w1, "w1_bwd", fmt)
             # The warp-specialised Hopper kernel where it applies: 0.841 against 1.065 ms for the Triton kernel at
-            # Qwen3-30B-A3B, T = 16384 (benchmarks/results/fp8_probe_s14.txt).
+            # Qwen3-30B-A3B, T = 16384 (scripts/fp8_probe.py --ws-only, one H200).
             dx_sorted = fl.fp8_grouped_gemm(d.dh_rows, w1q, plan, fmt, out_dtype=rows.dtype, segments=2, use_ws=None)
             grad_rows, grad_weights = combine_with_pair_values(
                 dx_sorted, d.dw_row, plan, rows.dtype, ctx.weights_dtype if ctx.needs_input_grad[2] else None
@@ -336,7 +336,7 @@ class QuantizedRoutedExperts(torch.autograd.Function):
         d.dh_rows = None
         # Weight gradients from K-major fp8 operands; the gathered [H, tiles * 128] copies of x and dy are made one
         # at a time, each freed after its GEMM. The warp-specialised Hopper kernel where it applies: dW1 1.001 and
-        # dW2 0.536 ms against 1.244 and 0.693 for the Triton kernel (benchmarks/results/fp8_probe_s14.txt).
+        # dW2 0.536 ms against 1.244 and 0.693 for the Triton kernel (scripts/fp8_probe.py --ws-only).
         if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
             tiles = fl.expert_tile_offsets(plan)
             if ctx.needs_input_grad[3]:
