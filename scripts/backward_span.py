@@ -1,10 +1,9 @@
-"""The backward's GPU span in a benchmark trace (``--profile-dir`` of prime_megamoe.bench, one GPU):
+"""Usage: python scripts/backward_span.py DIR/profile_..._fp8.trace.json.gz [...]
 
-    python scripts/backward_span.py .../profile_..._fp8.trace.json.gz [...]
-
-The last step of the trace (from its last routing kernel: the forward with grad, then the backward): the backward is
-every kernel after the forward's combine. Prints its span (first start to last end), the kernels' summed time, and
-each kernel name's summed time, largest first.
+The backward's GPU span in a benchmark trace (``--profile-dir`` of prime_megamoe.bench, one GPU). The last step of
+the trace (from its last routing kernel: the forward with grad, then the backward): the backward is every kernel
+after the forward's combine. Prints its span (first start to last end), the kernels' summed time, and each kernel
+name's summed time, largest first.
 """
 
 from __future__ import annotations

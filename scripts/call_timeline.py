@@ -1,11 +1,10 @@
-"""When the host issued each kernel of one layer call, and when its stream reached it.
-
-    torchrun --nproc-per-node 2 scripts/call_timeline.py --shape qwen3-30b-a3b --tokens 16384 [--grad | --forward-grad]
-        [--profiler] [--repeat K] [--precision fp8]
+"""Usage: torchrun --nproc-per-node 2 scripts/call_timeline.py [--shape qwen3-30b-a3b] [--tokens 16384]
+        [--grad | --forward-grad] [--host-sections [--deep]] [--profiler] [--repeat K] [--precision fp8]
     python scripts/call_timeline.py --precision fp8 [--grad]      # one GPU (EP = 1)
 
-After warm-up, every rank synchronises, passes a barrier and makes one call (the no-grad forward, or with --grad a
-forward + backward), timed as the benchmark times a call (CUDA events from just before it).
+When the host issued each kernel of one layer call, and when its stream reached it. After warm-up, every rank
+synchronises, passes a barrier and makes one call (the no-grad forward, or with --grad a forward + backward), timed
+as the benchmark times a call (CUDA events from just before it).
 
 Default: every Triton launch records a CUDA event just before it, on the stream it launches on. Each rank prints,
 per launch, in us from the call's start: when the host issued it, when its stream got there (the work before it

@@ -1,12 +1,10 @@
-"""The FC2 dgrad + SwiGLU backward at a layer's expert-parallel shape, timed on one GPU (bf16):
+"""Usage: python scripts/dswiglu_probe.py [--shape qwen3-30b-a3b] [--tokens 16384] [--world 2]
 
-    python scripts/dswiglu_probe.py [--shape qwen3-30b-a3b] [--tokens 16384] [--world 2]
-
-The FC2 dgrad GEMM (autotuned ``grouped_gemm_kernel``), then the SwiGLU backward row pass (``kernels.swiglu_grad``)
-with several block shapes, each checked against the layer's own launch (dh, aw, dw) and timed. Rows are planned as
-rank 0 of ``--world`` ranks sees them (its local experts, one segment per source rank) and run piece by piece in the
-pipeline's order. (At commit e2f98d0 this script also timed the former fused kernel, the SwiGLU backward in the
-GEMM's epilogue: benchmarks/results/dswiglu_probe_s4.txt.)
+The FC2 dgrad + SwiGLU backward at a layer's expert-parallel shape, timed on one GPU (bf16): the FC2 dgrad GEMM
+(autotuned ``grouped_gemm_kernel``), then the SwiGLU backward row pass (``kernels.swiglu_grad``) with several block
+shapes, each checked against the layer's own launch (dh, aw, dw) and timed. Rows are planned as rank 0 of
+``--world`` ranks sees them (its local experts, one segment per source rank) and run piece by piece in the
+pipeline's order.
 """
 
 from __future__ import annotations

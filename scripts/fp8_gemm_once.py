@@ -1,6 +1,8 @@
-"""Run one fp8 row-tiled GEMM of the layer a few times, for a kernel profiler (one GPU, EP = 1):
+"""Usage: python scripts/fp8_gemm_once.py --gemm fc2|fc1 --kernel triton|ws [--block-m M] [--stages S] [--halves H]
 
-    ncu --clock-control none --kernel-name regex:fp8_grouped_gemm --launch-skip 2 --launch-count 1 \
+Run one fp8 row-tiled GEMM of the layer a few times, for a kernel profiler (one GPU, EP = 1), e.g.
+
+    ncu --clock-control none --kernel-name regex:fp8_grouped_gemm --launch-skip 2 --launch-count 1 \\
         python scripts/fp8_gemm_once.py --gemm fc2 --kernel ws
 
 ``--gemm fc1``: FC1 + SwiGLU (kernel names fp8_fc1_swiglu_kernel / fp8_fc1_swiglu_ws_kernel).

@@ -1,15 +1,14 @@
-"""The fp8 backward's memory-bound passes, each in several block shapes and warp counts, checked and timed at a
-layer's shape (one GPU, EP = 1):
-    python scripts/fp8_pass_probe.py [--shape qwen3-30b-a3b] [--tokens 16384]
-The passes: the quantising SwiGLU backward's row outputs (``dswiglu_rows``) and column outputs (``dswiglu_cols_t``:
-the Triton launch, and on a GPU its Gluon form, compared with the Triton launch), and the x^T gather-quantise pass
-(``quantize_sorted_cols_t``: the same two forms). Each config's outputs are compared bitwise with the
-default config's (a block shape changes no sum: same bits expected) and its time turned into GB/s of bytes read and
-written. The table ends with the best config per pass.
+"""Usage: python scripts/fp8_pass_probe.py [--shape qwen3-30b-a3b] [--tokens 16384]
+
+The fp8 backward's memory-bound passes, each in several block shapes and warp counts, checked and timed at a layer's
+shape (one GPU, EP = 1). The passes: the quantising SwiGLU backward's row outputs (``dswiglu_rows``) and column
+outputs (``dswiglu_cols_t``: the Triton launch, and on a GPU its Gluon form, compared with the Triton launch), and the
+x^T gather-quantise pass (``quantize_sorted_cols_t``: the same two forms). Each config's outputs are compared bitwise
+with the default config's (a block shape changes no sum: same bits expected) and its time turned into GB/s of bytes
+read and written. The table ends with the best config per pass.
 
 Timing: CUDA events around back-to-back launches of the pass alone (as the layer issues them; no L2 flush between
-them), outputs allocated by the launcher as in the layer. (Until the sixteenth session the timed function also copied
-the outputs for the comparison, which made the times 1.5-3.5x the in-layer profile's.)
+them), outputs allocated by the launcher as in the layer.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
-"""Every autotuning candidate of the fp8 kernels, checked and timed at a layer's shape (one GPU, EP = 1):
+"""Usage: python scripts/fp8_probe.py [--shape qwen3-30b-a3b] [--tokens 16384] [--pow2] [--ws-only] [--gemms dW1 dW2]
 
-    python scripts/fp8_probe.py [--shape qwen3-30b-a3b] [--tokens 16384] [--pow2] [--ws-only] [--gemms dW1 dW2]
-
-For each GEMM of the fp8 layer (FC1 + SwiGLU, FC2, FC2 dgrad, FC1 dgrad, the two weight gradients) each candidate of
-its kernel family runs alone (the autotuner is given that one config), with pointer loads and then with TMA reads
-("tma"), is checked bitwise against the first candidate with pointer loads (configs tile rows and columns
-differently but sum K in the same order) and timed. Then the quantising SwiGLU backward pass (its time past the FC2
-dgrad GEMM's) and the quantisation passes. The table ends with the best time per kernel and their sums: the kernels
-of one forward and one backward, without host time.
+Every autotuning candidate of the fp8 kernels, checked and timed at a layer's shape (one GPU, EP = 1). For each GEMM
+of the fp8 layer (FC1 + SwiGLU, FC2, FC2 dgrad, FC1 dgrad, the two weight gradients) each candidate of its kernel
+family runs alone (the autotuner is given that one config), with pointer loads and then with TMA reads ("tma"), is
+checked bitwise against the first candidate with pointer loads (configs tile rows and columns differently but sum K
+in the same order) and timed. Then the quantising SwiGLU backward pass (its time past the FC2 dgrad GEMM's) and the
+quantisation passes. The table ends with the best time per kernel and their sums: the kernels of one forward and one
+backward, without host time.
 """
 
 from __future__ import annotations

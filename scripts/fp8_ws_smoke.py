@@ -1,11 +1,13 @@
-"""The warp-specialised fp8 kernels launched once per case on small problems, each launch waited for under a
-watchdog, so that a launch that never finishes shows which case it was (and where Python waited) instead of
-stopping a test run at its time limit:
+"""Usage: python scripts/fp8_ws_smoke.py wgrad|fc1 [--watchdog 60] [--tokens 300] [--programs 1 3] [...]
 
     python scripts/fp8_ws_smoke.py wgrad [--watchdog 60] [--tokens 300] [--no-empty-expert] [--programs 1 3]
         [--configs 0 4] [--shapes 256x384]
     python scripts/fp8_ws_smoke.py fc1 [--watchdog 60] [--tokens 300] [--programs 1 3] [--stages 4 3]
         [--shapes 256x256]
+
+The warp-specialised fp8 kernels launched once per case on small problems, each launch waited for under a watchdog,
+so that a launch that never finishes shows which case it was (and where Python waited) instead of stopping a test
+run at its time limit.
 
 wgrad: ``fp8_grouped_wgrad_ws`` per WS_WGRAD_CONFIGS entry, shapes MxN of the gradient, against the Triton weight
 gradient (same bits in fp32). fc1: ``fp8_fc1_swiglu_ws`` with and without h, plain and power-of-two scales, shapes

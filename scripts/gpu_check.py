@@ -1,6 +1,6 @@
-"""Quick correctness check of the fused path on a GPU against a float64 reference (prints one line per case).
+"""Usage: python scripts/gpu_check.py [--shape qwen3-30b-a3b] [--tokens 4096]
 
-python scripts/gpu_check.py [--shape qwen3-30b-a3b] [--tokens 4096]
+Quick correctness check of the fused path on a GPU against a float64 reference (prints one line per case).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Expert-parallel correctness on GPUs: mega_moe over NCCL against a float64 reference of the whole layer.
+"""Usage: torchrun --nproc-per-node 2 scripts/gpu_check_ep.py
 
-    torchrun --nproc-per-node 2 scripts/gpu_check_ep.py
+Expert-parallel correctness on GPUs: mega_moe over NCCL against a float64 reference of the whole layer.
 Both transports run (symmetric memory and NCCL collectives), each twice: results must match the reference, be
 bitwise identical run to run, and bitwise identical between the transports. Then a stack of three layers (forwards
 of all three, then their backwards in reverse, as in training) must give bitwise the same output and gradients over

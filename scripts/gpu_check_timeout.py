@@ -1,7 +1,7 @@
-"""A peer that never arrives is an error, not a hang: rank 1 skips the layer, rank 0 must fail after its timeout.
+"""Usage: torchrun --nproc-per-node 2 scripts/gpu_check_timeout.py
 
-torchrun --nproc-per-node 2 scripts/gpu_check_timeout.py     (expected: rank 0 exits non-zero within seconds,
-                                                              printing the timed-out wait's rank and peer)
+A peer that never arrives is an error, not a hang: rank 1 skips the layer, rank 0 must fail after its timeout
+(expected: rank 0 exits non-zero within seconds, printing the timed-out wait's rank and peer).
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""Can the layer's no-grad forward be captured in a CUDA graph, and what does a replay take against an eager call?
+"""Usage: python scripts/graph_probe.py [--shape qwen3-30b-a3b] [--tokens 16384] [--precisions fp8 bf16] [--iters 20]
 
-    python scripts/graph_probe.py [--shape qwen3-30b-a3b] [--tokens 16384] [--precisions fp8 bf16] [--iters 20]
-
+Can the layer's no-grad forward be captured in a CUDA graph, and what does a replay take against an eager call?
 One GPU, EP = 1, the benchmark's inputs (``bench.make_workload``). Per precision: the eager forward is warmed up on a
 side stream (autotuning, compiled launches, pooled plans), its output kept, then one forward is captured with
 ``torch.cuda.graph``. A capture that fails prints its error (the step of the forward that cannot be captured: a host
@@ -11,9 +10,8 @@ graph is replayed and its output compared bitwise with the eager one; then both 
 (synchronised before each call, CUDA events, median) and back to back (``--iters`` calls between two events). A table
 comes last.
 
-A single forward now waits on the host for a few hundred microseconds before its first GEMM (BENCHMARKS.md,
-"Sixteenth session"); a replay issues the whole forward in one launch, so this probe measures what capture would
-give a trainer that captures the layer.
+A single forward waits on the host for a few hundred microseconds before its first GEMM; a replay issues the whole
+forward in one launch, so this probe measures what capture would give a trainer that captures the layer.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
-"""Where the host time of one MoE layer call goes (cProfile), for a benchmark workload.
+"""Usage: torchrun --nproc-per-node 2 scripts/host_overhead.py [--shape qwen3-30b-a3b] [--tokens 16384] [--grad]
+        [--no-profile] [--sort tottime] [--calls N]
 
-    torchrun --nproc-per-node 2 scripts/host_overhead.py --shape qwen3-30b-a3b --tokens 16384 [--grad] [--no-profile]
-        [--sort tottime]
-
-Rank 0 prints the functions with the most cumulative (or, with ``--sort tottime``, own) host time over ``--calls``
-calls, after warm-up (compiled and autotuned kernels). ``--no-profile`` only times single calls, each after a sync
-and a barrier as the benchmark's one-call figures are: every rank prints the median host time from the call's start
-to the return of its first FC1 launch (until then the GPU has nothing long to run) and to the call's return. The GPU
-work is not timed here; see prime_megamoe.bench.
+Where the host time of one MoE layer call goes (cProfile), for a benchmark workload. Rank 0 prints the functions with
+the most cumulative (or, with ``--sort tottime``, own) host time over ``--calls`` calls, after warm-up (compiled and
+autotuned kernels). ``--no-profile`` only times single calls, each after a sync and a barrier as the benchmark's
+one-call figures are: every rank prints the median host time from the call's start to the return of its first FC1
+launch (until then the GPU has nothing long to run) and to the call's return. The GPU work is not timed here; see
+prime_megamoe.bench.
 """
 
 from __future__ import annotations

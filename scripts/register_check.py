@@ -1,9 +1,12 @@
-"""Compile a package kernel for Hopper (sm_90) on a machine without a GPU and print its registers, spills and shared
-memory, per config: a register-pressure check before spending GPU time.
+"""Usage: python scripts/register_check.py MODULE:KERNEL [--constexprs JSON] [--config BM,BN,BK,WARPS,STAGES ...]
+        [--ones NAME ...] [--types JSON] [--sass] [--listing FILE]
 
-    python scripts/register_check.py prime_megamoe.kernels.grouped_gemm:grouped_gemm_kernel \
+Compile a package kernel for Hopper (sm_90) on a machine without a GPU and print its registers, spills and shared
+memory, per config: a register-pressure check before spending GPU time. For example:
+
+    python scripts/register_check.py prime_megamoe.kernels.grouped_gemm:grouped_gemm_kernel \\
         --constexprs '{"GATHER_A": true, "SCALE_ROWS": true, "CAST_F32": false, "IEEE": false, "TILE_M": 128,
-                       "PERSISTENT": false}' \
+                       "PERSISTENT": false}' \\
         --config 128,128,64,8,4 --config 128,256,64,8,3 --ones stride_bn
 
 Each --config is BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages (for kernels with those block names). Arguments are

@@ -1,7 +1,6 @@
-"""Per-stage GPU timeline of the last 2F+1B step in a benchmark trace (``--profile-dir`` of prime_megamoe.bench).
+"""Usage: python scripts/trace_stages.py DIR/profile_..._symmetric_memory.trace.json.gz
 
-    python scripts/trace_stages.py benchmarks/results/profile_..._symmetric_memory.trace.json.gz
-
+Per-stage GPU timeline of the last 2F+1B step in a benchmark trace (``--profile-dir`` of prime_megamoe.bench).
 Prints each GPU operation of the last step (start and duration in us from the step's first routing kernel, the
 stream, the name), then per stream: busy time, time spent in GPU-to-GPU copies, and how much of the copy time ran
 while the other stream was computing.

@@ -1,7 +1,6 @@
-"""Every autotuning candidate of the weight-gradient kernel, checked and timed at a layer's shape (one GPU, bf16).
+"""Usage: python scripts/wgrad_probe.py [--shape qwen3-30b-a3b] [--tokens 16384] [--segments 2] [--experts 64]
 
-    python scripts/wgrad_probe.py [--shape qwen3-30b-a3b] [--tokens 16384] [--segments 2] [--experts 64]
-
+Every autotuning candidate of the weight-gradient kernel, checked and timed at a layer's shape (one GPU, bf16).
 For dW1 = dh^T x[src] (x gathered) and dW2 = dy[src]^T aw, with ragged routing (expert 0 gets no rows, so its
 gradient must be zeros): the error of each candidate against a float32 per-expert reference, its time and TFLOP/s.
 ``--segments 2`` plans the rows as two source blocks, as expert parallelism over two ranks does; ``--experts 64``
