@@ -21,9 +21,9 @@ program an SM. With eight warps it ran at ~30% of the SM's issue rate: 0.771 ms 
 (``scripts/fp8_pass_probe.py``), and in the layer's profile 752 against 519 us. With
 sixteen warps (125 registers) it took 1.003 ms: the per-item work (column reductions over more warps, the scales)
 grows to ~93 instructions an element in all. So the layer keeps the two launches (``fp8_launch.fp8_dswiglu``'s
-``fused`` is False by default). Two earlier forms were slower still (BENCHMARKS.md, fifteenth and twenty-first
-sessions): the inputs kept in shared memory with layout conversions (0.797 ms, 1.110 in the twenty-first session's
-probe), and a persistent form that evaluated the derivative in both sweeps (1.4-3.8 ms).
+``fused`` is False by default). Two earlier forms were slower still (``scripts/fp8_pass_probe.py``): the inputs
+kept in shared memory with layout conversions (0.797 ms, 1.110 in another run of the probe), and a persistent form
+that evaluated the derivative in both sweeps (1.4-3.8 ms).
 
 The arithmetic is the Triton pass's, in its order, so every output is the same bits but dw_partial, whose 128-column
 sums run in another order (last bits). Rows past the tile's expert load zeros: the cols_t layout stores zeros there,

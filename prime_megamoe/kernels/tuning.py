@@ -95,7 +95,7 @@ def autotune_configs(kind: str) -> list[triton.Config]:
     m = tile_m()
     h = m // 2  # half-tile programs (grouped_gemm.tile_rows): fewer accumulator registers, wider column blocks
     if kind == "fc1":  # gate and up per tile: two accumulators, or one twice as wide (ONE_DOT; at Qwen3-30B-A3B,
-        # T = 16384, EP = 2 the persistent ONE_DOT program leads: 0.549 against 0.634 ms a piece, BENCHMARKS.md)
+        # T = 16384, EP = 2 the persistent ONE_DOT program leads: 0.549 against 0.634 ms a piece, autotuner timings)
         return [
             _cfg(m, 128, 64, 8, 3, PERSISTENT=False, ONE_DOT=False),
             _cfg(m, 128, 64, 8, 3, PERSISTENT=True, ONE_DOT=False),

@@ -47,7 +47,7 @@ def own_split(num_local: int) -> int:
     """Local experts [0, split) form the own block's first piece, the rest its last. Three quarters first: the host
     issues the push, the peers' routing plans and their first GEMMs while the GPU computes that piece, and a single
     call is host-bound (an even split left the GPU idle there, 3.37-3.52 against 3.21-3.27 ms forward in an A/B on
-    one machine, BENCHMARKS.md); the last quarter still outlasts the return of the last peer's results."""
+    one machine, prime_megamoe.bench); the last quarter still outlasts the return of the last peer's results."""
     return num_local * 3 // 4
 
 
