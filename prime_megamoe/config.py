@@ -33,18 +33,27 @@ class _Strict(BaseModel):
 
 
 class DispatchConfig(_Strict):
-    """Backend options for the MoE dispatch (``[model.moe.dispatch]``)."""
+    """Backend options for the MoE dispatch (``[model.moe.dispatch]``). The field names and defaults of prime-rl's
+    ``[model.moe.dispatch]`` table (``type``, ``max_tokens_per_rank``, ``num_sms``, ``fp8``, ``capacity_factor``) mean
+    the same here, so one table serves both trainers."""
 
     type: DispatchType = "mega_moe"
-    # Static capacity: the most tokens one rank may pass to the layer in one call. Buffers are sized from it.
-    max_tokens_per_rank: int = Field(default=16384, gt=0)
-    # Streaming multiprocessors the fused kernels may use (None: all of them). Reserved: any other value is rejected
-    # at the first call until the kernels can be limited.
+    # The most tokens one rank may pass to the layer in one call (a hard capacity: more is an error naming this key).
+    # None: no limit without expert parallelism; over EP, the largest call so far sizes the exchange buffers (they
+    # grow, once, when a call brings more tokens). The reference trainer sets it to its tokens per rank.
+    max_tokens_per_rank: int | None = Field(default=None, gt=0)
+    # Streaming multiprocessors the fused kernels may use (None: all of them): every launch's grid stays within it,
+    # leaving the rest to work that overlaps the layer (collectives of other parallelisms).
     num_sms: int | None = Field(default=None, gt=0)
+    # prime-rl's switch for fp8 experts: true means [model.moe] precision = "fp8".
+    fp8: bool = False
+    # prime-rl's row pools of its fp8 kernel hold capacity_factor * max_tokens_per_rank * top_k routed rows; this
+    # layer's buffers hold every routed row (nothing is dropped), so the value is checked (> 0) and has no effect.
+    capacity_factor: float = Field(default=1.25, gt=0)
     # Sum each token's k contributions in a fixed order (no float atomics): bitwise reproducible. The only mode so
     # far: false is rejected at the first call.
     deterministic: bool = True
-    # How top_k_index is checked against [0, E) on a GPU. False (default): a device-side assertion, no host sync, so
+    # How top_k_index is checked against [-1, E) on a GPU. False (default): a device-side assertion, no host sync, so
     # the layer stays asynchronous and capturable in a CUDA graph. True: a host-side check with a readable message
     # (one device sync per call), for debugging. CPU tensors are always checked on the host.
     validate_routing: bool = False
@@ -73,6 +82,19 @@ class MoEConfig(_Strict):
         if isinstance(value, str):
             return {"type": value}
         return value
+
+    @model_validator(mode="after")
+    def _fp8_switch(self) -> MoEConfig:
+        """prime-rl's ``[model.moe.dispatch] fp8 = true`` selects the fp8 experts; it agrees with an explicit
+        ``precision`` or sets it."""
+        if self.dispatch.fp8 and self.precision != "fp8":
+            if "precision" in self.model_fields_set:
+                raise ValueError(
+                    f"[model.moe.dispatch] fp8 = true asks for fp8 experts but [model.moe] precision = "
+                    f"{self.precision!r}; remove one of the two keys"
+                )
+            object.__setattr__(self, "precision", "fp8")  # (validate_assignment would re-enter this validator)
+        return self
 
 
 class ModelConfig(_Strict):

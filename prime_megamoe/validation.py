@@ -105,29 +105,31 @@ def check_expert_inputs(
 
 
 def check_expert_ids(top_k_index: torch.Tensor, num_experts: int, *, sync: bool) -> None:
-    """Every id must lie in [0, num_experts). ``sync`` checks on the host (clear message, one device sync);
-    otherwise a device-side assertion keeps the call free of host syncs (on a GPU, or in the Triton interpreter:
-    a flag, one small kernel and the assertion, three launches where the elementwise checks took six)."""
+    """Every id must lie in [0, num_experts), or be -1: an empty slot (a dropped token-expert pair, which adds
+    nothing to the output and gets a zero weight gradient). ``sync`` checks on the host (clear message, one device
+    sync); otherwise a device-side assertion keeps the call free of host syncs (on a GPU, or in the Triton
+    interpreter: a flag, one small kernel and the assertion, three launches where the elementwise checks took six)."""
     if top_k_index.numel() == 0:
         return
-    message = f"top_k_index holds an expert id outside [0, {num_experts})"
+    message = f"top_k_index holds an expert id outside [0, {num_experts}) that is not -1 (an empty slot)"
     if not sync and (top_k_index.is_cuda or interpreting()):
         torch._assert_async(expert_ids_in_range(top_k_index, num_experts), message)
         return
-    bad = (top_k_index < 0) | (top_k_index >= num_experts)
+    bad = (top_k_index < -1) | (top_k_index >= num_experts)
     if sync:
         if bool(bad.any()):
             first = top_k_index[bad][0].item()
             raise ValueError(
-                f"top_k_index holds expert id {first}, outside [0, {num_experts}); ids are global: E = "
-                f"E_local * ep_size = {num_experts}"
+                f"top_k_index holds expert id {first}, outside [0, {num_experts}) and not -1 (an empty slot); ids "
+                f"are global: E = E_local * ep_size = {num_experts}"
             )
     else:
         torch._assert_async(~bad.any(), message)
 
 
 def expert_ids_in_range(top_k_index: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """int32 [1] on the ids' device: 1 if every id lies in [0, num_experts), else 0; computed on the device."""
+    """int32 [1] on the ids' device: 1 if every id lies in [0, num_experts) or is -1, else 0; computed on the
+    device."""
     ok = torch.ones(1, dtype=torch.int32, device=top_k_index.device)
     block = 64 if interpreting() else 4096
     launch(

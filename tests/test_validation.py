@@ -46,7 +46,7 @@ def test_valid_inputs_pass():
 
 
 @pytest.mark.parametrize("dispatch", DISPATCH_TYPES)
-@pytest.mark.parametrize("bad_id", [E, E + 7, -1])
+@pytest.mark.parametrize("bad_id", [E, E + 7, -2])
 def test_expert_id_out_of_range(dispatch, bad_id):
     x, index, weights, w1, w2 = make_inputs(seed=1)
     index[T // 2, 1] = bad_id
@@ -99,11 +99,14 @@ def test_expert_ids_in_range_flag(dtype):
     if torch.cuda.is_available():  # compiled on a GPU machine, interpreted on CPU
         ids = ids.cuda()
     assert expert_ids_in_range(ids, 6).tolist() == [1]
-    for where, bad in (((66, 2), 6), ((0, 0), -1), ((40, 1), 1000)):  # last id, first id, one in between
+    for where, bad in (((66, 2), 6), ((0, 0), -2), ((40, 1), 1000)):  # last id, first id, one in between
         wrong = ids.clone()
         wrong[where] = bad
         assert expert_ids_in_range(wrong, 6).tolist() == [0], (where, bad)
     assert expert_ids_in_range(ids[:1, :1], 6).tolist() == [1]
+    empty = ids.clone()
+    empty[(3, 1)] = -1  # an empty slot is a valid id
+    assert expert_ids_in_range(empty, 6).tolist() == [1]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -64,6 +64,28 @@ def exchange_blocks(blocks: torch.Tensor, group, timeout_s: float | None = None,
     return out
 
 
+_HOST_GROUPS: dict[int, tuple] = {}
+
+
+def host_max(value: int, group) -> int:
+    """The largest ``value`` over the ranks of ``group``, known on the host of every rank. A gloo group reduces it
+    itself; for another backend (NCCL) a gloo group of the same ranks is made once (only its members take part), so
+    the answer needs no device sync."""
+    host_group = group
+    if dist.get_backend(group) != "gloo":
+        found = _HOST_GROUPS.get(id(group))
+        if found is None:
+            ranks = dist.get_process_group_ranks(group)
+            found = _HOST_GROUPS[id(group)] = (
+                group,
+                dist.new_group(ranks, backend="gloo", use_local_synchronization=True),
+            )
+        host_group = found[1]
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=host_group)
+    return int(t)
+
+
 _CHECKED_GROUPS: set[int] = set()
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .symmetric_memory import SymmetricMemoryTransport
+from .symmetric_memory import SymmetricMemoryTransport, release_workspaces
 from .transport import CollectiveTransport, Transport
 
 _TRANSPORTS: dict[tuple, tuple] = {}
@@ -21,6 +21,14 @@ def make_transport(name: str, group, capacity: int, device: torch.device, timeou
     transport = _make_transport(name, group, capacity, device, timeout_s)
     _TRANSPORTS[key] = (group, transport)  # the group is kept alive with its entry, so its id is never reused
     return transport
+
+
+def release_transports(group) -> None:
+    """Forget the transports (and their symmetric-memory workspaces) of ``group``: the next call makes new ones.
+    Rounds in flight keep theirs alive until their autograd graphs are freed."""
+    for key in [key for key, (g, _) in _TRANSPORTS.items() if g is group]:
+        del _TRANSPORTS[key]
+    release_workspaces(group)
 
 
 def _make_transport(name: str, group, capacity: int, device: torch.device, timeout_s: float) -> Transport:

@@ -150,6 +150,12 @@ class SymmetricWorkspace:
 _WORKSPACES: dict[tuple, SymmetricWorkspace] = {}
 
 
+def release_workspaces(group) -> None:
+    """Forget the workspaces of ``group`` (see ``factory.release_transports``)."""
+    for key in [key for key in _WORKSPACES if key[0] == group.group_name]:
+        del _WORKSPACES[key]
+
+
 def workspace_info() -> list[dict]:
     """Every symmetric-memory workspace allocated in this process and its size per rank."""
     return [
@@ -180,6 +186,9 @@ class SymmetricMemoryTransport(Transport):
         if ws is None:
             ws = _WORKSPACES[key] = SymmetricWorkspace(self.group, self.capacity, hidden, top_k, dtype, self.device)
         return ws
+
+    def reserve(self, hidden, top_k, dtype):
+        self.workspace = self._workspace(hidden, top_k, dtype)
 
     def start(self, block, routing, kinds, top_k, *, keep=False, read_own=False):
         ws = self.workspace

@@ -47,6 +47,12 @@ class Transport:
         # Buffers the layer keeps per transport and reuses round after round (``ep_pipeline.lease_forward_plan``)
         self.reused: dict = {}
 
+    def reserve(self, hidden: int, top_k: int, dtype: torch.dtype) -> None:
+        """Allocate now what rounds of blocks [C, hidden] in ``dtype`` with ``top_k`` routing will need (a
+        collective operation where there is anything to allocate: every rank of the group calls it together), so
+        that no first call allocates it (inside a checkpointed forward, a collective there would desync the
+        recompute). Nothing to do for transports without buffers of their own."""
+
     def source_order(self) -> list[int]:
         """This rank's own block first (nothing to wait for), then the peers in ring order."""
         return [(self.rank + i) % self.world for i in range(self.world)]

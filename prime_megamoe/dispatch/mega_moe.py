@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..comm.capacity import exchange_capacity
 from ..comm.collectives import check_group_within_node
 from ..comm.factory import make_transport
 from ..config import DispatchConfig
@@ -49,7 +50,7 @@ def mega_moe_experts(
             hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, expert_base=0, tile_m=tile_m()
         )
     check_group_within_node(group)
-    capacity, timeout = options.max_tokens_per_rank, options.comm_timeout_s
+    capacity, timeout = exchange_capacity(options.max_tokens_per_rank, group, hidden_states), options.comm_timeout_s
     if precision == "bf16":
         # Dispatch, expert GEMMs and combine pipelined per source rank (ops/ep_pipeline.py).
         transport = make_transport(options.transport, group, capacity, hidden_states.device, timeout)

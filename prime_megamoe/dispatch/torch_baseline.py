@@ -62,14 +62,18 @@ def torch_experts(
     world = 1 if group is None else dist.get_world_size(group)
     num_experts = num_local * world
 
+    # Empty slots (id -1) sort last, under a key past every expert, and are left out of the exchange and the GEMMs.
     flat_expert = top_k_index.reshape(-1).long()
+    flat_expert = torch.where(flat_expert < 0, num_experts, flat_expert)
     order = torch.argsort(flat_expert, stable=True)  # (token, slot) pairs grouped by expert, then by pair index
+    counts_per_expert = torch.bincount(flat_expert, minlength=num_experts + 1)[:num_experts]
+    counts = counts_per_expert.tolist()  # a host sync, as the split sizes below need anyway
+    order = order[: sum(counts)]
     token_of_pair = order // top_k
     send_rows = hidden_states[token_of_pair]
-    counts_per_expert = torch.bincount(flat_expert, minlength=num_experts)
 
     if world == 1:
-        out_sorted = swiglu_experts(send_rows, gate_up_proj, down_proj, counts_per_expert.tolist())
+        out_sorted = swiglu_experts(send_rows, gate_up_proj, down_proj, counts)
     else:
         # Exchange how many rows each rank sends to each of the receiver's local experts.
         recv_counts = torch.empty_like(counts_per_expert)
@@ -90,6 +94,7 @@ def torch_experts(
         out_recv = torch.empty_like(out_expert_major).index_copy(0, expert_major, out_expert_major)
         out_sorted = all_to_all_variable(out_recv, send_splits, recv_splits, group)
 
-    out_pairs = torch.empty_like(out_sorted).index_copy(0, order, out_sorted).view(num_tokens, top_k, hidden)
+    out_pairs = out_sorted.new_zeros(num_tokens * top_k, hidden).index_copy(0, order, out_sorted)
+    out_pairs = out_pairs.view(num_tokens, top_k, hidden)
     weighted = out_pairs * top_k_weights.to(out_pairs.dtype).unsqueeze(-1)
     return weighted.sum(dim=1).to(hidden_states.dtype)

@@ -245,10 +245,11 @@ def routing_place_kernel(
 
 @triton.jit
 def expert_ids_in_range_kernel(index_ptr, ok_ptr, num_ids, num_experts, BLOCK: tl.constexpr):
-    """ok[0] (set to 1 before the launch) becomes 0 if any id lies outside [0, num_experts). A program per BLOCK
-    ids; every program that finds one stores the same 0, so the order of their stores does not matter."""
+    """ok[0] (set to 1 before the launch) becomes 0 if any id lies outside [-1, num_experts) (-1: an empty slot). A
+    program per BLOCK ids; every program that finds one stores the same 0, so the order of their stores does not
+    matter."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ids = tl.load(index_ptr + offs, mask=offs < num_ids, other=0)
-    bad = ((ids < 0) | (ids >= num_experts)).to(tl.int32)
+    bad = ((ids < -1) | (ids >= num_experts)).to(tl.int32)
     if tl.max(bad, 0) > 0:
         tl.store(ok_ptr, 0)

@@ -69,7 +69,7 @@ def validate(cfg: Config, source, world: int, local_world: int) -> None:
             "batch_size / ranks sequences"
         )
     tokens = cfg.train.batch_size // world * cfg.train.seq_len
-    if tokens > moe.dispatch.max_tokens_per_rank:
+    if moe.dispatch.max_tokens_per_rank is not None and tokens > moe.dispatch.max_tokens_per_rank:
         raise ConfigError(
             f"{tokens} tokens per rank per step (train.batch_size / ranks * train.seq_len) exceed "
             f"[model.moe.dispatch] max_tokens_per_rank = {moe.dispatch.max_tokens_per_rank}; raise it or use a "
@@ -167,6 +167,8 @@ def train(cfg: Config, *, progress_bar: bool | None = None) -> list[dict]:
 def _run(cfg: Config, rt: Runtime, source, dataset, out_dir: Path, resume_path, progress_bar) -> list[dict]:
     compute_dtype = DTYPES[cfg.model.dtype]
     moe = cfg.model.moe
+    if moe.dispatch.max_tokens_per_rank is None:  # unset: this run's tokens per rank, as prime-rl reads it
+        moe.dispatch.max_tokens_per_rank = cfg.train.batch_size // rt.world * cfg.train.seq_len
     model, needs_init = build_model(
         source,
         experts_implementation=moe.dispatch.type,
