@@ -23,6 +23,7 @@ from prime_megamoe.ops.fp8_ws_launch import (
     WS_LOAD_REGS,
     WS_MMA_REGS,
     WS_WGRAD_CONFIGS,
+    WS_WGRAD_DEFAULT,
     fp8_fc1_swiglu_ws,
     fp8_grouped_gemm_ws,
     fp8_grouped_wgrad_ws,
@@ -354,8 +355,14 @@ def test_ws_fc1_on_a_rank_that_receives_nothing():
 # ----------------------------------------------------------------------------------------------------------------
 # The weight gradient (kernels/fp8_wgrad_ws.py): the layer's dW1 and dW2 on Hopper
 # ----------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("cfg", WS_WGRAD_CONFIGS, ids=_config_id)
-def test_ws_wgrad_kernel_compiles_for_hopper_with_its_register_split(cfg):
+WGRAD_CASES = [(cfg, False) for cfg in WS_WGRAD_CONFIGS] + [(WS_WGRAD_DEFAULT, True)]
+
+
+@pytest.mark.parametrize(
+    "cfg,tile_list", WGRAD_CASES, ids=[_config_id(c) + ("_tile_list" if t else "") for c, t in WGRAD_CASES]
+)
+def test_ws_wgrad_kernel_compiles_for_hopper_with_its_register_split(cfg, tile_list):
+    """Every config, and the layer's with the tile list of an expert-parallel (several-segment) plan."""
     _assert_compiles_with_register_split(
         "prime_megamoe.kernels.fp8_wgrad_ws:fp8_grouped_wgrad_ws_kernel",
         cfg,
@@ -364,10 +371,11 @@ def test_ws_wgrad_kernel_compiles_for_hopper_with_its_register_split(cfg):
             "HALVES": cfg.halves,
             "SUBS": cfg.subs,
             "TMA_STORE": cfg.tma_store,
+            "TILE_LIST": tile_list,
             "LOAD_REGS": WS_LOAD_REGS,
             "MMA_REGS": WS_MMA_REGS,
         },
-        {"as_ptr": "*fp32", "bs_ptr": "*fp32", "c_ptr": "*bf16", "expert_tiles_ptr": "*i32"},
+        {"as_ptr": "*fp32", "bs_ptr": "*fp32", "c_ptr": "*bf16", "expert_tiles_ptr": "*i32", "tiles_ptr": "*i32"},
     )
 
 

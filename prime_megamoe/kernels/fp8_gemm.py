@@ -394,13 +394,34 @@ def fp8_grouped_gemm_kernel(
 #   Experts with no rows get zeros.
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
+def _wgrad_tile(tiles_ptr, j, t_end, TILE_LIST: tl.constexpr):
+    """Row tile of step j of an expert's reduction: j itself (the expert's tiles are consecutive), or the j-th entry
+    of the tile list (a multi-segment plan: the expert's tiles of every segment, in segment order); 0 past t_end."""
+    if TILE_LIST:
+        return tl.load(tiles_ptr + j, mask=j < t_end, other=0)
+    return j
+
+
+@triton.jit
 def _wgrad_scales(
-    as_ptr, bs_ptr, t, t_end, offs_m, offs_n, m_mask, n_mask, stride_asr, stride_bsr, MX: tl.constexpr, G: tl.constexpr
+    as_ptr,
+    bs_ptr,
+    t,
+    j,
+    t_end,
+    offs_m,
+    offs_n,
+    m_mask,
+    n_mask,
+    stride_asr,
+    stride_bsr,
+    MX: tl.constexpr,
+    G: tl.constexpr,
 ):
-    """Scales of row tile t of both wgrad operands (none past t_end): fp8 [BLOCK_M], [BLOCK_N] fp32; MX
-    [BLOCK_M, G], [BLOCK_N, G] e8m0."""
-    m_ok = m_mask & ((offs_m * 0 + t) < t_end)  # (a vector compare: the mask must be a tensor)
-    n_ok = n_mask & ((offs_n * 0 + t) < t_end)
+    """Scales of row tile t (step j of the reduction; none past t_end) of both wgrad operands: fp8 [BLOCK_M],
+    [BLOCK_N] fp32; MX [BLOCK_M, G], [BLOCK_N, G] e8m0."""
+    m_ok = m_mask & ((offs_m * 0 + j) < t_end)  # (a vector compare: the mask must be a tensor)
+    n_ok = n_mask & ((offs_n * 0 + j) < t_end)
     if MX:
         blk = t * G + tl.arange(0, G)
         sa = tl.trans(tl.load(as_ptr + blk[:, None] * stride_asr + offs_m[None, :], mask=m_ok[None, :], other=127))
@@ -422,6 +443,7 @@ def fp8_grouped_wgrad_kernel(
     bs_ptr,
     c_ptr,
     expert_tiles_ptr,
+    tiles_ptr,
     M,
     N,
     M_BUCKET,
@@ -435,6 +457,7 @@ def fp8_grouped_wgrad_kernel(
     MX: tl.constexpr,
     GROUP_R: tl.constexpr,
     USE_TMA: tl.constexpr,
+    TILE_LIST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -449,28 +472,29 @@ def fp8_grouped_wgrad_kernel(
     m0, n0 = pid_m * BLOCK_M, pid_n * BLOCK_N
     t_begin = tl.load(expert_tiles_ptr + expert)
     t_end = tl.load(expert_tiles_ptr + expert + 1)
-    k0 = t_begin.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + k0[None, :]
-    b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + k0[None, :]
+    t = _wgrad_tile(tiles_ptr, t_begin, t_end, TILE_LIST)
+    k0 = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + k0[None, :]
+    b_rows = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + k0[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # Each tile's scales are loaded one tile ahead: their latency hides behind the previous tile's MMA.
     sa, sb = _wgrad_scales(
-        as_ptr, bs_ptr, t_begin, t_end, offs_m, offs_n, m_mask, n_mask, stride_asr, stride_bsr, MX, G
+        as_ptr, bs_ptr, t, t_begin, t_end, offs_m, offs_n, m_mask, n_mask, stride_asr, stride_bsr, MX, G
     )
-    for t in range(t_begin, t_end):
+    for j in range(t_begin, t_end):
         # Padding rows of the tile are zeros in memory: no row mask.
         if USE_TMA:  # boxes past M or N read zeros at the tensor's end
             a = a_desc.load([m0, t * BLOCK_K])
             b = b_desc.load([n0, t * BLOCK_K])
         else:
-            a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=n_mask[:, None], other=0.0)
+            a = tl.load(a_rows + t.to(tl.int64) * BLOCK_K, mask=m_mask[:, None], other=0.0)
+            b = tl.load(b_rows + t.to(tl.int64) * BLOCK_K, mask=n_mask[:, None], other=0.0)
+        t_next = _wgrad_tile(tiles_ptr, j + 1, t_end, TILE_LIST)
         sa1, sb1 = _wgrad_scales(
-            as_ptr, bs_ptr, t + 1, t_end, offs_m, offs_n, m_mask, n_mask, stride_asr, stride_bsr, MX, G
+            as_ptr, bs_ptr, t_next, j + 1, t_end, offs_m, offs_n, m_mask, n_mask, stride_asr, stride_bsr, MX, G
         )
         acc = _scaled_mma(acc, a, sa, tl.trans(b), sb, MX, False)
         sa, sb = sa1, sb1
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+        t = t_next
     c_ptrs = c_ptr + expert.to(tl.int64) * stride_ce + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])

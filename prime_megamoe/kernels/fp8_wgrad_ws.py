@@ -60,12 +60,14 @@ def _wgrad_load_partition(
     as_ptr,
     bs_ptr,
     expert_tiles_ptr,
+    tiles_ptr,
     M,
     N,
     E,
     stride_asr,
     stride_bsr,
     HALVES: gl.constexpr,
+    TILE_LIST: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]  # rows of one MMA partition's A box
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -83,7 +85,11 @@ def _wgrad_load_partition(
         t_end = gl.load(expert_tiles_ptr + expert + 1)
         rows = m0 + gl.arange(0, TILE_ROWS, layout=vec_layout)
         cols = n0 + gl.arange(0, BLOCK_N, layout=vec_layout)
-        for kt in range(t_begin, t_end):
+        for j in range(t_begin, t_end):
+            if TILE_LIST:  # the expert's tiles of every segment, in segment order
+                kt = gl.load(tiles_ptr + j)
+            else:  # the expert's tiles are consecutive
+                kt = j
             s = it % STAGES
             # A buffer is free once the MMAs that read it are done; a fresh mbarrier counts as phase 1 done.
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
@@ -313,6 +319,7 @@ def fp8_grouped_wgrad_ws_kernel(
     bs_ptr,
     c_ptr,
     expert_tiles_ptr,
+    tiles_ptr,
     M,
     N,
     E,
@@ -325,6 +332,7 @@ def fp8_grouped_wgrad_ws_kernel(
     HALVES: gl.constexpr,
     SUBS: gl.constexpr,
     TMA_STORE: gl.constexpr,
+    TILE_LIST: gl.constexpr,
     LOAD_REGS: gl.constexpr,
     MMA_REGS: gl.constexpr,
     num_warps: gl.constexpr,
@@ -380,12 +388,14 @@ def fp8_grouped_wgrad_ws_kernel(
                         as_ptr,
                         bs_ptr,
                         expert_tiles_ptr,
+                        tiles_ptr,
                         M,
                         N,
                         E,
                         stride_asr,
                         stride_bsr,
                         HALVES,
+                        TILE_LIST,
                     ),
                 ),
             ],
@@ -459,12 +469,14 @@ def fp8_grouped_wgrad_ws_kernel(
                         as_ptr,
                         bs_ptr,
                         expert_tiles_ptr,
+                        tiles_ptr,
                         M,
                         N,
                         E,
                         stride_asr,
                         stride_bsr,
                         HALVES,
+                        TILE_LIST,
                     ),
                 ),
             ],

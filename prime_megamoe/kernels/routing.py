@@ -253,3 +253,37 @@ def expert_ids_in_range_kernel(index_ptr, ok_ptr, num_ids, num_experts, BLOCK: t
     bad = ((ids < -1) | (ids >= num_experts)).to(tl.int32)
     if tl.max(bad, 0) > 0:
         tl.store(ok_ptr, 0)
+
+
+@triton.jit
+def expert_tile_list_kernel(
+    expert_tiles_ptr,
+    offsets_ptr,
+    tiles_ptr,
+    NUM_SEGMENTS: tl.constexpr,
+    NUM_LOCAL: tl.constexpr,
+    EXPERT_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Expert e's row tiles over every segment of a plan, in segment order, as one list: tiles[offsets[e] :
+    offsets[e + 1]]. ``expert_tiles`` [S * (E + 1)]: segment s's expert e owns its tiles [et[s(E+1) + e],
+    et[s(E+1) + e + 1]). A program per expert; the last also writes offsets[E]."""
+    e = tl.program_id(0)
+    experts = tl.arange(0, EXPERT_BLOCK)
+    before = 0  # tiles of the experts below e, in every segment
+    for s in tl.static_range(NUM_SEGMENTS):
+        seg = expert_tiles_ptr + s * (NUM_LOCAL + 1)
+        lo = tl.load(seg + experts, mask=experts < e, other=0)
+        hi = tl.load(seg + experts + 1, mask=experts < e, other=0)
+        before += tl.sum(hi - lo, 0)
+    tl.store(offsets_ptr + e, before)
+    pos = before
+    for s in tl.static_range(NUM_SEGMENTS):
+        lo = tl.load(expert_tiles_ptr + s * (NUM_LOCAL + 1) + e)
+        hi = tl.load(expert_tiles_ptr + s * (NUM_LOCAL + 1) + e + 1)
+        for first in range(lo, hi, BLOCK):
+            tile = first + tl.arange(0, BLOCK)
+            tl.store(tiles_ptr + pos + tile - lo, tile, mask=tile < hi)
+        pos += hi - lo
+    if e == NUM_LOCAL - 1:
+        tl.store(offsets_ptr + NUM_LOCAL, pos)

@@ -27,6 +27,7 @@ import torch
 from ..kernels import tuning
 from ..kernels.fp8_gemm import QTILE_M, fp8_fc1_swiglu_kernel, fp8_grouped_gemm_kernel, fp8_grouped_wgrad_kernel
 from ..kernels.quantize import dequantize_blocks_kernel, gather_quantize_cols_t_kernel, quantize_blocks_kernel
+from ..kernels.routing import expert_tile_list_kernel
 from ..kernels.swiglu_grad import swiglu_backward_quantize_kernel
 from .compiled_launch import launch
 from .fp8_ws_launch import (
@@ -40,7 +41,7 @@ from .fp8_ws_launch import (
 from .launch import _num_sms, tma_descriptor, tma_readable
 from .qtensor import FP8_DTYPE, MX_FORMAT, QFormat, QTensor, fp8_format
 from .routing_plan import RoutingPlan, RowQuantization
-from .sizes import cdiv
+from .sizes import cdiv, next_power_of_2
 
 # The quantising SwiGLU backward pass in two launches: the row-scaled outputs from 32 x 128 blocks (4 warps), then the
 # column-scaled ones from 128 x 16 blocks (2 warps). One launch over 128 x 128 blocks (8 warps) holds too many fp32
@@ -784,6 +785,28 @@ def expert_tile_offsets(plan: RoutingPlan) -> torch.Tensor:
     return plan.expert_tiles
 
 
+def expert_tile_list(plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(offsets [E + 1], tiles [max_tiles]) int32 of a plan of several segments: expert e reduces over row tiles
+    tiles[offsets[e] : offsets[e + 1]], its tiles of every segment in segment order (a fixed order: the weight
+    gradients of an expert-parallel call are bitwise the same whatever the transport). One small launch."""
+    experts, device = plan.num_local_experts, plan.expert_tiles.device
+    offsets = torch.empty(experts + 1, dtype=torch.int32, device=device)
+    tiles = torch.empty(plan.max_tiles, dtype=torch.int32, device=device)
+    launch(
+        expert_tile_list_kernel,
+        (experts,),
+        plan.expert_tiles,
+        offsets,
+        tiles,
+        NUM_SEGMENTS=plan.num_segments,
+        NUM_LOCAL=experts,
+        EXPERT_BLOCK=next_power_of_2(experts),
+        BLOCK=128,
+        num_warps=1,
+    )
+    return offsets, tiles
+
+
 def fp8_grouped_wgrad(
     a_t: QTensor,
     b_t: QTensor,
@@ -792,16 +815,23 @@ def fp8_grouped_wgrad(
     out: torch.Tensor,
     *,
     expert_tiles: torch.Tensor,
+    tile_list: torch.Tensor | None = None,
     use_tma: bool | None = None,
     use_ws: bool | None = False,
 ) -> torch.Tensor:
     """out[e] = A[rows of e]^T @ B[rows of e] in fp8 with fp32 accumulation, out [E, M, N] (any dtype and strides).
     Both operands come in the cols_t layout (``quantize_sorted_cols_t`` or ``fp8_fc2_dgrad_dswiglu``): a_t [M, T128],
-    b_t [N, T128], T128 = max_tiles * 128; ``expert_tiles`` = ``expert_tile_offsets(plan)``. ``use_ws=True``: the
-    warp-specialised Hopper kernel (``kernels/fp8_wgrad_ws.py``, same bits; an error where it does not apply),
-    ``None``: that kernel where it applies (the layer's choice). Otherwise the Triton kernel, with ``use_tma``: read
-    both by TMA (default: where the GPU can)."""
-    _check_tile_space_plan(plan)
+    b_t [N, T128], T128 = max_tiles * 128. A one-segment plan: ``expert_tiles`` = ``expert_tile_offsets(plan)``
+    (each expert's tiles are consecutive); several segments: (``expert_tiles``, ``tile_list``) =
+    ``expert_tile_list(plan)``. ``use_ws=True``: the warp-specialised Hopper kernel (``kernels/fp8_wgrad_ws.py``, same
+    bits; an error where it does not apply), ``None``: that kernel where it applies (the layer's choice). Otherwise
+    the Triton kernel, with ``use_tma``: read both by TMA (default: where the GPU can)."""
+    _check_plan(plan)
+    if (plan.num_segments != 1) != (tile_list is not None):
+        raise ValueError(
+            f"fp8_grouped_wgrad: a plan of {plan.num_segments} segments needs tile_list (expert_tile_list(plan)) "
+            "exactly when it has more than one"
+        )
     m, n = a_t.data.shape[0], b_t.data.shape[0]
     width = plan.max_tiles * QTILE_M
     blocks = plan.max_tiles * (QTILE_M // fmt.group)
@@ -829,7 +859,7 @@ def fp8_grouped_wgrad(
         b_t.data,
         mx=fmt.mx,
     ):
-        fp8_grouped_wgrad_ws(a_t, b_t, out, expert_tiles=expert_tiles)
+        fp8_grouped_wgrad_ws(a_t, b_t, out, expert_tiles=expert_tiles, tile_list=tile_list)
         return out
     if use_tma is None:
         use_tma = tma_readable(a_t.data) and tma_readable(b_t.data)
@@ -846,6 +876,7 @@ def fp8_grouped_wgrad(
         b_t.scale,
         out,
         expert_tiles,
+        expert_tiles if tile_list is None else tile_list,
         m,
         n,
         plan.num_pairs,
@@ -857,6 +888,7 @@ def fp8_grouped_wgrad(
         out.stride(1),
         out.stride(2),
         MX=fmt.mx,
+        TILE_LIST=tile_list is not None,
         GROUP_R=fmt.group,
         USE_TMA=use_tma,
     )
@@ -891,4 +923,5 @@ __all__ = [
     "fp8_fc2_dgrad_dswiglu",
     "fp8_grouped_wgrad",
     "expert_tile_offsets",
+    "expert_tile_list",
 ]

@@ -271,13 +271,16 @@ def fp8_grouped_wgrad_ws(
     out: torch.Tensor,
     *,
     expert_tiles: torch.Tensor,
+    tile_list: torch.Tensor | None = None,
     config: WSConfig = WS_WGRAD_DEFAULT,
     programs: int | None = None,
 ) -> None:
     """out[e] = A_t[:, tiles of e] @ B_t[:, tiles of e]^T with ``kernels/fp8_wgrad_ws.py`` (callers check the
     operands and ``ws_wgrad_unavailable`` first; ``fp8_launch.fp8_grouped_wgrad(use_ws=True)`` does both): cols_t
-    operands a_t [M, T128], b_t [N, T128] with scales [T128 / 128, M] / [.., N], out [E, M, N]. Stores by TMA where
-    the config asks for it and out is a contiguous 2-byte tensor whose M is a multiple of the box's rows."""
+    operands a_t [M, T128], b_t [N, T128] with scales [T128 / 128, M] / [.., N], out [E, M, N]. Expert e's tiles:
+    [expert_tiles[e], expert_tiles[e + 1]), or with ``tile_list`` the entries of that list there
+    (``fp8_launch.expert_tile_list``). Stores by TMA where the config asks for it and out is a contiguous 2-byte
+    tensor whose M is a multiple of the box's rows."""
     from ..kernels.fp8_wgrad_ws import fp8_grouped_wgrad_ws_kernel
 
     m, n, experts = a_t.data.shape[0], b_t.data.shape[0], out.shape[0]
@@ -296,6 +299,7 @@ def fp8_grouped_wgrad_ws(
         b_t.scale,
         out,
         expert_tiles,
+        expert_tiles if tile_list is None else tile_list,
         m,
         n,
         experts,
@@ -308,6 +312,7 @@ def fp8_grouped_wgrad_ws(
         HALVES=config.halves,
         SUBS=config.subs,
         TMA_STORE=tma_store,
+        TILE_LIST=tile_list is not None,
         LOAD_REGS=WS_LOAD_REGS,
         MMA_REGS=WS_MMA_REGS,
         num_warps=config.num_warps,
