@@ -46,10 +46,14 @@ def _finish(work, group, what: str, timeout_s: float | None) -> None:
         )
 
 
-def all_gather_blocks(block: torch.Tensor, group, timeout_s: float | None = None, what="dispatch") -> torch.Tensor:
-    """[C, ...] on each of W ranks -> [W*C, ...] on every rank (rank r's block at rows [r*C, (r+1)*C))."""
+def all_gather_blocks(
+    block: torch.Tensor, group, timeout_s: float | None = None, what="dispatch", out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[C, ...] on each of W ranks -> [W*C, ...] on every rank (rank r's block at rows [r*C, (r+1)*C)), into ``out``
+    (contiguous) when given."""
     world = dist.get_world_size(group)
-    out = block.new_empty((world * block.shape[0], *block.shape[1:]))
+    if out is None:
+        out = block.new_empty((world * block.shape[0], *block.shape[1:]))
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     work = gather(_wire(out), _wire(block.contiguous()), group=group, async_op=True)
     _finish(work, group, what, timeout_s)

@@ -35,7 +35,7 @@ def _make_transport(name: str, group, capacity: int, device: torch.device, timeo
     if name == "auto":
         name = "symmetric_memory" if device.type == "cuda" else "collectives"
     if name == "collectives":
-        return CollectiveTransport(group, capacity, timeout_s)
+        return CollectiveTransport(group, capacity, device, timeout_s)
     if name == "symmetric_memory":
         if device.type != "cuda":
             raise ValueError(

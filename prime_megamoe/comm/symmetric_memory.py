@@ -1,11 +1,13 @@
 """The symmetric-memory transport: peer-to-peer writes over NVLink, device-side signals, overlapped with compute.
 
-One workspace per (group, capacity, H, k, dtype), allocated on first use with
+One workspace per (group, capacity, block layout, row results, k), allocated on first use (or by ``reserve``) with
 ``torch.distributed._symmetric_memory`` and shared by every layer of the model (rounds run one after another on each
-rank). Each rank's part, with W ranks and capacity C:
+rank). Each rank's part, with W ranks, capacity C, a block of parts i = 0.. of width w_i (tokens: one part [H] in
+the activations' dtype; fp8 tokens: [H] e4m3 values and [H / 128] fp32 scales; mxfp8: [H] e4m3 and [H / 32] e8m0)
+and row results of width H:
 
-    inbox      [2, W, C, H] dtype  blocks pushed to this rank (tokens forward, output gradients backward):
-                                   [round parity, source rank]; slot q of a parity is written by rank q
+    inbox<i>   [2, W, C, w_i]  part i of the blocks pushed to this rank (tokens forward, output gradients backward):
+                               [round parity, source rank]; slot q of a parity is written by rank q
     index      [C, k]       int32  this rank's published routing (forward), read in place by the peers
     weights    [C, k]       fp32
     row_res    [W, C, H]    dtype  results for this rank's tokens; slot q is written by rank q
@@ -13,15 +15,19 @@ rank). Each rank's part, with W ranks and capacity C:
     flags      [2, W]       int32  channel 0: "rank q pushed its round-n block here",
                                    channel 1: "rank q wrote its slot, round n"
 
+Per rank: 2 W C (sum of the parts' bytes per row) + W C H (results) + small parts; bf16 tokens at the
+Qwen3-30B-A3B shape (H = 2048), W = 8, C = 16384: 1.5 GiB; fp8 tokens: 1.0 GiB.
+
 A round on rank r (see ``comm.transport``), with streams `compute` (the caller's) and `comm` (a side stream):
 - start: record an event (what `comm` waits for before it reads the block). A block of fewer than C rows has its
   routing padded into the workspace here (compute); a full block's own plan reads the caller's routing, and its
   fill writes the published copy on the way (``routing_sink``; the event is recorded again after that fill).
 - push (``exchange_now``, or the first use of a peer's block): on `comm`, copy the block straight into slot r of
-  every peer's inbox (one NVLink write per peer; no local copy first), then flag channel 0 on that peer. Copy-engine
-  work and stream memory operations only, so nothing on `comm` waits for an SM while the GEMMs hold them all (only
-  a routing no fill wrote takes a small conversion kernel first). The forward pushes right after its own first FC1
-  is queued, the backward after its own first GEMM; neither reads its own block from the inbox before that.
+  every peer's inbox (one NVLink write per part and peer; no local copy first), then flag channel 0 on that peer.
+  A block the caller wrote into ``own_block()`` (its own inbox slot) is pushed from there, once ``block_written``.
+  Copy-engine work and stream memory operations only, so nothing on `comm` waits for an SM while the GEMMs hold
+  them all (only a routing no fill wrote takes a small conversion kernel first). The forward pushes right after its
+  own first FC1 is queued, the backward after its own first GEMM.
 - the first use of a peer's routing or rows: `compute` waits (a small kernel, bounded by the timeout) for every
   peer's flag of this round; the peers' plans then read their routing in place and the GEMMs read their rows from
   the inbox. A caller that keeps the rows past the round (the forward with autograd) gets a private copy, written on
@@ -51,7 +57,7 @@ import torch.distributed as dist
 
 from ..kernels.signals import wait_flags_kernel
 from ..ops.compiled_launch import launch
-from .transport import PAIR_RESULTS, ROW_RESULTS, Transport
+from .transport import PAIR_RESULTS, ROW_RESULTS, BlockParts, Transport
 
 log = logging.getLogger("prime_megamoe")
 
@@ -61,9 +67,17 @@ _ALIGN = 256
 
 
 class SymmetricWorkspace:
-    """The symmetric buffers of one (group, capacity, H, k, dtype); see the module docstring for the layout."""
+    """The symmetric buffers of one (group, capacity, block layout, row results, k); see the module docstring."""
 
-    def __init__(self, group, capacity: int, hidden: int, top_k: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        group,
+        capacity: int,
+        parts: BlockParts,
+        results: tuple[int, torch.dtype],
+        top_k: int,
+        device: torch.device,
+    ):
         import torch.distributed._symmetric_memory as symm_mem
 
         if not hasattr(torch.ops.symm_mem, "stream_write_value32_"):
@@ -73,10 +87,14 @@ class SymmetricWorkspace:
                 f"build of torch >= 2.9, or transport = 'collectives'"
             )
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        self.world, self.rank, self.capacity, self.hidden, self.top_k = world, rank, capacity, hidden, top_k
-        self.dtype = dtype
+        self.world, self.rank, self.capacity, self.top_k = world, rank, capacity, top_k
+        self.parts, self.results = parts, results
+        hidden, dtype = results
+        inboxes = {
+            f"inbox{i}": ((2, world, capacity, w), dt) for i, (w, dt) in enumerate(zip(parts.widths, parts.dtypes))
+        }
         regions = {
-            "inbox": ((2, world, capacity, hidden), dtype),
+            **inboxes,
             "index": ((capacity, top_k), torch.int32),
             "weights": ((capacity, top_k), torch.float32),
             "row_res": ((world, capacity, hidden), dtype),
@@ -103,11 +121,11 @@ class SymmetricWorkspace:
         self.local = self.views[rank]
         # Each peer's flags as flat 32-bit words (what ``signal`` writes into), made once: views cost host time.
         self.flag_words = [self.views[peer]["flags"].view(torch.uint32).view(-1) for peer in range(world)]
-        # Per round parity: this rank's inbox as gathered rows [W*C, H], and slot `rank` of each peer's inbox (the
-        # push targets), also made once.
+        # Per round parity: this rank's inboxes as gathered rows [W*C, w_i], and slot `rank` of each peer's inboxes
+        # (the push targets), also made once.
         peers = [q for q in range(world) if q != rank]
-        self.gathered = [self.local["inbox"][p].view(world * capacity, hidden) for p in range(2)]
-        self.outbox = [{q: self.views[q]["inbox"][p][rank] for q in peers} for p in range(2)]
+        self.gathered = [tuple(self.local[name][p].view(world * capacity, -1) for name in inboxes) for p in range(2)]
+        self.outbox = [{q: tuple(self.views[q][name][p][rank] for name in inboxes) for q in peers} for p in range(2)]
         self.round = 0
         # High priority: the one kernel this stream may run (the routing's conversion when no fill wrote it) gets an
         # SM as soon as one frees up, instead of queueing behind a GEMM's blocks; the rest is copies and flags.
@@ -115,13 +133,14 @@ class SymmetricWorkspace:
         self.last_stream: torch.cuda.Stream | None = None  # the stream the last round computed on
         self.last_stream_id: int | None = None  # and its raw handle (compared each round: no Stream object made)
         log.info(
-            "prime_megamoe: symmetric-memory workspace for EP = %d, max_tokens_per_rank = %d, H = %d, k = %d, %s: "
-            "%.1f MiB per rank",
+            "prime_megamoe: symmetric-memory workspace for EP = %d, max_tokens_per_rank = %d, blocks of %s, row "
+            "results [%d] %s, k = %d: %.1f MiB per rank",
             world,
             capacity,
+            ", ".join(f"[{w}] {dt}" for w, dt in zip(parts.widths, parts.dtypes)),
             hidden,
-            top_k,
             dtype,
+            top_k,
             total / 2**20,
         )
 
@@ -162,9 +181,10 @@ def workspace_info() -> list[dict]:
         {
             "ep": ws.world,
             "max_tokens_per_rank": ws.capacity,
-            "hidden": ws.hidden,
+            "block": [(w, str(dt)) for w, dt in zip(ws.parts.widths, ws.parts.dtypes)],
+            "hidden": ws.results[0],
             "top_k": ws.top_k,
-            "dtype": str(ws.dtype),
+            "dtype": str(ws.results[1]),
             "bytes_per_rank": ws.nbytes,
         }
         for ws in _WORKSPACES.values()
@@ -176,25 +196,27 @@ class SymmetricMemoryTransport(Transport):
     every round of its group, one round at a time."""
 
     def __init__(self, group, capacity: int, device: torch.device, timeout_s: float):
-        super().__init__(group, capacity, timeout_s)
-        self.device = device
+        super().__init__(group, capacity, device, timeout_s)
         self.workspace: SymmetricWorkspace | None = None
 
-    def _workspace(self, hidden: int, top_k: int, dtype: torch.dtype) -> SymmetricWorkspace:
-        key = (self.group.group_name, self.capacity, hidden, top_k, dtype, self.device.index)
+    def _workspace(self, parts: BlockParts, results: tuple[int, torch.dtype], top_k: int) -> SymmetricWorkspace:
+        key = (self.group.group_name, self.capacity, parts, results, top_k, self.device.index)
         ws = _WORKSPACES.get(key)
         if ws is None:
-            ws = _WORKSPACES[key] = SymmetricWorkspace(self.group, self.capacity, hidden, top_k, dtype, self.device)
+            ws = _WORKSPACES[key] = SymmetricWorkspace(self.group, self.capacity, parts, results, top_k, self.device)
         return ws
 
-    def reserve(self, hidden, top_k, dtype):
-        self.workspace = self._workspace(hidden, top_k, dtype)
+    def reserve(self, parts, results, top_k):
+        self.workspace = self._workspace(parts, results, top_k)
 
-    def start(self, block, routing, kinds, top_k, *, keep=False, read_own=False):
+    def start(self, block, routing, kinds, top_k, *, results, num_rows=None, keep=False, read_own=False):
+        written = isinstance(block, BlockParts)  # the caller writes its block into its inbox slot
+        parts = block if written else BlockParts.of(block)
         ws = self.workspace
-        if ws is None or (ws.hidden, ws.top_k, ws.dtype) != (block.shape[1], top_k, block.dtype):
-            ws = self.workspace = self._workspace(block.shape[1], top_k, block.dtype)
-        c, num_rows = self.capacity, block.shape[0]
+        if ws is None or (ws.parts, ws.results, ws.top_k) != (parts, results, top_k):
+            ws = self.workspace = self._workspace(parts, results, top_k)
+        c = self.capacity
+        num_rows = num_rows if written else block[0].shape[0]
         ws.round += 1
         self.round = ws.round
         self._gathered = ws.gathered[self.round % 2]
@@ -222,12 +244,22 @@ class SymmetricMemoryTransport(Transport):
         # torch.Event: its record() and wait() find the current stream in C++, not through a Python Stream object
         self._ready = torch.Event(self.device)
         self._ready.record()  # on compute
-        self._block, self._peers_in, self._own_in = block, False, None
-        self._read_own = read_own
-        self._kept = block.new_empty(self.world * c, block.shape[1]) if keep else None
-        self._kinds = kinds
+        own = slice(self.rank * c, self.rank * c + num_rows)
+        self._own_slot = tuple(g[own] for g in self._gathered)
+        self._block = self._own_slot if written else block
+        self._written, self._num_rows = written, num_rows
+        self._peers_in, self._own_in = False, None
+        self._read_own = read_own and not written
+        self._kept = tuple(g.new_empty(g.shape) for g in self._gathered) if keep else None
+        self._kinds, self._results = kinds, results
         self._staging = {}
         return self._kept
+
+    def own_block(self):
+        return self._own_slot
+
+    def block_written(self):
+        self._ready.record()  # the push reads the own slot after the caller's writes
 
     def routing_sink(self):
         if self._routing is None or self._block is None:  # a partial block's routing is in place already
@@ -241,31 +273,33 @@ class SymmetricMemoryTransport(Transport):
         self._ready.record()
 
     def _push(self) -> None:
-        """On the side stream, once per round: the block into slot r of every peer's inbox, each peer flagged once
-        its copy (and the published routing) has landed; then the own block where this round reads or keeps it (an
-        event). Issued at ``exchange_now`` or at the first use of a peer's block."""
+        """On the side stream, once per round: the block into slot r of every peer's inboxes, each peer flagged once
+        its copies (and the published routing) have landed; then the own block where this round reads or keeps it
+        (an event). Issued at ``exchange_now`` or at the first use of a peer's block."""
         if self._block is None:
             return
-        ws, c, rank, block = self.workspace, self.capacity, self.rank, self._block
-        n = block.shape[0]
+        ws, c, rank, block, n = self.workspace, self.capacity, self.rank, self._block, self._num_rows
         comm = ws.comm_stream
         comm.wait_event(self._ready)
-        block.record_stream(comm)  # read on comm: its memory must outlive that read even if the caller drops it
+        for t in block:
+            t.record_stream(comm)  # read on comm: its memory must outlive that read even if the caller drops it
         with torch.cuda.stream(comm):
             if self._routing is not None and not self._routing_sunk:
                 for name, t in zip(("index", "weights"), self._routing):
                     t.record_stream(comm)
                     ws.local[name].copy_(t)  # copy_ converts to int32 / fp32 (a small kernel)
             for peer in self._peers():
-                target = self._outbox[peer]
-                (target if n == c else target[:n]).copy_(block)
+                for target, part in zip(self._outbox[peer], block):
+                    (target if n == c else target[:n]).copy_(part)
                 ws.signal(peer, PUBLISHED, self.round)
             # The own block after the peers': nothing reads it before the pushes are out.
             own = slice(rank * c, rank * c + n)
             if self._kept is not None:
-                self._kept[own].copy_(block)
+                for kept, part in zip(self._kept, block):
+                    kept[own].copy_(part)
             if self._read_own:
-                self._gathered[own].copy_(block)
+                for slot, part in zip(self._own_slot, block):
+                    slot.copy_(part)
             if self._kept is not None or self._read_own:
                 self._own_in = torch.Event(self.device)
                 self._own_in.record(comm)
@@ -286,7 +320,9 @@ class SymmetricMemoryTransport(Transport):
             ws.comm_stream.wait_event(arrived)
             with torch.cuda.stream(ws.comm_stream):
                 for source in self._peers():
-                    self._kept[source * c : (source + 1) * c].copy_(self._gathered[source * c : (source + 1) * c])
+                    rows = slice(source * c, (source + 1) * c)
+                    for kept, gathered in zip(self._kept, self._gathered):
+                        kept[rows].copy_(gathered[rows])
 
     def routing(self, first, count):
         ws = self.workspace
@@ -309,6 +345,8 @@ class SymmetricMemoryTransport(Transport):
         if source != self.rank:
             self._await_peers()
             return self._gathered
+        if self._written:
+            return self._gathered  # written there by the caller, on this stream
         if not self._read_own:
             raise RuntimeError(
                 "wait_rows(own rank) in a round started without read_own=True: the own block is not among the "
