@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from .config import DISPATCH_TYPES, PRECISIONS, DispatchConfig
 from .dispatch.registry import get_backend
+from .ops.activation import check_activation_clamp
 from .validation import check_expert_ids, check_expert_inputs
 
 
@@ -20,6 +21,7 @@ def fused_experts(
     dispatch: str | DispatchConfig = "mega_moe",
     precision: str = "bf16",
     group: dist.ProcessGroup | None = None,
+    activation_clamp: float | None = None,
 ) -> torch.Tensor:
     """Routed SwiGLU experts: ``y_t = sum_j w_tj * down(silu(gate(x_t)) * up(x_t))`` over expert ``top_k_index[t, j]``.
 
@@ -32,7 +34,13 @@ def fused_experts(
     ``dispatch`` names a backend ("mega_moe": fused Triton kernels; "torch": all_to_all + grouped GEMM baseline) or is
     a DispatchConfig with backend options. ``precision`` is one of "bf16" (the inputs' own dtype, no quantisation),
     "fp8", "mxfp8", "fp8_bwd".
+
+    ``activation_clamp`` (prime-rl's experts option): None (or inf) for SwiGLU, or a limit c > 0 for the clamped
+    SwiGLU ``a = silu(min(g, c)) * clamp(u, -c, c)``, g and u the gate and up halves of ``gate_up_proj`` x; its
+    gradient is zero where g or u was clamped (torch.clamp's convention: it passes where g <= c and -c <= u <= c).
+    Every backend and precision supports it; anything else than None or a number > 0 is an error.
     """
+    activation_clamp = check_activation_clamp(activation_clamp)
     options = dispatch if isinstance(dispatch, DispatchConfig) else None
     if options is None:
         if dispatch not in DISPATCH_TYPES:
@@ -72,6 +80,7 @@ def fused_experts(
         precision=precision,
         group=group,
         options=options,
+        activation_clamp=activation_clamp,
     )
     if check_after:
         check_expert_ids(top_k_index, shapes.num_experts, sync=False)

@@ -100,9 +100,11 @@ def main():
                     h.stride(0),
                     dh.stride(0),
                     aw.stride(0),
+                    0.0,  # clamp_limit (unread without CLAMP)
                     TILE_M=piece.tile_m,
                     BLOCK_R=block_r,
                     BLOCK_C=block_c,
+                    CLAMP=False,
                     num_warps=warps,
                 )
 

@@ -10,13 +10,13 @@ memory, per config: a register-pressure check before spending GPU time. For exam
         --config 128,128,64,8,4 --config 128,256,64,8,3 --ones stride_bn
 
 Each --config is BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages (for kernels with those block names). Arguments are
-typed by name: ``*_ptr`` are pointers (int32 for index-like names, fp32 for weights / scales, else --dtype); other
-non-constexpr arguments are int32, divisible by 16 unless named in --ones (specialised to 1, as a unit stride is at
-run time); --types overrides any of these by name (a TMA descriptor: "tensordesc<bf16[64, 256]>"; a descriptor the
-config leaves unused: null in --constexprs). --sass adds the kernel's static SASS instruction count by opcode (loops
-counted once: for unrolled kernels it is what a program issues) and each loop body's instruction count (a trip's,
-for kernels with loops); --listing FILE writes the SASS listing there. Uses Triton's own ptxas and cuobjdump;
-needs TRITON_INTERPRET unset.
+typed by name: ``*_ptr`` are pointers (int32 for index-like names, fp32 for weights / scales, else --dtype);
+``clamp_limit`` is an fp32 scalar; other non-constexpr arguments are int32, divisible by 16 unless named in --ones
+(specialised to 1, as a unit stride is at run time); --types overrides any of these by name (a TMA descriptor:
+"tensordesc<bf16[64, 256]>"; a descriptor the config leaves unused: null in --constexprs). --sass adds the kernel's
+static SASS instruction count by opcode (loops counted once: for unrolled kernels it is what a program issues) and
+each loop body's instruction count (a trip's, for kernels with loops); --listing FILE writes the SASS listing there.
+Uses Triton's own ptxas and cuobjdump; needs TRITON_INTERPRET unset.
 
 Gluon kernels (``@gluon.jit``) compile the same way; a descriptor type without a layout gets the default NVMMA shared
 layout of its block, ``num_warps`` comes from --warps and --maxnreg caps the launch-time registers (warp-specialised
@@ -40,6 +40,7 @@ from triton.compiler import ASTSource
 
 INT_POINTERS = ("src", "tile_", "offsets", "num_tiles", "pair_pos", "index", "counts", "order", "key")
 FLOAT_POINTERS = ("weight", "scale", "dw_partial")
+FLOAT_SCALARS = ("clamp_limit",)  # fp32 runtime scalars (the clamped SwiGLU's limit)
 
 
 def pointer_type(name: str, dtype: str) -> str:
@@ -101,13 +102,20 @@ def resource_usage(
     if missing:
         raise SystemExit(f"give these constexprs (--constexprs / --config): {missing}")
     signature = {
-        n: "constexpr" if n in constexprs else pointer_type(n, dtype) if n.endswith("_ptr") else "i32" for n in names
+        n: "constexpr"
+        if n in constexprs
+        else pointer_type(n, dtype)
+        if n.endswith("_ptr")
+        else "fp32"
+        if n in FLOAT_SCALARS
+        else "i32"
+        for n in names
     }
     signature.update({n: t for n, t in (types or {}).items() if n in signature and signature[n] != "constexpr"})
     attrs = {
         (i,): [["tt.divisibility", 16]]
         for i, n in enumerate(names)
-        if signature[n] != "constexpr" and not signature[n].startswith("tensordesc")
+        if signature[n] not in ("constexpr", "fp32") and not signature[n].startswith("tensordesc")
     }
     constants = {(names.index(k),): v for k, v in constexprs.items() if k in names}
     if gluon:

@@ -10,8 +10,10 @@ import triton
 from prime_megamoe import fused_experts
 
 
-def loop_reference(x, top_k_index, top_k_weights, gate_up_proj, down_proj):
-    """y_t = sum_j w_tj * W2_e (silu(g) * u), [g; u] = W1_e x_t, one (token, slot) at a time."""
+def loop_reference(x, top_k_index, top_k_weights, gate_up_proj, down_proj, activation_clamp=None):
+    """y_t = sum_j w_tj * W2_e (silu(g) * u), [g; u] = W1_e x_t, one (token, slot) at a time. With
+    ``activation_clamp`` c the clamped SwiGLU: silu(min(g, c)) * clamp(u, -c, c) by torch.clamp (whose gradient
+    passes where g <= c and -c <= u <= c)."""
     inter = down_proj.shape[-1]
     rows = []
     for t in range(x.shape[0]):
@@ -19,9 +21,21 @@ def loop_reference(x, top_k_index, top_k_weights, gate_up_proj, down_proj):
         for j in range(top_k_index.shape[1]):
             e = int(top_k_index[t, j])
             h = gate_up_proj[e] @ x[t]
-            acc = acc + top_k_weights[t, j] * (down_proj[e] @ (F.silu(h[:inter]) * h[inter:]))
+            g, u = h[:inter], h[inter:]
+            if activation_clamp is not None:
+                g, u = g.clamp(max=activation_clamp), u.clamp(-activation_clamp, activation_clamp)
+            acc = acc + top_k_weights[t, j] * (down_proj[e] @ (F.silu(g) * u))
         rows.append(acc)
     return torch.stack(rows) if rows else x.new_zeros(x.shape)
+
+
+def clamped_fractions(x, top_k_index, gate_up_proj, activation_clamp) -> tuple[float, float]:
+    """The fractions of the routed pairs' g values above c and of their u values outside [-c, c] (float64): how much
+    of the input a clamp test actually clamps."""
+    inter = gate_up_proj.shape[1] // 2
+    h = torch.einsum("th,tjnh->tjn", x.double(), gate_up_proj.double()[top_k_index.long()])
+    g, u = h[..., :inter], h[..., inter:]
+    return float((g > activation_clamp).double().mean()), float((u.abs() > activation_clamp).double().mean())
 
 
 def qwen3_experts_reference(x, top_k_index, top_k_weights, gate_up_proj, down_proj):
@@ -44,11 +58,15 @@ def qwen3_experts_reference(x, top_k_index, top_k_weights, gate_up_proj, down_pr
     return experts(x, top_k_index, top_k_weights)
 
 
-def oracle_with_grads(x, top_k_index, top_k_weights, gate_up_proj, down_proj, grad_out):
-    """(out, dx, dweights, dW1, dW2) from the transformers oracle in float64."""
+def oracle_with_grads(x, top_k_index, top_k_weights, gate_up_proj, down_proj, grad_out, activation_clamp=None):
+    """(out, dx, dweights, dW1, dW2) in float64: from the transformers oracle, or with ``activation_clamp`` (which
+    transformers' Qwen3MoeExperts does not have) from the loop reference's clamped SwiGLU."""
     leaves = [t.detach().double().requires_grad_() for t in (x, top_k_weights, gate_up_proj, down_proj)]
     xd, wd, w1d, w2d = leaves
-    out = qwen3_experts_reference(xd, top_k_index.long(), wd, w1d, w2d)
+    if activation_clamp is None:
+        out = qwen3_experts_reference(xd, top_k_index.long(), wd, w1d, w2d)
+    else:
+        out = loop_reference(xd, top_k_index.long(), wd, w1d, w2d, activation_clamp=activation_clamp)
     grads = torch.autograd.grad(out, leaves, grad_out.double())
     return (out.detach(), *grads)
 
@@ -93,15 +111,18 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 NAMES = ("out", "d_hidden_states", "d_top_k_weights", "d_gate_up_proj", "d_down_proj")
 
 
-def run_mega_moe(x, index, weights, w1, w2, grad_out, dispatch="mega_moe"):
+def run_mega_moe(x, index, weights, w1, w2, grad_out, dispatch="mega_moe", **kwargs):
+    """(out, dx, dweights, dW1, dW2) of one ``fused_experts`` call (``kwargs``: its other options)."""
     leaves = [t.detach().clone().requires_grad_() for t in (x, weights, w1, w2)]
-    out = fused_experts(leaves[0], index, leaves[1], leaves[2], leaves[3], dispatch=dispatch, group=None)
+    out = fused_experts(leaves[0], index, leaves[1], leaves[2], leaves[3], dispatch=dispatch, group=None, **kwargs)
     out.backward(grad_out)
     return (out.detach(), *(t.grad for t in leaves))
 
 
-def assert_matches_oracle(got, x, index, weights, w1, w2, grad_out, tol):
-    ref = oracle_with_grads(x, index, weights, w1, w2, grad_out)
+def assert_matches_oracle(got, x, index, weights, w1, w2, grad_out, tol, activation_clamp=None, ref=None):
+    """``got`` within ``tol`` (relative norm) of ``ref`` (default: ``oracle_with_grads``), dtypes and shapes too."""
+    if ref is None:
+        ref = oracle_with_grads(x, index, weights, w1, w2, grad_out, activation_clamp)
     inputs = (x, x, weights, w1, w2)
     for name, a, b, like in zip(NAMES, got, ref, inputs):
         assert a is not None, f"{name}: no gradient"

@@ -247,12 +247,15 @@ def test_ws_gemm_on_a_rank_that_receives_nothing():
 # FC1 + SwiGLU (kernels/fp8_fc1_ws.py)
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "save_h,pow2,stages", [(True, False, 4), (False, True, 4), (True, False, 3)], ids=["save_h", "pow2", "3_stages"]
+    "save_h,pow2,stages,clamp",
+    [(True, False, 4, False), (False, True, 4, False), (True, False, 3, False), (True, False, 4, True)],
+    ids=["save_h", "pow2", "3_stages", "clamp"],
 )
-def test_ws_fc1_kernel_compiles_for_hopper_with_its_register_split(save_h, pow2, stages):
+def test_ws_fc1_kernel_compiles_for_hopper_with_its_register_split(save_h, pow2, stages, clamp):
     """As the launcher launches it: four gathering producer warps, two MMA partitions holding the gate and up
     accumulators; no spill (x's rows are addressed by 32-bit offsets for that), no wgmma serialisation, the ring
-    (A once, gate and up boxes of W1) in shared memory."""
+    (A once, gate and up boxes of W1) in shared memory. ``clamp``: the clamped SwiGLU's epilogue (activation_clamp),
+    within the same bounds."""
     types = {
         "xq_ptr": "*fp8e4nv",
         "row_src_ptr": "*i32",
@@ -267,6 +270,7 @@ def test_ws_fc1_kernel_compiles_for_hopper_with_its_register_split(save_h, pow2,
         "prime_megamoe.kernels.fp8_fc1_ws:fp8_fc1_swiglu_ws_kernel",
         {
             "SAVE_H": save_h,
+            "CLAMP": clamp,
             "POW2": pow2,
             "STAGES": stages,
             "TILE_M": QTILE_M,

@@ -18,7 +18,12 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "register_check.py
 CASES = [
     (
         "prime_megamoe.kernels.swiglu_grad:swiglu_backward_rows_kernel",
-        {"TILE_M": 128, "BLOCK_R": 16, "BLOCK_C": 128},
+        {"TILE_M": 128, "BLOCK_R": 16, "BLOCK_C": 128, "CLAMP": False},
+        ["--warps", "4"],
+    ),
+    (  # the clamped SwiGLU's backward (activation_clamp): two masks more, still no spill
+        "prime_megamoe.kernels.swiglu_grad:swiglu_backward_rows_kernel",
+        {"TILE_M": 128, "BLOCK_R": 16, "BLOCK_C": 128, "CLAMP": True},
         ["--warps", "4"],
     ),
     (
@@ -58,7 +63,7 @@ def compile_for_hopper(kernel: str, constexprs: dict, extra: list[str]) -> list[
     return rows
 
 
-@pytest.mark.parametrize("kernel, constexprs, extra", CASES, ids=["swiglu_rows", "fc2_dgrad_gemm"])
+@pytest.mark.parametrize("kernel, constexprs, extra", CASES, ids=["swiglu_rows", "swiglu_rows_clamp", "fc2_dgrad_gemm"])
 def test_kernel_compiles_for_hopper_without_spills(kernel, constexprs, extra):
     for _, registers, spill, smem, *_ in compile_for_hopper(kernel, constexprs, extra):
         assert 0 < int(registers) <= 255 and int(smem) >= 0
@@ -132,7 +137,28 @@ COMPILES = [
     ),
     (
         "prime_megamoe.kernels.grouped_gemm:fc1_swiglu_kernel",
-        {"SAVE_H": True, "CAST_F32": False, "IEEE": False, "TILE_M": 128, "PERSISTENT": True, "ONE_DOT": True},
+        {
+            "SAVE_H": True,
+            "CLAMP": False,
+            "CAST_F32": False,
+            "IEEE": False,
+            "TILE_M": 128,
+            "PERSISTENT": True,
+            "ONE_DOT": True,
+        },
+        ["--config", "128,128,64,8,3", "--ones", "stride_wk"],
+    ),
+    (
+        "prime_megamoe.kernels.grouped_gemm:fc1_swiglu_kernel",  # the clamped SwiGLU (activation_clamp)
+        {
+            "SAVE_H": True,
+            "CLAMP": True,
+            "CAST_F32": False,
+            "IEEE": False,
+            "TILE_M": 128,
+            "PERSISTENT": True,
+            "ONE_DOT": True,
+        },
         ["--config", "128,128,64,8,3", "--ones", "stride_wk"],
     ),
     (
@@ -197,6 +223,7 @@ COMPILES = [
         "expert_ids",
         "combine_pairs",
         "fc1_one_dot",
+        "fc1_one_dot_clamp",
         "gemm_tma_both",
         "gemm_tma_weights",
         "wgrad_tma",

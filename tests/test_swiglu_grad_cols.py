@@ -18,17 +18,20 @@ TYPES = (
 )
 
 
-@pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scales", "pow2"])
-def test_gluon_cols_compiles_for_hopper(pow2):
+@pytest.mark.parametrize(
+    "pow2,clamp", [(False, False), (True, False), (False, True)], ids=["fp32_scales", "pow2", "clamp"]
+)
+def test_gluon_cols_compiles_for_hopper(pow2, clamp):
     """As the launcher launches it (DSWIGLU_COLS_GLUON_BLOCK): no spill, registers that let several programs share
-    an SM, and almost no shared memory (only the column maxima cross warps)."""
+    an SM (three; two with the clamped SwiGLU's masks, activation_clamp), and almost no shared memory (only the
+    column maxima cross warps)."""
     bc, cpt, warps = fl.DSWIGLU_COLS_GLUON_BLOCK
     ((_, registers, spill, smem, *_),) = compile_for_hopper(
         "prime_megamoe.kernels.swiglu_grad_cols:swiglu_backward_cols_kernel",
-        {"POW2": pow2, "TILE_M": QTILE_M, "BC": bc, "CPT": cpt},
+        {"POW2": pow2, "TILE_M": QTILE_M, "BC": bc, "CPT": cpt, "CLAMP": clamp},
         ["--warps", str(warps), "--types", TYPES],
     )
-    assert int(spill) == 0 and 3 * int(registers) * warps * 32 <= 64 * 1024
+    assert int(spill) == 0 and (2 if clamp else 3) * int(registers) * warps * 32 <= 64 * 1024
     assert int(smem) <= 4096
 
 
@@ -38,7 +41,7 @@ def test_column_layout_rejects_a_block_a_warp_does_not_cover():
     with pytest.raises(Exception, match=r"a warp must cover .*BC 32, CPT 2, 2 warps"):
         compile_for_hopper(
             "prime_megamoe.kernels.swiglu_grad_cols:swiglu_backward_cols_kernel",
-            {"POW2": False, "TILE_M": QTILE_M, "BC": 32, "CPT": 2},
+            {"POW2": False, "TILE_M": QTILE_M, "BC": 32, "CPT": 2, "CLAMP": False},
             ["--warps", "2", "--types", TYPES],
         )
 

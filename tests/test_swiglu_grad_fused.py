@@ -20,14 +20,17 @@ TYPES = (
 )
 
 
-@pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scales", "pow2"])
-def test_fused_dswiglu_compiles_for_hopper(pow2):
-    """As the launcher launches it (DSWIGLU_FUSED_BLOCK): no spill, and shared memory for one item's fp32 dg, du and
-    w * a (3 x 128 x 128 x 4 bytes) within an SM's (one program an SM)."""
+@pytest.mark.parametrize(
+    "pow2,clamp", [(False, False), (True, False), (False, True)], ids=["fp32_scales", "pow2", "clamp"]
+)
+def test_fused_dswiglu_compiles_for_hopper(pow2, clamp):
+    """As the launcher launches it (DSWIGLU_FUSED_BLOCK), with and without the clamped SwiGLU (activation_clamp): no
+    spill, and shared memory for one item's fp32 dg, du and w * a (3 x 128 x 128 x 4 bytes) within an SM's (one
+    program an SM)."""
     rb, warps = fl.DSWIGLU_FUSED_BLOCK
     ((_, registers, spill, smem, *_),) = compile_for_hopper(
         "prime_megamoe.kernels.swiglu_grad_fused:swiglu_backward_fused_kernel",
-        {"POW2": pow2, "TILE_M": QTILE_M, "RB": rb},
+        {"POW2": pow2, "TILE_M": QTILE_M, "RB": rb, "CLAMP": clamp},
         ["--warps", str(warps), "--types", TYPES],
     )
     assert int(spill) == 0

@@ -33,14 +33,24 @@ def mega_moe_experts(
     precision: str,
     group: dist.ProcessGroup | None,
     options: DispatchConfig,
+    activation_clamp: float | None = None,
 ) -> torch.Tensor:
     if precision == "bf16":
-        experts = routed_experts
+
+        def experts(*args, **kwargs):
+            return routed_experts(*args, **kwargs, activation_clamp=activation_clamp)
+
     elif precision in QUANTIZED_PRECISIONS:
         check_precision_supported(precision, hidden_states.device)
 
         def experts(*args, **kwargs):
-            return routed_experts_quantized(*args, **kwargs, precision=precision, pow2_scales=options.fp8_pow2_scales)
+            return routed_experts_quantized(
+                *args,
+                **kwargs,
+                precision=precision,
+                pow2_scales=options.fp8_pow2_scales,
+                activation_clamp=activation_clamp,
+            )
     else:
         raise ValueError(f"precision = {precision!r}; allowed: 'bf16', {', '.join(map(repr, QUANTIZED_PRECISIONS))}")
     world = 1 if group is None else dist.get_world_size(group)
@@ -55,7 +65,14 @@ def mega_moe_experts(
         # Dispatch, expert GEMMs and combine pipelined per source rank (ops/ep_pipeline.py).
         transport = make_transport(options.transport, group, capacity, hidden_states.device, timeout)
         return expert_parallel_experts(
-            hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, transport=transport, tile_m=tile_m()
+            hidden_states,
+            top_k_index,
+            top_k_weights,
+            gate_up_proj,
+            down_proj,
+            transport=transport,
+            tile_m=tile_m(),
+            activation_clamp=activation_clamp,
         )
     if options.transport == "symmetric_memory":
         raise NotImplementedError(

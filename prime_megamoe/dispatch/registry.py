@@ -12,7 +12,10 @@ from ..config import DispatchConfig
 
 
 class ExpertsBackend(Protocol):
-    """Computes the routed experts for one rank's tokens; the result is [T, H] in hidden_states' dtype."""
+    """Computes the routed experts for one rank's tokens; the result is [T, H] in hidden_states' dtype.
+
+    ``activation_clamp``: None (SwiGLU) or the clamped SwiGLU's limit c > 0 (already checked by ``fused_experts``):
+    a = silu(min(g, c)) * clamp(u, -c, c), gradients zero where clamped (torch.clamp's convention)."""
 
     def __call__(
         self,
@@ -25,6 +28,7 @@ class ExpertsBackend(Protocol):
         precision: str,
         group: dist.ProcessGroup | None,
         options: DispatchConfig,
+        activation_clamp: float | None = None,
     ) -> torch.Tensor: ...
 
 

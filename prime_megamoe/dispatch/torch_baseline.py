@@ -33,9 +33,20 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> 
     return torch.cat(outs) if outs else x.new_zeros(0, weight.shape[1])
 
 
-def swiglu_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, counts: list[int]):
-    """FC1, SwiGLU, FC2 over rows already grouped by local expert."""
+def swiglu_experts(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    counts: list[int],
+    activation_clamp: float | None = None,
+):
+    """FC1, SwiGLU (clamped: silu(min(g, c)) * clamp(u, -c, c) with c = ``activation_clamp``), FC2 over rows already
+    grouped by local expert."""
     gate, up = grouped_linear(x, gate_up_proj, counts).chunk(2, dim=-1)
+    if activation_clamp is not None:
+        # torch.clamp's gradient passes where g <= c and -c <= u <= c, the fused kernels' convention.
+        gate = gate.clamp(max=activation_clamp)
+        up = up.clamp(min=-activation_clamp, max=activation_clamp)
     return grouped_linear(F.silu(gate) * up, down_proj, counts)
 
 
@@ -50,6 +61,7 @@ def torch_experts(
     precision: str,
     group: dist.ProcessGroup | None,
     options: DispatchConfig,
+    activation_clamp: float | None = None,
 ) -> torch.Tensor:
     if precision != "bf16":
         raise NotImplementedError(
@@ -73,7 +85,7 @@ def torch_experts(
     send_rows = hidden_states[token_of_pair]
 
     if world == 1:
-        out_sorted = swiglu_experts(send_rows, gate_up_proj, down_proj, counts)
+        out_sorted = swiglu_experts(send_rows, gate_up_proj, down_proj, counts, activation_clamp)
     else:
         # Exchange how many rows each rank sends to each of the receiver's local experts.
         recv_counts = torch.empty_like(counts_per_expert)
@@ -90,7 +102,9 @@ def torch_experts(
         )
         segment_key = (segment_id % num_local) * world + segment_id // num_local
         expert_major = torch.argsort(segment_key, stable=True)
-        out_expert_major = swiglu_experts(recv_rows[expert_major], gate_up_proj, down_proj, recv_counts.sum(0).tolist())
+        out_expert_major = swiglu_experts(
+            recv_rows[expert_major], gate_up_proj, down_proj, recv_counts.sum(0).tolist(), activation_clamp
+        )
         out_recv = torch.empty_like(out_expert_major).index_copy(0, expert_major, out_expert_major)
         out_sorted = all_to_all_variable(out_recv, send_splits, recv_splits, group)
 

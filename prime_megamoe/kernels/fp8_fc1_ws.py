@@ -15,7 +15,8 @@ with one scale per row and 128 columns, as the Triton kernel stores them.
   gate / up block scales (each copied for a partition's 64 rows) by cp.async, the two B boxes by TMA, all counted on the
   stage's ready barrier.
 - Epilogue: h's gate and up parts stored from registers in 64-column halves (fewer registers in flight), then
-  a = silu(gate) * up, its 128-column group quantised in registers and stored with its scale.
+  a = silu(gate) * up (CLAMP: silu(min(gate, c)) * clamp(up, -c, c), c = clamp_limit; ``kernels/activation.py``),
+  its 128-column group quantised in registers and stored with its scale.
 
 Requirements (the launcher checks them): the fp8 format (128 x 128 weight blocks, 1 x 128 activation groups), I a
 multiple of 128, H a multiple of 16 (16-byte row pieces of x).
@@ -30,6 +31,7 @@ compiles for sm_90 on the CPU (Triton 3.6: no spill; 3.9: 24 bytes; no wgmma ser
 
 from __future__ import annotations
 
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -183,6 +185,15 @@ def _scale_from_amax(amax, POW2: gl.constexpr):
 
 
 @gluon.jit
+def _clamp_gate_up(g, u, limit):
+    """``kernels.activation.clamp_gate_up`` in Gluon (the same operations, so the same bits): min(g, limit) and
+    clamp(u, -limit, limit), NaN kept."""
+    g_c = gl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
+    u_c = gl.clamp(u, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
+    return g_c, u_c
+
+
+@gluon.jit
 def _store_rows(ptr, values, row0, col0, row_end, stride, store_layout: gl.constexpr):
     """values [R, C] at ptr[row0 + r, col0 + c] for rows before row_end, from a row-contiguous layout."""
     R: gl.constexpr = values.type.shape[0]
@@ -224,7 +235,9 @@ def _fc1_mma_partition(
     stride_hm,
     stride_am,
     stride_asm,
+    clamp_limit,
     SAVE_H: gl.constexpr,
+    CLAMP: gl.constexpr,
     POW2: gl.constexpr,
     TILE_M: gl.constexpr,
     HALF: gl.constexpr,
@@ -270,6 +283,8 @@ def _fc1_mma_partition(
         if SAVE_H:  # in 64-column halves (a thread holds column j and j + 64): fewer registers in flight
             _store_halves(h_ptr, gate, rows0, col0, row_end, stride_hm, h_layout)
             _store_halves(h_ptr, up, rows0, I + col0, row_end, stride_hm, h_layout)
+        if CLAMP:  # after h is stored: the backward recomputes the clamp from it
+            gate, up = _clamp_gate_up(gate, up, clamp_limit)
         act = gate * (1 / (1 + gl.exp(-gate))) * up  # tl.sigmoid's expression
         scale = _scale_from_amax(gl.max(gl.abs(act), axis=1), POW2)
         # (No clamp to +-FP8_MAX first: the conversion saturates, the same bits for every value but NaN.)
@@ -309,7 +324,9 @@ def fp8_fc1_swiglu_ws_kernel(
     stride_hm,
     stride_am,
     stride_asm,
+    clamp_limit,
     SAVE_H: gl.constexpr,
+    CLAMP: gl.constexpr,
     POW2: gl.constexpr,
     STAGES: gl.constexpr,
     TILE_M: gl.constexpr,
@@ -352,7 +369,9 @@ def fp8_fc1_swiglu_ws_kernel(
                     stride_hm,
                     stride_am,
                     stride_asm,
+                    clamp_limit,
                     SAVE_H,
+                    CLAMP,
                     POW2,
                     TILE_M,
                     0,
@@ -379,7 +398,9 @@ def fp8_fc1_swiglu_ws_kernel(
                     stride_hm,
                     stride_am,
                     stride_asm,
+                    clamp_limit,
                     SAVE_H,
+                    CLAMP,
                     POW2,
                     TILE_M,
                     1,

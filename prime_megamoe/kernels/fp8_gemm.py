@@ -36,6 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .activation import clamp_gate_up
 from .grouped_gemm import tile_rows as _tile_rows
 from .grouped_gemm import tile_span as _tile_span
 from .grouped_gemm import wgrad_tile_ids, wgrad_tile_offsets
@@ -160,6 +161,7 @@ def _scaled_mma(acc, a, sa, b, sb, MX: tl.constexpr, B_SCALAR: tl.constexpr):
 
 # ----------------------------------------------------------------------------------------------------------------
 # FC1 + SwiGLU:  h = x[src] @ W1[e]^T (fp8 x fp8, fp32 accumulate),  a = silu(h[:, :I]) * h[:, I:]
+#   (CLAMP: a = silu(min(g, c)) * clamp(u, -c, c), c = clamp_limit: kernels/activation.py; h is stored unclamped)
 #   h is stored in the output dtype when the backward needs it; a is stored in fp8 with 1 x GROUP_K scales along I
 #   (the K of FC2), so FC2 reads it without another pass. With B_TMA, W1 is read by TMA, viewed as [E * 2I, H] in
 #   [BLOCK_N, BLOCK_K] boxes (gate rows, then up rows I further).
@@ -195,7 +197,9 @@ def fp8_fc1_swiglu_kernel(
     stride_hm,
     stride_am,
     stride_asm,
+    clamp_limit,
     SAVE_H: tl.constexpr,
+    CLAMP: tl.constexpr,
     MX: tl.constexpr,
     POW2: tl.constexpr,
     GROUP_K: tl.constexpr,
@@ -256,6 +260,8 @@ def fp8_fc1_swiglu_kernel(
         tl.store(h_ptrs + N, acc_u.to(h_ptr.dtype.element_ty), mask=out_mask)
     if B_TMA:  # boxes past N read other rows' weights: zero those columns (their act), which the quantiser's amax sees
         acc_g = tl.where(col_mask[None, :], acc_g, 0.0)
+    if CLAMP:
+        acc_g, acc_u = clamp_gate_up(acc_g, acc_u, clamp_limit)
     act = acc_g * tl.sigmoid(acc_g) * acc_u
     store_rows_q(
         aq_ptr,

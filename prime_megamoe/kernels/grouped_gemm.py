@@ -13,6 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .activation import clamp_gate_up
 from .tuning import autotune, autotune_configs
 
 
@@ -52,6 +53,7 @@ def tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M:
 
 # ----------------------------------------------------------------------------------------------------------------
 # FC1 + SwiGLU:  h = x[src - row_base] @ W1[e]^T,  a = silu(h[:, :I]) * h[:, I:]
+# (CLAMP: a = silu(min(g, c)) * clamp(u, -c, c) with c = clamp_limit, kernels/activation.py; h is stored unclamped)
 # (row_base: where x starts among the plan's source rows; the own block of an expert-parallel plan is read from the
 # caller's tokens, which are rows [rank * C, rank * C + T) of the gathered blocks)
 # ----------------------------------------------------------------------------------------------------------------
@@ -76,7 +78,9 @@ def _fc1_swiglu_tile(
     stride_wk,
     stride_hm,
     stride_am,
+    clamp_limit,
     SAVE_H: tl.constexpr,
+    CLAMP: tl.constexpr,
     CAST_F32: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -130,6 +134,8 @@ def _fc1_swiglu_tile(
         h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
         tl.store(h_ptrs, acc_g.to(h_ptr.dtype.element_ty), mask=out_mask)
         tl.store(h_ptrs + N, acc_u.to(h_ptr.dtype.element_ty), mask=out_mask)
+    if CLAMP:
+        acc_g, acc_u = clamp_gate_up(acc_g, acc_u, clamp_limit)
     act = acc_g * tl.sigmoid(acc_g) * acc_u
     tl.store(a_ptr + rows64[:, None] * stride_am + cols[None, :], act.to(a_ptr.dtype.element_ty), mask=out_mask)
 
@@ -157,7 +163,9 @@ def fc1_swiglu_kernel(
     stride_wk,
     stride_hm,
     stride_am,
+    clamp_limit,
     SAVE_H: tl.constexpr,
+    CLAMP: tl.constexpr,
     CAST_F32: tl.constexpr,
     IEEE: tl.constexpr,
     TILE_M: tl.constexpr,
@@ -191,7 +199,9 @@ def fc1_swiglu_kernel(
                 stride_wk,
                 stride_hm,
                 stride_am,
+                clamp_limit,
                 SAVE_H,
+                CLAMP,
                 CAST_F32,
                 IEEE,
                 BLOCK_M,
@@ -223,7 +233,9 @@ def fc1_swiglu_kernel(
                 stride_wk,
                 stride_hm,
                 stride_am,
+                clamp_limit,
                 SAVE_H,
+                CLAMP,
                 CAST_F32,
                 IEEE,
                 BLOCK_M,

@@ -10,6 +10,9 @@ Why not in the GEMM's epilogue: loading h and writing three outputs next to the 
 than a Hopper thread has (ptxas spilled in every candidate config). This pass streams g_a and h once; the GEMM keeps
 a plain epilogue.
 
+With the clamped SwiGLU (CLAMP, limit c = clamp_limit; ``kernels/activation.py``) g and u are clamped first,
+``a = silu(min(g, c)) * clamp(u, -c, c)``, and dg (du) is zero where g (u) was clamped.
+
 Rows are walked through the routing plan's tile list, so a segment's pass touches only its rows. Each row's dw is
 summed over its columns in a fixed order (deterministic).
 """
@@ -19,21 +22,44 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .activation import clamp_gate_up, gate_passes, up_passes
 from .grouped_gemm import tile_rows
 from .quantize import store_cols_t, store_rows_q
 
 
 @triton.jit
-def _swiglu_inputs(ga_ptr, h_ptr, rows64, cols, mask, N, stride_gam, stride_hm):
+def _swiglu_inputs(ga_ptr, h_ptr, rows64, cols, mask, N, stride_gam, stride_hm, clamp_limit, CLAMP: tl.constexpr):
     """One block of rows x columns: g_a and h = [g | u] loaded in fp32 (zeros outside ``mask``), and from them
-    (g_a, u, sigmoid(g), silu(g), a = silu(g) * u)."""
+    (g_a, u, sigmoid(g), silu(g), a = silu(g) * u, g, u) with g and u clamped (CLAMP) in all but the last two."""
     ga = tl.load(ga_ptr + rows64[:, None] * stride_gam + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
-    g = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(h_ptrs + N, mask=mask, other=0.0).to(tl.float32)
+    g_in = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
+    u_in = tl.load(h_ptrs + N, mask=mask, other=0.0).to(tl.float32)
+    g = g_in
+    u = u_in
+    if CLAMP:
+        g, u = clamp_gate_up(g_in, u_in, clamp_limit)
     sig = tl.sigmoid(g)
     silu = g * sig
-    return ga, u, sig, silu, silu * u
+    return ga, u, sig, silu, silu * u, g_in, u_in
+
+
+@triton.jit
+def _dgate(da, u, sig, silu, g_in, clamp_limit, CLAMP: tl.constexpr):
+    """dg from da = w * g_a and ``_swiglu_inputs``; zero where the clamp (CLAMP) cut g."""
+    dg = da * u * (sig + silu * (1.0 - sig))
+    if CLAMP:
+        dg = tl.where(gate_passes(g_in, clamp_limit), dg, 0.0)
+    return dg
+
+
+@triton.jit
+def _dup(da, silu, u_in, clamp_limit, CLAMP: tl.constexpr):
+    """du from da and ``_swiglu_inputs``; zero where the clamp (CLAMP) cut u."""
+    du = da * silu
+    if CLAMP:
+        du = tl.where(up_passes(u_in, clamp_limit), du, 0.0)
+    return du
 
 
 @triton.jit
@@ -53,9 +79,11 @@ def swiglu_backward_rows_kernel(
     stride_hm,
     stride_dhm,
     stride_awm,
+    clamp_limit,
     TILE_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    CLAMP: tl.constexpr,
 ):
     """One program per BLOCK_R rows of a routing tile (programs past the device-side tile count return)."""
     pid = tl.program_id(0)
@@ -67,12 +95,16 @@ def swiglu_backward_rows_kernel(
         for c0 in range(0, N, BLOCK_C):
             cols = c0 + tl.arange(0, BLOCK_C)
             mask = row_mask[:, None] & (cols < N)[None, :]
-            ga, u, sig, silu, act = _swiglu_inputs(ga_ptr, h_ptr, rows64, cols, mask, N, stride_gam, stride_hm)
+            ga, u, sig, silu, act, g_in, u_in = _swiglu_inputs(
+                ga_ptr, h_ptr, rows64, cols, mask, N, stride_gam, stride_hm, clamp_limit, CLAMP
+            )
             dw += tl.sum(ga * act, axis=1)
             da = ga * w
             dh_ptrs = dh_ptr + rows64[:, None] * stride_dhm + cols[None, :]
-            tl.store(dh_ptrs, (da * u * (sig + silu * (1.0 - sig))).to(dh_ptr.dtype.element_ty), mask=mask)
-            tl.store(dh_ptrs + N, (da * silu).to(dh_ptr.dtype.element_ty), mask=mask)
+            dg = _dgate(da, u, sig, silu, g_in, clamp_limit, CLAMP)
+            tl.store(dh_ptrs, dg.to(dh_ptr.dtype.element_ty), mask=mask)
+            du = _dup(da, silu, u_in, clamp_limit, CLAMP)
+            tl.store(dh_ptrs + N, du.to(dh_ptr.dtype.element_ty), mask=mask)
             tl.store(
                 aw_ptr + rows64[:, None] * stride_awm + cols[None, :], (act * w).to(aw_ptr.dtype.element_ty), mask=mask
             )
@@ -118,6 +150,7 @@ def swiglu_backward_quantize_kernel(
     stride_awtk,
     stride_awtsr,
     stride_dwp,
+    clamp_limit,
     ROWS_OUT: tl.constexpr,
     COLS_OUT: tl.constexpr,
     MX: tl.constexpr,
@@ -127,6 +160,7 @@ def swiglu_backward_quantize_kernel(
     TILE_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    CLAMP: tl.constexpr,
 ):
     tl.static_assert(not ROWS_OUT or BLOCK_C % GROUP_K == 0)
     tl.static_assert(not COLS_OUT or BLOCK_R == TILE_M)
@@ -139,10 +173,12 @@ def swiglu_backward_quantize_kernel(
         cols = blk * BLOCK_C + tl.arange(0, BLOCK_C)
         col_mask = cols < N
         mask = row_mask[:, None] & col_mask[None, :]
-        ga, u, sig, silu, act = _swiglu_inputs(ga_ptr, h_ptr, rows64, cols, mask, N, stride_gam, stride_hm)
+        ga, u, sig, silu, act, g_in, u_in = _swiglu_inputs(
+            ga_ptr, h_ptr, rows64, cols, mask, N, stride_gam, stride_hm, clamp_limit, CLAMP
+        )
         da = ga * w
-        dg = da * u * (sig + silu * (1.0 - sig))
-        du = da * silu
+        dg = _dgate(da, u, sig, silu, g_in, clamp_limit, CLAMP)
+        du = _dup(da, silu, u_in, clamp_limit, CLAMP)
         if ROWS_OUT:
             tl.store(dw_partial_ptr + blk * stride_dwp + rows, tl.sum(ga * act, axis=1), mask=row_mask)
             store_rows_q(

@@ -108,11 +108,13 @@ def swiglu_backward_cols_kernel(
     stride_dhtsr,
     stride_awtk,
     stride_awtsr,
+    clamp_limit,
     POW2: gl.constexpr,
     TILE_M: gl.constexpr,
     BC: gl.constexpr,
     CPT: gl.constexpr,
     num_warps: gl.constexpr,
+    CLAMP: gl.constexpr,
 ):
     """Program (c, t): routing tile t (past the device-side tile count: nothing) by gate columns [c * BC, c * BC +
     BC) of I (those below I) and the same up columns, I further. A thread holds 16 rows of CPT adjacent columns; a
@@ -132,7 +134,7 @@ def swiglu_backward_cols_kernel(
         h_ptrs = h_ptr + rows64[:, None] * stride_hm + (col + cols)[None, :]
         g = gl.load(h_ptrs, mask=mask, other=0.0).to(gl.float32)
         u = gl.load(h_ptrs + I, mask=mask, other=0.0).to(gl.float32)
-        dg, du, aw, _ = _dswiglu_chunk(ga, g, u, w)
+        dg, du, aw, _ = _dswiglu_chunk(ga, g, u, w, clamp_limit, CLAMP)
         q_ok = (cols_s < I)[None, :]
         _store_cols(
             dhtq_ptr,

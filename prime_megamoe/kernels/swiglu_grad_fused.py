@@ -36,19 +36,27 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .fp8_fc1_ws import _scale_from_amax
+from .fp8_fc1_ws import _clamp_gate_up, _scale_from_amax
 from .fp8_gemm_ws import _partition_barrier as _barrier
 
 
 @gluon.jit
-def _dswiglu_chunk(ga, g, u, w):
-    """fp32 (dg, du, w * a, g_a * a) of one chunk: the Triton pass's expressions, in its order."""
+def _dswiglu_chunk(ga, g, u, w, clamp_limit, CLAMP: gl.constexpr):
+    """fp32 (dg, du, w * a, g_a * a) of one chunk: the Triton pass's expressions, in its order (with CLAMP the
+    clamped SwiGLU's, ``kernels/activation.py``: g and u clamped, dg and du zero where they were cut)."""
+    if CLAMP:
+        g_ok = g <= clamp_limit
+        u_ok = (u >= -clamp_limit) & (u <= clamp_limit)
+        g, u = _clamp_gate_up(g, u, clamp_limit)
     sig = 1 / (1 + gl.exp(-g))  # tl.sigmoid's expression
     silu = g * sig
     act = silu * u
     da = ga * w[:, None]
     dg = da * u * (sig + silu * (1.0 - sig))
     du = da * silu
+    if CLAMP:
+        dg = gl.where(g_ok, dg, 0.0)
+        du = gl.where(u_ok, du, 0.0)
     return dg, du, act * w[:, None], ga * act
 
 
@@ -150,10 +158,12 @@ def swiglu_backward_fused_kernel(
     stride_awtk,
     stride_awtsr,
     stride_dwp,
+    clamp_limit,
     POW2: gl.constexpr,
     TILE_M: gl.constexpr,
     RB: gl.constexpr,
     num_warps: gl.constexpr,
+    CLAMP: gl.constexpr,
 ):
     """Persistent: program p takes work items p, p + programs, ... (item = routing tile * NC + 128-column group of
     I; the device-side tile count ends the sequence). Per item, CHUNKS = TILE_M // RB chunks of RB rows."""
@@ -206,7 +216,9 @@ def swiglu_backward_fused_kernel(
             rows = row0 + k * RB + gl.arange(0, RB, layout=gl.SliceLayout(1, layout))
             ok = rows < row_end
             rows64 = rows.to(gl.int64)
-            dg, du, aw, dw = _dswiglu_chunk(ga.to(gl.float32), g.to(gl.float32), u.to(gl.float32), w.to(gl.float32))
+            dg, du, aw, dw = _dswiglu_chunk(
+                ga.to(gl.float32), g.to(gl.float32), u.to(gl.float32), w.to(gl.float32), clamp_limit, CLAMP
+            )
             gl.store(dw_partial_ptr + c.to(gl.int64) * stride_dwp + rows, gl.sum(dw, axis=1), mask=ok)
             _store_rows_q(dhq_ptr, dhs_ptr, dg, rows64, ok, col, cols, c, stride_dhm, stride_dhsm, POW2)
             _store_rows_q(dhq_ptr, dhs_ptr, du, rows64, ok, I + col, cols, NG + c, stride_dhm, stride_dhsm, POW2)

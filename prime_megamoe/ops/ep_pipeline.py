@@ -31,6 +31,7 @@ import torch
 
 from ..comm.transport import PAIR_RESULTS, ROW_RESULTS, Transport
 from . import launch
+from .activation import check_activation_clamp
 from .routing_plan import PlanLease, allocate_routing_plan, fill_routing_plan, take_plan
 
 
@@ -74,7 +75,18 @@ def lease_forward_plan(
 
 class ExpertParallelExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, top_k_index, top_k_weights, w1, w2, transport: Transport, tile_m: int, grad_enabled: bool):
+    def forward(
+        ctx,
+        x,
+        top_k_index,
+        top_k_weights,
+        w1,
+        w2,
+        transport: Transport,
+        tile_m: int,
+        grad_enabled: bool,
+        activation_clamp: float | None = None,
+    ):
         x = x.contiguous()  # the own block's GEMMs read it row by row
         num_tokens, top_k = top_k_index.shape
         world = transport.world
@@ -111,14 +123,22 @@ class ExpertParallelExperts(torch.autograd.Function):
                 peers_planned = True
             piece = plan.segment(s, half)
             if s == rank:  # the own tokens straight from x (source rows [rank*C, rank*C + T)): nothing to wait for
-                launch.fc1_swiglu(x, w1, piece, save_h=need_grad, out=(h, a), row_base=rank * capacity)
+                launch.fc1_swiglu(
+                    x,
+                    w1,
+                    piece,
+                    save_h=need_grad,
+                    out=(h, a),
+                    row_base=rank * capacity,
+                    activation_clamp=activation_clamp,
+                )
                 if first:
                     # x goes to the peers once the own first FC1 is queued: that FC1 is not held up by the push's
                     # host time, and the copies run under it and the FC2 behind it.
                     transport.exchange_now()
             else:
                 rows = transport.wait_rows(s)
-                launch.fc1_swiglu(rows, w1, piece, save_h=need_grad, out=(h, a))
+                launch.fc1_swiglu(rows, w1, piece, save_h=need_grad, out=(h, a), activation_clamp=activation_clamp)
             if y is None:
                 y = x.new_empty(plan.sorted_rows, hidden)
             # FC2 by pointer reads, as in expert_compute.unquantized_forward (TMA: no faster, more host time)
@@ -131,6 +151,7 @@ class ExpertParallelExperts(torch.autograd.Function):
             ctx.save_for_backward(kept_rows, w1, w2, h)
             ctx.plan_lease, ctx.transport = lease, transport  # the lease (and its plan) held until the graph is freed
             ctx.weights_dtype = top_k_weights.dtype
+            ctx.activation_clamp = activation_clamp
         return out
 
     @staticmethod
@@ -149,7 +170,15 @@ class ExpertParallelExperts(torch.autograd.Function):
         for s, half, first, last in compute_order(transport):
             piece = plan.segment(s, half)
             if s == rank:  # straight from the caller's gradient, as the forward reads its tokens: no wait
-                launch.fc2_dgrad_dswiglu(own_dy, w2, h, piece, out=buffers, row_base=rank * capacity)
+                launch.fc2_dgrad_dswiglu(
+                    own_dy,
+                    w2,
+                    h,
+                    piece,
+                    out=buffers,
+                    row_base=rank * capacity,
+                    activation_clamp=ctx.activation_clamp,
+                )
                 if first:
                     # Push once the own first GEMMs are queued: a single call reaches its backward with the GPU
                     # about to go idle, and the exchange's host time would otherwise come first. The peers' blocks
@@ -157,7 +186,7 @@ class ExpertParallelExperts(torch.autograd.Function):
                     transport.exchange_now()
             else:
                 dy = transport.wait_rows(s)
-                launch.fc2_dgrad_dswiglu(dy, w2, h, piece, out=buffers)
+                launch.fc2_dgrad_dswiglu(dy, w2, h, piece, out=buffers, activation_clamp=ctx.activation_clamp)
             launch.grouped_gemm(dh, w1, piece, transpose_b=False, out=dx_sorted)
             if last:
                 seg, results = plan.segment(s), transport.partial_buffers(s)
@@ -180,17 +209,29 @@ class ExpertParallelExperts(torch.autograd.Function):
         results = transport.finish()
         grad_x = launch.sum_blocks(results[ROW_RESULTS], num_tokens, rows.dtype)
         grad_weights = launch.sum_blocks(results[PAIR_RESULTS], num_tokens, ctx.weights_dtype)
-        return grad_x, None, grad_weights, grad_w1, grad_w2, None, None, None
+        return grad_x, None, grad_weights, grad_w1, grad_w2, None, None, None, None
 
 
-def expert_parallel_experts(x, top_k_index, top_k_weights, w1, w2, *, transport: Transport, tile_m: int):
+def expert_parallel_experts(
+    x,
+    top_k_index,
+    top_k_weights,
+    w1,
+    w2,
+    *,
+    transport: Transport,
+    tile_m: int,
+    activation_clamp: float | None = None,
+):
     """x [T, H], top_k_index [T, k] (global expert ids), top_k_weights [T, k], this rank's w1 [E_l, 2I, H] and
-    w2 [E_l, H, I] -> [T, H]: the MoE output of this rank's tokens over the experts of every rank in the group."""
+    w2 [E_l, H, I] -> [T, H]: the MoE output of this rank's tokens over the experts of every rank in the group.
+    ``activation_clamp``: the clamped SwiGLU's limit (``ops.activation``; None: plain SwiGLU)."""
+    activation_clamp = check_activation_clamp(activation_clamp)
     if x.shape[0] > transport.capacity:
         raise ValueError(
             f"{x.shape[0]} tokens on rank {transport.rank} exceed max_tokens_per_rank = {transport.capacity}; raise "
             f"[model.moe.dispatch] max_tokens_per_rank or pass fewer tokens per call"
         )
     return ExpertParallelExperts.apply(
-        x, top_k_index, top_k_weights, w1, w2, transport, tile_m, torch.is_grad_enabled()
+        x, top_k_index, top_k_weights, w1, w2, transport, tile_m, torch.is_grad_enabled(), activation_clamp
     )

@@ -10,7 +10,8 @@ h = x W1^T ([P, 2I], P = rows * k). Saving h instead of recomputing FC1 costs P 
 Qwen3-30B-A3B shape and T = 16384, 131072 * 1536 * 2 = 403 MB per layer (Qwen3-235B-A22B: 805 MB), and saves an FC1
 GEMM (a third of the forward FLOPs) in the backward. Trainers that checkpoint activations re-run the forward of one
 layer just before its backward, so only one layer's h is alive at a time. The SwiGLU output a is not saved: the
-backward recomputes it from h in the dgrad epilogue.
+backward recomputes it from h in the dgrad epilogue. With ``activation_clamp`` (the clamped SwiGLU, ``ops.activation``)
+h is saved unclamped and both the forward and the backward clamp it in their kernels; nothing else changes.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from __future__ import annotations
 import torch
 
 from . import launch
+from .activation import check_activation_clamp
 from .routing_plan import RoutingPlan, lease_routing_plan
 
 
-def unquantized_forward(rows, w1, w2, plan: RoutingPlan, save_h: bool):
-    """FC1 + SwiGLU, FC2 + top-k weight, combine: (out [R, H], h [P, 2I] or None)."""
-    h, act = launch.fc1_swiglu(rows, w1, plan, save_h=save_h)
+def unquantized_forward(rows, w1, w2, plan: RoutingPlan, save_h: bool, activation_clamp: float | None = None):
+    """FC1 + SwiGLU (clamped with ``activation_clamp``), FC2 + top-k weight, combine: (out [R, H], h [P, 2I] or
+    None)."""
+    h, act = launch.fc1_swiglu(rows, w1, plan, save_h=save_h, activation_clamp=activation_clamp)
     # FC2 reads by pointer: TMA reads measured no faster here (0.731 against 0.738 ms at Qwen3-30B-A3B, T = 16384,
     # one H200) and cost host time per launch, which single forwards wait on.
     out_sorted = launch.grouped_gemm(act, w2, plan, transpose_b=True, row_scale=plan.row_weight, use_tma=False)
@@ -39,13 +42,17 @@ def combine_with_pair_values(dx_sorted, dw_row, plan: RoutingPlan, dx_dtype, wei
     return grad_rows, grad_weights
 
 
-def _forward(rows, top_k_index, top_k_weights, w1, w2, expert_base: int, tile_m: int, need_grad: bool):
+def _forward(
+    rows, top_k_index, top_k_weights, w1, w2, expert_base: int, tile_m: int, need_grad: bool, activation_clamp=None
+):
     """(out [R, H], the plan's lease, h or None): a pooled plan (``routing_plan.PlanLease``), so no allocation on the
     host's path to the first GEMM."""
     lease = lease_routing_plan(
         top_k_index, top_k_weights, expert_base=expert_base, num_local_experts=w1.shape[0], tile_m=tile_m
     )
-    out, h = unquantized_forward(rows.contiguous(), w1, w2, lease.plan, save_h=need_grad)
+    out, h = unquantized_forward(
+        rows.contiguous(), w1, w2, lease.plan, save_h=need_grad, activation_clamp=activation_clamp
+    )
     return out, lease, h
 
 
@@ -54,10 +61,24 @@ class RoutedExperts(torch.autograd.Function):
     -> out [R, H]: for each row, the weighted sum over the slots whose expert lives here (zeros if none)."""
 
     @staticmethod
-    def forward(ctx, rows, top_k_index, top_k_weights, w1, w2, expert_base: int, tile_m: int, grad_enabled: bool):
+    def forward(
+        ctx,
+        rows,
+        top_k_index,
+        top_k_weights,
+        w1,
+        w2,
+        expert_base: int,
+        tile_m: int,
+        grad_enabled: bool,
+        activation_clamp: float | None = None,
+    ):
         rows = rows.contiguous()
         need_grad = grad_enabled and any(ctx.needs_input_grad[i] for i in (0, 2, 3, 4))
-        out, lease, h = _forward(rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, need_grad)
+        out, lease, h = _forward(
+            rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, need_grad, activation_clamp
+        )
+        ctx.activation_clamp = activation_clamp
         plan = lease.plan
         if need_grad:
             ctx.save_for_backward(rows, w1, w2, h)
@@ -70,7 +91,7 @@ class RoutedExperts(torch.autograd.Function):
         rows, w1, w2, h = ctx.saved_tensors
         plan: RoutingPlan = ctx.plan
         grad_out = grad_out.contiguous().to(rows.dtype)
-        dh, aw, dw_row = launch.fc2_dgrad_dswiglu(grad_out, w2, h, plan)
+        dh, aw, dw_row = launch.fc2_dgrad_dswiglu(grad_out, w2, h, plan, activation_clamp=ctx.activation_clamp)
 
         grad_rows = grad_weights = grad_w1 = grad_w2 = None
         if ctx.needs_input_grad[0]:
@@ -84,12 +105,24 @@ class RoutedExperts(torch.autograd.Function):
             grad_w1 = launch.grouped_wgrad(dh, rows, plan, torch.empty_like(w1), gather_a=False, gather_b=True)
         if ctx.needs_input_grad[4]:
             grad_w2 = launch.grouped_wgrad(grad_out, aw, plan, torch.empty_like(w2), gather_a=True, gather_b=False)
-        return grad_rows, None, grad_weights, grad_w1, grad_w2, None, None, None
+        return grad_rows, None, grad_weights, grad_w1, grad_w2, None, None, None, None
 
 
-def routed_experts(rows, top_k_index, top_k_weights, w1, w2, *, expert_base: int, tile_m: int) -> torch.Tensor:
+def routed_experts(
+    rows,
+    top_k_index,
+    top_k_weights,
+    w1,
+    w2,
+    *,
+    expert_base: int,
+    tile_m: int,
+    activation_clamp: float | None = None,
+) -> torch.Tensor:
+    """``activation_clamp``: the clamped SwiGLU's limit (``ops.activation``; None: plain SwiGLU)."""
+    activation_clamp = check_activation_clamp(activation_clamp)
     if not torch.is_grad_enabled():
         # Nothing to record (inference, the first forward under activation checkpointing): the forward alone,
         # without autograd's bookkeeping on the host's path to the first GEMM (single calls are host-bound).
-        return _forward(rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, need_grad=False)[0]
-    return RoutedExperts.apply(rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, True)
+        return _forward(rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, False, activation_clamp)[0]
+    return RoutedExperts.apply(rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, True, activation_clamp)

@@ -29,6 +29,7 @@ from ..kernels.fp8_gemm import QTILE_M, fp8_fc1_swiglu_kernel, fp8_grouped_gemm_
 from ..kernels.quantize import dequantize_blocks_kernel, gather_quantize_cols_t_kernel, quantize_blocks_kernel
 from ..kernels.routing import expert_tile_list_kernel
 from ..kernels.swiglu_grad import swiglu_backward_quantize_kernel
+from .activation import clamp_kernel_args
 from .compiled_launch import launch
 from .fp8_ws_launch import (
     fp8_fc1_swiglu_ws,
@@ -415,15 +416,18 @@ def fp8_fc1_swiglu(
     h_dtype: torch.dtype | None,
     use_tma: bool = False,
     use_ws: bool | None = False,
+    activation_clamp: float | None = None,
 ):
     """xq [R, H] (source rows, row-scaled), w1q = quantize_w1_fwd(W1) -> (h [P, 2I] in h_dtype or None,
-    a = silu(g) * u as a row-scaled QTensor [P, I]) in expert-sorted row order. ``use_ws=True``: the
+    a = silu(g) * u as a row-scaled QTensor [P, I]) in expert-sorted row order; with ``activation_clamp`` c,
+    a = silu(min(g, c)) * clamp(u, -c, c) (``ops.activation``; h stays unclamped). ``use_ws=True``: the
     warp-specialised Hopper kernel (``kernels/fp8_fc1_ws.py``; an error where ``fp8_ws_launch.ws_fc1_unavailable``
     says it does not apply), ``None``: that kernel where it applies (the layer asks for that: 0.899 against 1.164 ms
     at Qwen3-30B-A3B, T = 16384, scripts/fp8_probe.py). Otherwise the Triton kernel, with ``use_tma``:
     read W1 by TMA; off by default: for FC1 pointer loads measured as fast or faster (1.172 / 1.166 ms against
     1.205 / 1.168 with TMA at Qwen3-30B-A3B, T = 16384, two runs of scripts/fp8_probe.py)."""
     _check_plan(plan)
+    clamp_limit, clamp = clamp_kernel_args(activation_clamp)
     num_pairs, hidden = plan.num_pairs, xq.data.shape[1]
     ng_out = cdiv(inter, fmt.group)
     aq = torch.empty(num_pairs, inter, dtype=FP8_DTYPE, device=xq.data.device)
@@ -442,7 +446,9 @@ def fp8_fc1_swiglu(
         weight_rows=fmt.weight_rows,
         inter=inter,
     ):
-        fp8_fc1_swiglu_ws(xq, w1q, plan, h if save_h else None, aq, a_s, inter=inter, pow2=fmt.pow2)
+        fp8_fc1_swiglu_ws(
+            xq, w1q, plan, h if save_h else None, aq, a_s, inter=inter, pow2=fmt.pow2, activation_clamp=activation_clamp
+        )
         return (h if save_h else None), QTensor(aq, a_s)
     up_scale_off = cdiv(inter, fmt.weight_rows)
     b_desc = _weight_descriptor(w1q, use_tma)
@@ -474,7 +480,9 @@ def fp8_fc1_swiglu(
         h.stride(0),
         aq.stride(0),
         a_s.stride(0),
+        clamp_limit,
         SAVE_H=save_h,
+        CLAMP=clamp,
         POW2=fmt.pow2,
         B_TMA=b_desc is not None,
         TILE_M=QTILE_M,
@@ -588,7 +596,9 @@ def _dswiglu_launch(
     dh_t: QTensor,
     aw_t: QTensor,
     dw_partial: torch.Tensor,
+    activation_clamp: float | None,
 ) -> None:
+    clamp_limit, clamp = clamp_kernel_args(activation_clamp)
     inter = g_a.shape[1]
     ng = cdiv(inter, fmt.group)
     args = (g_a, h, plan.row_weight, dh_rows.data, dh_rows.scale, dh_t.data, dh_t.scale, aw_t.data, aw_t.scale)
@@ -614,19 +624,24 @@ def _dswiglu_launch(
         *_tile_args(plan),
         *strides,
         dw_partial.stride(0),
+        clamp_limit,
         ROWS_OUT=rows_out,
         COLS_OUT=not rows_out,
         BLOCK_R=block_r,
         BLOCK_C=block_c,
+        CLAMP=clamp,
         num_warps=warps,
         **fmt_args,
     )
 
 
-def dswiglu_rows(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFormat) -> tuple[QTensor, torch.Tensor]:
+def dswiglu_rows(
+    g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFormat, *, activation_clamp: float | None = None
+) -> tuple[QTensor, torch.Tensor]:
     """The quantising SwiGLU backward pass's row outputs (``kernels.swiglu_grad.swiglu_backward_quantize_kernel``,
     ROWS_OUT): from g_a [P, I] (``fp8_fc2_dgrad``) and h = [g | u] [P, 2I], dh row-scaled [P, 2I] (the A of the FC1
-    dgrad) and dw_row [P] fp32 (the top-k weight gradient per sorted row)."""
+    dgrad) and dw_row [P] fp32 (the top-k weight gradient per sorted row). ``activation_clamp``: the forward's
+    clamped SwiGLU limit (``ops.activation``): a is the clamped one, dh zero where g or u was clamped."""
     _check_tile_space_plan(plan)
     num_pairs, inter, device = plan.num_pairs, g_a.shape[1], g_a.device
     ng = cdiv(inter, fmt.group)
@@ -636,7 +651,16 @@ def dswiglu_rows(g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFo
     )
     dw_partial = torch.empty(cdiv(inter, DSWIGLU_ROWS_BLOCK[1]), num_pairs, dtype=torch.float32, device=device)
     _dswiglu_launch(
-        g_a, h, plan, fmt, rows_out=True, dh_rows=dh_rows, dh_t=dh_rows, aw_t=dh_rows, dw_partial=dw_partial
+        g_a,
+        h,
+        plan,
+        fmt,
+        rows_out=True,
+        dh_rows=dh_rows,
+        dh_t=dh_rows,
+        aw_t=dh_rows,
+        dw_partial=dw_partial,
+        activation_clamp=activation_clamp,
     )
     return dh_rows, dw_partial.sum(0)
 
@@ -651,12 +675,19 @@ def gluon_cols_unavailable(g_a: torch.Tensor, h: torch.Tensor, fmt: QFormat) -> 
 
 
 def dswiglu_cols_t(
-    g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFormat, *, gluon: bool | None = None
+    g_a: torch.Tensor,
+    h: torch.Tensor,
+    plan: RoutingPlan,
+    fmt: QFormat,
+    *,
+    gluon: bool | None = None,
+    activation_clamp: float | None = None,
 ) -> tuple[QTensor, QTensor]:
     """The same pass's column outputs (COLS_OUT): dh^T [2I, max_tiles * 128] and (w * a)^T [I, ..] in the cols_t
     layout, the K-major operands of the two weight gradients. ``gluon`` None: the Gluon form
     (``kernels/swiglu_grad_cols.py``, the same bits) where ``gluon_cols_unavailable`` says it applies, else the
-    Triton launch; True: the Gluon form or an error saying why not; False: the Triton launch."""
+    Triton launch; True: the Gluon form or an error saying why not; False: the Triton launch. ``activation_clamp``:
+    as in ``dswiglu_rows``."""
     use_gluon = _use_form(gluon, "gluon", "the Gluon column pass", gluon_cols_unavailable, g_a, h, fmt)
     _check_tile_space_plan(plan)
     inter, device = g_a.shape[1], g_a.device
@@ -664,6 +695,8 @@ def dswiglu_cols_t(
     aw_t = empty_cols_t(inter, plan, fmt, device)
     if use_gluon:
         from ..kernels.swiglu_grad_cols import swiglu_backward_cols_kernel
+
+        clamp_limit, clamp = clamp_kernel_args(activation_clamp)
 
         bc, cpt, warps = DSWIGLU_COLS_GLUON_BLOCK
         launch(
@@ -684,15 +717,28 @@ def dswiglu_cols_t(
             dh_t.scale.stride(0),
             aw_t.data.stride(0),
             aw_t.scale.stride(0),
+            clamp_limit,
             POW2=fmt.pow2,
             TILE_M=QTILE_M,
             BC=bc,
             CPT=cpt,
+            CLAMP=clamp,
             num_warps=warps,
         )
         return dh_t, aw_t
     unused_dw = torch.empty(1, 1, dtype=torch.float32, device=device)  # (the row outputs are not written here)
-    _dswiglu_launch(g_a, h, plan, fmt, rows_out=False, dh_rows=dh_t, dh_t=dh_t, aw_t=aw_t, dw_partial=unused_dw)
+    _dswiglu_launch(
+        g_a,
+        h,
+        plan,
+        fmt,
+        rows_out=False,
+        dh_rows=dh_t,
+        dh_t=dh_t,
+        aw_t=aw_t,
+        dw_partial=unused_dw,
+        activation_clamp=activation_clamp,
+    )
     return dh_t, aw_t
 
 
@@ -710,7 +756,13 @@ def fused_dswiglu_unavailable(g_a: torch.Tensor, h: torch.Tensor, fmt: QFormat) 
 
 
 def fp8_dswiglu(
-    g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFormat, *, fused: bool | None = False
+    g_a: torch.Tensor,
+    h: torch.Tensor,
+    plan: RoutingPlan,
+    fmt: QFormat,
+    *,
+    fused: bool | None = False,
+    activation_clamp: float | None = None,
 ) -> DSwiGLUOut:
     """The quantising SwiGLU backward from g_a [P, I] (``fp8_fc2_dgrad``) and h = [g | u] [P, 2I]: every output of
     ``DSwiGLUOut``. ``fused=False`` (the layer's choice): two launches, ``dswiglu_rows`` then ``dswiglu_cols_t``
@@ -718,9 +770,12 @@ def fp8_dswiglu(
     read once, the same bits but for dw's last bits) or an error saying why not (``fused_dswiglu_unavailable``);
     None: that kernel where it applies. It is slower: 0.771 against 0.525 ms for the two launches in
     ``scripts/fp8_pass_probe.py``, the layer's backward GPU span 4.115 against 3.869 ms (Qwen3-30B-A3B, T = 16384,
-    one H200; scripts/backward_span.py on the profiled benchmark's trace)."""
+    one H200; scripts/backward_span.py on the profiled benchmark's trace). ``activation_clamp``: the forward's
+    clamped SwiGLU limit (``ops.activation``), in every form."""
     if _use_form(fused, "fused", "the one-pass SwiGLU backward", fused_dswiglu_unavailable, g_a, h, fmt):
         from ..kernels.swiglu_grad_fused import swiglu_backward_fused_kernel
+
+        clamp_limit, clamp = clamp_kernel_args(activation_clamp)
 
         _check_tile_space_plan(plan)
         num_pairs, inter, device = plan.num_pairs, g_a.shape[1], g_a.device
@@ -758,23 +813,33 @@ def fp8_dswiglu(
             aw_t.data.stride(0),
             aw_t.scale.stride(0),
             dw_partial.stride(0),
+            clamp_limit,
             POW2=fmt.pow2,
             TILE_M=QTILE_M,
             RB=rb,
+            CLAMP=clamp,
             num_warps=warps,
         )
         return DSwiGLUOut(dh_rows, dh_t, aw_t, dw_partial.sum(0))
-    dh_rows, dw_row = dswiglu_rows(g_a, h, plan, fmt)
-    dh_t, aw_t = dswiglu_cols_t(g_a, h, plan, fmt)
+    dh_rows, dw_row = dswiglu_rows(g_a, h, plan, fmt, activation_clamp=activation_clamp)
+    dh_t, aw_t = dswiglu_cols_t(g_a, h, plan, fmt, activation_clamp=activation_clamp)
     return DSwiGLUOut(dh_rows, dh_t, aw_t, dw_row)
 
 
 def fp8_fc2_dgrad_dswiglu(
-    dyq: QTensor, w2q_bwd: QTensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFormat, *, fused: bool | None = False
+    dyq: QTensor,
+    w2q_bwd: QTensor,
+    h: torch.Tensor,
+    plan: RoutingPlan,
+    fmt: QFormat,
+    *,
+    fused: bool | None = False,
+    activation_clamp: float | None = None,
 ) -> DSwiGLUOut:
-    """``fp8_fc2_dgrad``, then the quantising SwiGLU backward (``fp8_dswiglu``): every output below."""
+    """``fp8_fc2_dgrad``, then the quantising SwiGLU backward (``fp8_dswiglu``, clamped with ``activation_clamp``):
+    every output below."""
     g_a = fp8_fc2_dgrad(dyq, w2q_bwd, plan, fmt, h.dtype)
-    return fp8_dswiglu(g_a, h, plan, fmt, fused=fused)
+    return fp8_dswiglu(g_a, h, plan, fmt, fused=fused, activation_clamp=activation_clamp)
 
 
 def expert_tile_offsets(plan: RoutingPlan) -> torch.Tensor:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..kernels.fp8_gemm import QTILE_M
+from .activation import clamp_kernel_args
 from .compiled_launch import launch
 from .launch import _cuda_properties, _num_sms, tma_readable
 from .routing_plan import RoutingPlan
@@ -352,13 +353,16 @@ def fp8_fc1_swiglu_ws(
     pow2: bool,
     stages: int = 4,
     programs: int | None = None,
+    activation_clamp: float | None = None,
 ) -> None:
-    """h = x[src] @ W1[e]^T (stored in h's dtype unless h is None) and a = silu(gate) * up into aq (fp8) with its
+    """h = x[src] @ W1[e]^T (stored in h's dtype unless h is None) and a = silu(gate) * up (with ``activation_clamp``
+    c: silu(min(gate, c)) * clamp(up, -c, c), ``ops.activation``; h unclamped) into aq (fp8) with its
     row scales a_scale [P, inter / 128], with ``kernels/fp8_fc1_ws.py`` (callers check ``ws_fc1_unavailable``
     first): xq [R, H] row-scaled source rows, w1q = quantize_w1_fwd(W1) [E, 2I, H]. ``programs``: at most that many
     persistent programs (tests give small problems several tiles a program this way)."""
     from ..kernels.fp8_fc1_ws import fp8_fc1_swiglu_ws_kernel
 
+    clamp_limit, clamp = clamp_kernel_args(activation_clamp)
     rows, hidden = plan.num_pairs, xq.data.shape[1]
     if rows == 0 or xq.data.shape[0] == 0:  # no rows (a rank that receives nothing): nothing to compute
         return
@@ -394,7 +398,9 @@ def fp8_fc1_swiglu_ws(
         h.stride(0) if save_h else 0,
         aq.stride(0),
         a_scale.stride(0),
+        clamp_limit,
         SAVE_H=save_h,
+        CLAMP=clamp,
         POW2=pow2,
         STAGES=stages,
         TILE_M=QTILE_M,

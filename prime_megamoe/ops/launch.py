@@ -11,6 +11,7 @@ from ..kernels import tuning
 from ..kernels.combine import combine_rows_kernel, sum_blocks_kernel
 from ..kernels.grouped_gemm import fc1_swiglu_kernel, grouped_gemm_kernel, grouped_wgrad_kernel
 from ..kernels.swiglu_grad import swiglu_backward_rows_kernel
+from .activation import clamp_kernel_args
 from .compiled_launch import launch
 from .routing_plan import RoutingPlan
 from .sizes import cdiv, next_power_of_2
@@ -51,10 +52,21 @@ def _tile_args(plan: RoutingPlan):
     return plan.tile_expert, plan.tile_row, plan.num_tiles, plan.expert_offsets
 
 
-def fc1_swiglu(x: torch.Tensor, w1: torch.Tensor, plan: RoutingPlan, save_h: bool, out=None, row_base: int = 0):
+def fc1_swiglu(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    plan: RoutingPlan,
+    save_h: bool,
+    out=None,
+    row_base: int = 0,
+    *,
+    activation_clamp: float | None = None,
+):
     """x [R, H] (source rows), w1 [E, 2I, H] -> (h [P, 2I] or None, a [P, I]) in expert-sorted row order.
     ``out`` = (h or None, a): buffers to write into (a segment view's rows of buffers shared by all segments).
-    ``row_base``: x holds source rows [row_base, row_base + len(x)) (the plan's rows that this launch reads)."""
+    ``row_base``: x holds source rows [row_base, row_base + len(x)) (the plan's rows that this launch reads).
+    ``activation_clamp`` c: a = silu(min(g, c)) * clamp(u, -c, c) (``ops.activation``); h is stored unclamped."""
+    clamp_limit, clamp = clamp_kernel_args(activation_clamp)
     num_pairs, inter, hidden = plan.num_pairs, w1.shape[1] // 2, w1.shape[2]
     if out is None:
         a = x.new_empty(plan.sorted_rows, inter)
@@ -83,7 +95,9 @@ def fc1_swiglu(x: torch.Tensor, w1: torch.Tensor, plan: RoutingPlan, save_h: boo
         w1.stride(2),
         h.stride(0),
         a.stride(0),
+        clamp_limit,
         SAVE_H=save_h,
+        CLAMP=clamp,
         TILE_M=plan.tile_m,
         **_flags(x),
     )
@@ -175,12 +189,21 @@ def dswiglu_buffers(dy: torch.Tensor, w2: torch.Tensor, plan: RoutingPlan):
 
 
 def fc2_dgrad_dswiglu(
-    dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, out=None, row_base: int = 0
+    dy: torch.Tensor,
+    w2: torch.Tensor,
+    h: torch.Tensor,
+    plan: RoutingPlan,
+    out=None,
+    row_base: int = 0,
+    *,
+    activation_clamp: float | None = None,
 ):
     """From dy [R, H] (source rows): (dh [P, 2I], aw [P, I] = w * a, dw_row [P] = <dy W2, a>) in sorted order: the
     FC2 dgrad GEMM g_a = dy[src - row_base] @ W2[e], then the SwiGLU backward row pass (``kernels.swiglu_grad``).
     ``out``: buffers from ``dswiglu_buffers`` shared by all segments; the rows of ``plan``'s tiles are written.
-    ``row_base``: dy holds source rows [row_base, row_base + len(dy)), as in ``fc1_swiglu``."""
+    ``row_base``: dy holds source rows [row_base, row_base + len(dy)), as in ``fc1_swiglu``. ``activation_clamp``:
+    the clamped SwiGLU's (the forward's) limit: a is the clamped one and dh is zero where g or u was clamped."""
+    clamp_limit, clamp = clamp_kernel_args(activation_clamp)
     g_a, dh, aw, dw_row = dswiglu_buffers(dy, w2, plan) if out is None else out
     grouped_gemm(dy, w2, plan, transpose_b=False, gather=True, out=g_a, row_base=row_base)
     inter = w2.shape[2]
@@ -201,9 +224,11 @@ def fc2_dgrad_dswiglu(
         h.stride(0),
         dh.stride(0),
         aw.stride(0),
+        clamp_limit,
         TILE_M=plan.tile_m,
         BLOCK_R=block_r,
         BLOCK_C=block_c,
+        CLAMP=clamp,
         num_warps=4,
     )
     return dh, aw, dw_row

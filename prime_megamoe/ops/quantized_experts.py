@@ -74,6 +74,10 @@ difference from EP = 1. fp8_bwd sends bf16 tokens (its forward is bf16).
 
 ``fp8_bwd`` runs the bf16 forward kernels (``ops.launch``) and the same fp8 backward as ``fp8``.
 
+The clamped SwiGLU (``activation_clamp`` c, ``ops.activation``): FC1's epilogue clamps g and u (in fp32, before a is
+quantised) after storing h unclamped, and the SwiGLU backward pass clamps them again from the saved h and zeroes dg
+and du where they were clamped; every GEMM and quantisation is as without it.
+
 Accuracy (CPU interpreter, tests/test_fp8_experts.py, H = 192, I = 96, ragged routing): against the float64
 transformers oracle the output and the four gradients are 6-7.5% off (relative norm) for fp8 and mxfp8 and 3-5%
 for the fp8_bwd gradients; that is e4m3's own rounding (3 mantissa bits, ~2.6% rms per quantised operand, two GEMMs
@@ -92,6 +96,7 @@ from ..kernels import tuning
 from ..kernels.fp8_gemm import QTILE_M
 from . import fp8_launch as fl
 from . import launch
+from .activation import check_activation_clamp
 from .expert_compute import combine_with_pair_values, unquantized_forward
 from .routing_plan import PlanLease, RoutingPlan, lease_routing_plan
 
@@ -251,6 +256,7 @@ def _forward(
     precision: str,
     pow2_scales: bool,
     need_grad: bool,
+    activation_clamp: float | None = None,
 ):
     """The layer's forward: (out [R, H], and for the backward (None unless ``need_grad``): the plan's lease, h)."""
     check_precision_supported(precision, rows.device)
@@ -261,7 +267,7 @@ def _forward(
         # bf16 forward: the bf16 kernels' own tile height, then (if it differs) the 128-row plan for the backward.
         # Both plans sort the rows identically, so h lines up with either.
         lease = _plan(top_k_index, top_k_weights, num_local, expert_base, tile_m)
-        out, h = unquantized_forward(rows, w1, w2, lease.plan, save_h=need_grad)
+        out, h = unquantized_forward(rows, w1, w2, lease.plan, save_h=need_grad, activation_clamp=activation_clamp)
         if need_grad and tile_m != QTILE_M:
             lease = _plan(top_k_index, top_k_weights, num_local, expert_base, QTILE_M)
     else:
@@ -272,7 +278,14 @@ def _forward(
         w1q = cached_weight_operand(w1, "w1_fwd", fmt)
         w2q = cached_weight_operand(w2, "w2_fwd", fmt)
         h, aq = fl.fp8_fc1_swiglu(
-            xq, w1q, plan, fmt, inter=inter, h_dtype=rows.dtype if need_grad else None, use_ws=None
+            xq,
+            w1q,
+            plan,
+            fmt,
+            inter=inter,
+            h_dtype=rows.dtype if need_grad else None,
+            use_ws=None,
+            activation_clamp=activation_clamp,
         )
         out_sorted = fl.fp8_grouped_gemm(
             aq, w2q, plan, fmt, out_dtype=rows.dtype, row_scale=plan.row_weight, use_ws=None
@@ -297,12 +310,24 @@ class QuantizedRoutedExperts(torch.autograd.Function):
         precision: str,
         pow2_scales: bool,
         grad_enabled: bool,
+        activation_clamp: float | None = None,
     ):
         need_grad = grad_enabled and any(ctx.needs_input_grad[i] for i in (0, 2, 3, 4))
         rows = rows.contiguous()
         out, lease, h = _forward(
-            rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, precision, pow2_scales, need_grad
+            rows,
+            top_k_index,
+            top_k_weights,
+            w1,
+            w2,
+            expert_base,
+            tile_m,
+            precision,
+            pow2_scales,
+            need_grad,
+            activation_clamp,
         )
+        ctx.activation_clamp = activation_clamp
         if need_grad:
             ctx.save_for_backward(rows, w1, w2, h)
             ctx.plan, ctx.plan_lease = lease.plan, lease  # the lease (and its plan) held until the graph is freed
@@ -318,7 +343,7 @@ class QuantizedRoutedExperts(torch.autograd.Function):
         grad_out = grad_out.contiguous().to(rows.dtype)
         dyq = fl.quantize_rows(grad_out, fmt)
         w2q = cached_weight_operand(w2, "w2_bwd", fmt)
-        d = fl.fp8_fc2_dgrad_dswiglu(dyq, w2q, h, plan, fmt)
+        d = fl.fp8_fc2_dgrad_dswiglu(dyq, w2q, h, plan, fmt, activation_clamp=ctx.activation_clamp)
         del dyq
 
         grad_rows = grad_weights = grad_w1 = grad_w2 = None
@@ -351,7 +376,7 @@ class QuantizedRoutedExperts(torch.autograd.Function):
                 grad_w2 = fl.fp8_grouped_wgrad(
                     dy_t, d.aw_t, plan, fmt, torch.empty_like(w2), expert_tiles=tiles, use_ws=None
                 )
-        return grad_rows, None, grad_weights, grad_w1, grad_w2, None, None, None, None, None
+        return grad_rows, None, grad_weights, grad_w1, grad_w2, None, None, None, None, None, None
 
 
 def routed_experts_quantized(
@@ -365,6 +390,7 @@ def routed_experts_quantized(
     tile_m: int,
     precision: str,
     pow2_scales: bool = False,
+    activation_clamp: float | None = None,
 ) -> torch.Tensor:
     """``expert_compute.routed_experts`` with quantised GEMMs (same inputs, output and gradients).
 
@@ -376,13 +402,25 @@ def routed_experts_quantized(
     powers of two), "fp8_bwd" (the bf16 forward, fp8 backward GEMMs), "mxfp8" (OCP MX, 1x32 blocks, e8m0 scales;
     native on Blackwell, emulated by Triton on Hopper: MX numerics at bf16 speed; ``pow2_scales`` is implied).
     tile_m is the row tile of the bf16 kernels (the fp8_bwd forward); the quantised GEMMs always use 128-row tiles.
+    activation_clamp: the clamped SwiGLU's limit (``ops.activation``; None: plain SwiGLU).
     """
     _require_quantized(precision)
+    activation_clamp = check_activation_clamp(activation_clamp)
     if not torch.is_grad_enabled():
         # Nothing to record (inference, the first forward under activation checkpointing): the forward alone,
         # without autograd's bookkeeping on the host's path to the first GEMM (single calls are host-bound).
         return _forward(
-            rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, precision, bool(pow2_scales), need_grad=False
+            rows,
+            top_k_index,
+            top_k_weights,
+            w1,
+            w2,
+            expert_base,
+            tile_m,
+            precision,
+            bool(pow2_scales),
+            need_grad=False,
+            activation_clamp=activation_clamp,
         )[0]
     return QuantizedRoutedExperts.apply(
         rows,
@@ -395,4 +433,5 @@ def routed_experts_quantized(
         precision,
         bool(pow2_scales),
         True,
+        activation_clamp,
     )
