@@ -10,14 +10,12 @@ from ..comm.collectives import check_group_within_node
 from ..comm.factory import make_transport
 from ..config import DispatchConfig
 from ..kernels.tuning import tile_m
-from ..ops.ep_exchange import combine_rows_across, dispatch_rows
 from ..ops.ep_pipeline import expert_parallel_experts
 from ..ops.expert_compute import routed_experts
 from ..ops.quantized_experts import (
     QUANTIZED_PRECISIONS,
     check_precision_supported,
     routed_experts_quantized,
-    token_format,
 )
 from .registry import register_backend
 
@@ -60,35 +58,18 @@ def mega_moe_experts(
             hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, expert_base=0, tile_m=tile_m()
         )
     check_group_within_node(group)
-    capacity, timeout = exchange_capacity(options.max_tokens_per_rank, group, hidden_states), options.comm_timeout_s
-    if precision == "bf16":
-        # Dispatch, expert GEMMs and combine pipelined per source rank (ops/ep_pipeline.py).
-        transport = make_transport(options.transport, group, capacity, hidden_states.device, timeout)
-        return expert_parallel_experts(
-            hidden_states,
-            top_k_index,
-            top_k_weights,
-            gate_up_proj,
-            down_proj,
-            transport=transport,
-            tile_m=tile_m(),
-            activation_clamp=activation_clamp,
-        )
-    if options.transport == "symmetric_memory":
-        raise NotImplementedError(
-            f"precision = {precision!r} with expert parallelism runs over torch.distributed collectives only; the "
-            f"symmetric-memory pipeline is bf16-only so far. Set [model.moe.dispatch] transport = 'collectives' or "
-            f"'auto', or precision = 'bf16'"
-        )
-    # Quantised precisions: every rank sees all ranks' tokens (padded to capacity; fp8 on the wire when the forward
-    # quantises them anyway), computes its experts' share of each, and sends each share back to the token's rank,
-    # which sums the shares in rank order.
-    rank = dist.get_rank(group)
-    rows = dispatch_rows(
-        hidden_states, capacity, group, timeout_s=timeout, fmt=token_format(precision, options.fp8_pow2_scales)
+    # Dispatch, expert GEMMs and combine pipelined per source rank (ops/ep_pipeline.py), in every precision.
+    capacity = exchange_capacity(options.max_tokens_per_rank, group, hidden_states)
+    transport = make_transport(options.transport, group, capacity, hidden_states.device, options.comm_timeout_s)
+    return expert_parallel_experts(
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        gate_up_proj,
+        down_proj,
+        transport=transport,
+        tile_m=tile_m(),
+        precision=precision,
+        pow2_scales=options.fp8_pow2_scales,
+        activation_clamp=activation_clamp,
     )
-    index = dispatch_rows(top_k_index, capacity, group, fill=-1, timeout_s=timeout)
-    weights = dispatch_rows(top_k_weights, capacity, group, timeout_s=timeout)
-    num_local = gate_up_proj.shape[0]
-    partials = experts(rows, index, weights, gate_up_proj, down_proj, expert_base=rank * num_local, tile_m=tile_m())
-    return combine_rows_across(partials, hidden_states.shape[0], group, timeout_s=timeout)

@@ -260,14 +260,16 @@ def expert_tile_list_kernel(
     expert_tiles_ptr,
     offsets_ptr,
     tiles_ptr,
+    tiles_per_segment,
     NUM_SEGMENTS: tl.constexpr,
     NUM_LOCAL: tl.constexpr,
     EXPERT_BLOCK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Expert e's row tiles over every segment of a plan, in segment order, as one list: tiles[offsets[e] :
-    offsets[e + 1]]. ``expert_tiles`` [S * (E + 1)]: segment s's expert e owns its tiles [et[s(E+1) + e],
-    et[s(E+1) + e + 1]). A program per expert; the last also writes offsets[E]."""
+    offsets[e + 1]]. ``expert_tiles`` [S * (E + 1)]: segment s's expert e owns the segment's tiles [et[s(E+1) + e],
+    et[s(E+1) + e + 1]), numbered in the segment (the plan's tile numbers: plus s * tiles_per_segment). A program
+    per expert; the last also writes offsets[E]."""
     e = tl.program_id(0)
     experts = tl.arange(0, EXPERT_BLOCK)
     before = 0  # tiles of the experts below e, in every segment
@@ -283,7 +285,7 @@ def expert_tile_list_kernel(
         hi = tl.load(expert_tiles_ptr + s * (NUM_LOCAL + 1) + e + 1)
         for first in range(lo, hi, BLOCK):
             tile = first + tl.arange(0, BLOCK)
-            tl.store(tiles_ptr + pos + tile - lo, tile, mask=tile < hi)
+            tl.store(tiles_ptr + pos + tile - lo, s * tiles_per_segment + tile, mask=tile < hi)
         pos += hi - lo
     if e == NUM_LOCAL - 1:
         tl.store(offsets_ptr + NUM_LOCAL, pos)

@@ -146,14 +146,18 @@ def dequantize_view(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, block: 
 # ----------------------------------------------------------------------------------------------------------------
 # Public quantise / dequantise helpers
 # ----------------------------------------------------------------------------------------------------------------
-def quantize_rows(x: torch.Tensor, fmt: QFormat, *, segments: int = 1) -> QTensor:
+def quantize_rows(x: torch.Tensor, fmt: QFormat, *, segments: int = 1, out: QTensor | None = None) -> QTensor:
     """x [R, K] -> fp8 [R, K] with one scale per row and ``fmt.group`` columns (per segment when the last dim is
-    ``segments`` equal parts): scale [R, segments * cdiv(K / segments, group)]."""
+    ``segments`` equal parts): scale [R, segments * cdiv(K / segments, group)]; into ``out`` (row-contiguous views of
+    those shapes) when given."""
     rows, k = x.shape
     seg = k // segments
     ng = cdiv(seg, fmt.group)
-    q = torch.empty(rows, k, dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty(rows, segments * ng, dtype=fmt.scale_dtype, device=x.device)
+    if out is None:
+        q = torch.empty(rows, k, dtype=FP8_DTYPE, device=x.device)
+        s = torch.empty(rows, segments * ng, dtype=fmt.scale_dtype, device=x.device)
+    else:
+        q, s = out.data, out.scale
     quantize_view(
         x.unflatten(1, (segments, seg)).transpose(0, 1),
         q.view(rows, segments, seg).transpose(0, 1),
@@ -165,18 +169,22 @@ def quantize_rows(x: torch.Tensor, fmt: QFormat, *, segments: int = 1) -> QTenso
     return QTensor(q, s)
 
 
-def row_quantization(x: torch.Tensor, fmt: QFormat) -> tuple[QTensor, RowQuantization]:
+def row_quantization(x: torch.Tensor, fmt: QFormat, out: QTensor | None = None) -> tuple[QTensor, RowQuantization]:
     """``quantize_rows(x, fmt)``'s output, not yet written, and the request that has the routing plan's first launch
     write it (``routing_plan.RowQuantization``: same tiles, same bits): the quantised forward's x, with one launch
-    fewer on the host's path to its first GEMM. x [R, K] with contiguous rows."""
+    fewer on the host's path to its first GEMM. x [R, K] with contiguous rows; ``out``: where to write (row-contiguous
+    views: an exchange's own block)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(
             f"row_quantization: x must be [R, K] with contiguous rows, got shape {list(x.shape)}, "
             f"strides {list(x.stride())}"
         )
     rows, k = x.shape
-    q = torch.empty(rows, k, dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty(rows, cdiv(k, fmt.group), dtype=fmt.scale_dtype, device=x.device)
+    if out is None:
+        q = torch.empty(rows, k, dtype=FP8_DTYPE, device=x.device)
+        s = torch.empty(rows, cdiv(k, fmt.group), dtype=fmt.scale_dtype, device=x.device)
+    else:
+        q, s = out.data, out.scale
     block_rows, block_cols = _quant_tile(1, fmt.group)
     return QTensor(q, s), RowQuantization(x, q, s, fmt.group, block_rows, block_cols, fmt.pow2, fmt.mx)
 
@@ -285,11 +293,26 @@ def _check_plan(plan: RoutingPlan) -> None:
         raise ValueError(f"quantised grouped GEMMs need a routing plan with tile_m = {QTILE_M}, got {plan.tile_m}")
 
 
-def _check_tile_space_plan(plan: RoutingPlan) -> None:
-    # cols_t operands and the wgrad index the plan's tiles, and each expert's tiles must be consecutive.
+def _check_one_segment(plan: RoutingPlan) -> None:
+    # The tile-list kernels take one segment's tiles: a whole one-segment plan, or a view (a segment, or a half).
     _check_plan(plan)
     if plan.num_segments != 1:
-        raise ValueError(f"the quantised weight gradients take a one-segment routing plan, got {plan.num_segments}")
+        raise ValueError(
+            f"a quantised tile-list kernel takes one segment of a routing plan (plan.segment(s)); got "
+            f"{plan.num_segments} segments"
+        )
+
+
+def _check_tile_space_plan(plan: RoutingPlan) -> None:
+    # The tile-list kernels take one segment's tiles (a whole one-segment plan, or a segment's view); cols_t outputs
+    # are indexed by the plan's tile numbers (a view's first tile is ``first_tile`` of its plan).
+    _check_plan(plan)
+    if plan.num_segments != 1 or plan.first_tile is None:
+        raise ValueError(
+            f"a quantised tile-list pass takes one segment of a routing plan (a plan of one segment, or "
+            f"plan.segment(s)); got {plan.num_segments} segments"
+            + ("" if plan.first_tile is not None else " (a half's view: its tiles are not the plan's tile numbers)")
+        )
 
 
 def empty_cols_t(n: int, plan: RoutingPlan, fmt: QFormat, device) -> QTensor:
@@ -298,6 +321,21 @@ def empty_cols_t(n: int, plan: RoutingPlan, fmt: QFormat, device) -> QTensor:
         torch.empty(n, plan.max_tiles * QTILE_M, dtype=FP8_DTYPE, device=device),
         torch.empty(plan.max_tiles * (QTILE_M // fmt.group), n, dtype=fmt.scale_dtype, device=device),
     )
+
+
+def cols_t_of_segment(whole: QTensor, plan: RoutingPlan, fmt: QFormat) -> QTensor:
+    """The part of a cols_t operand of a whole plan (``empty_cols_t(n, whole_plan)``) that the tiles of ``plan``, one
+    of its segments, write: a view starting at the segment's first tile, so a pass run on the segment's view (its
+    tiles numbered from 0) writes them where the whole plan's weight gradient reads them."""
+    first, tiles, blocks = plan.first_tile, plan.max_tiles, QTILE_M // fmt.group
+    return QTensor(
+        whole.data[:, first * QTILE_M : (first + tiles) * QTILE_M],
+        whole.scale[first * blocks : (first + tiles) * blocks],
+    )
+
+
+def _cols_t_out(n: int, plan: RoutingPlan, fmt: QFormat, device, out: QTensor | None) -> QTensor:
+    return empty_cols_t(n, plan, fmt, device) if out is None else cols_t_of_segment(out, plan, fmt)
 
 
 def _use_form(asked: bool | None, flag: str, what: str, why_not, *args, **kwargs) -> bool:
@@ -321,19 +359,25 @@ def gluon_gather_unavailable(x: torch.Tensor, fmt: QFormat) -> str | None:
     return None
 
 
-def quantize_sorted_cols_t(x: torch.Tensor, plan: RoutingPlan, fmt: QFormat, *, gluon: bool | None = None) -> QTensor:
+def quantize_sorted_cols_t(
+    x: torch.Tensor, plan: RoutingPlan, fmt: QFormat, *, gluon: bool | None = None, out: QTensor | None = None
+) -> QTensor:
     """Source rows x [R, K] -> the wgrad operand of the sorted rows x[row_src] in the cols_t layout (K-major
     [K, max_tiles * 128], one scale per column for every ``fmt.group`` rows of each 128-row tile): gathered and
     quantised in one pass, with exactly the numerics of the in-epilogue column quantiser. ``gluon`` None: the Gluon
     form (``kernels/gather_cols_t.py``, the same bits) where ``gluon_gather_unavailable`` says it applies, else the
-    Triton launch; True: the Gluon form or an error saying why not; False: the Triton launch."""
+    Triton launch; True: the Gluon form or an error saying why not; False: the Triton launch. ``plan`` may be a
+    segment's view of a larger plan, with ``out`` the whole plan's operand (``empty_cols_t``): its tiles are written
+    there (x: all the plan's source rows)."""
     use_gluon = _use_form(gluon, "gluon", "the Gluon gather pass", gluon_gather_unavailable, x, fmt)
     _check_tile_space_plan(plan)
-    if x.dim() != 2 or x.shape[0] != plan.num_rows:
-        raise ValueError(f"x must be [{plan.num_rows}, K] (the plan's source rows), got {list(x.shape)}")
+    if x.dim() != 2 or x.shape[0] * plan.top_k != plan.sorted_rows:
+        raise ValueError(
+            f"x must be [{plan.sorted_rows // plan.top_k}, K] (the plan's source rows), got {list(x.shape)}"
+        )
     x = x.contiguous()
     k = x.shape[1]
-    out = empty_cols_t(k, plan, fmt, x.device)
+    out = _cols_t_out(k, plan, fmt, x.device, out)
     if use_gluon:
         from ..kernels.gather_cols_t import gather_cols_t_kernel
 
@@ -417,6 +461,7 @@ def fp8_fc1_swiglu(
     use_tma: bool = False,
     use_ws: bool | None = False,
     activation_clamp: float | None = None,
+    out: tuple[torch.Tensor | None, QTensor] | None = None,
 ):
     """xq [R, H] (source rows, row-scaled), w1q = quantize_w1_fwd(W1) -> (h [P, 2I] in h_dtype or None,
     a = silu(g) * u as a row-scaled QTensor [P, I]) in expert-sorted row order; with ``activation_clamp`` c,
@@ -425,15 +470,21 @@ def fp8_fc1_swiglu(
     says it does not apply), ``None``: that kernel where it applies (the layer asks for that: 0.899 against 1.164 ms
     at Qwen3-30B-A3B, T = 16384, scripts/fp8_probe.py). Otherwise the Triton kernel, with ``use_tma``:
     read W1 by TMA; off by default: for FC1 pointer loads measured as fast or faster (1.172 / 1.166 ms against
-    1.205 / 1.168 with TMA at Qwen3-30B-A3B, T = 16384, two runs of scripts/fp8_probe.py)."""
-    _check_plan(plan)
+    1.205 / 1.168 with TMA at Qwen3-30B-A3B, T = 16384, two runs of scripts/fp8_probe.py). ``out`` = (h or None,
+    a): buffers of every sorted row of the plan a segment's view ``plan`` belongs to (its tiles' rows are written)."""
+    _check_one_segment(plan)
     clamp_limit, clamp = clamp_kernel_args(activation_clamp)
     num_pairs, hidden = plan.num_pairs, xq.data.shape[1]
     ng_out = cdiv(inter, fmt.group)
-    aq = torch.empty(num_pairs, inter, dtype=FP8_DTYPE, device=xq.data.device)
-    a_s = torch.empty(num_pairs, ng_out, dtype=fmt.scale_dtype, device=xq.data.device)
     save_h = h_dtype is not None
-    h = torch.empty(num_pairs, 2 * inter, dtype=h_dtype, device=xq.data.device) if save_h else a_s
+    if out is None:
+        rows, device = plan.sorted_rows, xq.data.device
+        aq = torch.empty(rows, inter, dtype=FP8_DTYPE, device=device)
+        a_s = torch.empty(rows, ng_out, dtype=fmt.scale_dtype, device=device)
+        h = torch.empty(rows, 2 * inter, dtype=h_dtype, device=device) if save_h else a_s
+    else:
+        h, (aq, a_s) = out[0], (out[1].data, out[1].scale)
+        h = h if save_h else a_s
     if _use_form(
         use_ws,
         "use_ws",
@@ -503,17 +554,19 @@ def fp8_grouped_gemm(
     row_scale: torch.Tensor | None = None,
     use_tma: bool | None = None,
     use_ws: bool | None = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """C[r] = scale[r] * A[src[r] if gather else r] @ B[e]^T with B the K-major operand [E, N, segments * K].
+    """C[r] = scale[r] * A[src[r] if gather else r] @ B[e]^T with B the K-major operand [E, N, segments * K], into
+    ``out`` (every sorted row of the plan a segment's view ``plan`` belongs to) when given.
     ``use_ws=True``: run the warp-specialised Hopper kernel (``kernels/fp8_gemm_ws.py``, same bits); where it does
     not apply (``fp8_ws_launch.ws_gemm_unavailable``) that is an error. ``use_ws=None``: that kernel where it
     applies, else the Triton one (the layer's FC2 and FC1 dgrad ask for that: scripts/fp8_probe.py). Otherwise the
     Triton kernel, with ``use_tma``: read B by TMA, and A too where it is not gathered and each segment's K is a
     multiple of 128 (a box must not run into the next segment); default: where the GPU can."""
-    _check_plan(plan)
+    _check_one_segment(plan)
     n, k_total = bq.data.shape[1], bq.data.shape[2]
     k = k_total // segments
-    c = torch.empty(plan.num_pairs, n, dtype=out_dtype, device=aq.data.device)
+    c = torch.empty(plan.sorted_rows, n, dtype=out_dtype, device=aq.data.device) if out is None else out
     if _use_form(
         use_ws,
         "use_ws",
@@ -575,14 +628,19 @@ class DSwiGLUOut:
 
 
 def fp8_fc2_dgrad(
-    dyq: QTensor, w2q_bwd: QTensor, plan: RoutingPlan, fmt: QFormat, out_dtype: torch.dtype
+    dyq: QTensor,
+    w2q_bwd: QTensor,
+    plan: RoutingPlan,
+    fmt: QFormat,
+    out_dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The fp8 FC2 dgrad GEMM g_a = dy[src] @ W2[e] [P, I] in ``out_dtype``, from dyq [R, H] (row-scaled source rows)
     and w2q_bwd = quantize_w2_bwd(W2) [E, I, H]. The warp-specialised Hopper kernel where it applies (its producer
     warps gather dy's rows by cp.async): 0.490 against 0.542 ms for the Triton kernel at Qwen3-30B-A3B, T = 16384
     (scripts/fp8_probe.py --ws-only, one H200)."""
-    _check_tile_space_plan(plan)
-    return fp8_grouped_gemm(dyq, w2q_bwd, plan, fmt, out_dtype=out_dtype, gather=True, use_ws=None)
+    _check_one_segment(plan)
+    return fp8_grouped_gemm(dyq, w2q_bwd, plan, fmt, out_dtype=out_dtype, gather=True, use_ws=None, out=out)
 
 
 def _dswiglu_launch(
@@ -635,21 +693,34 @@ def _dswiglu_launch(
     )
 
 
+def dswiglu_rows_buffers(rows: int, inter: int, fmt: QFormat, device) -> tuple[QTensor, torch.Tensor]:
+    """(dh [rows, 2I] row-scaled, dw partial sums) for ``dswiglu_rows(out=...)``."""
+    ng = cdiv(inter, fmt.group)
+    dh_rows = QTensor(
+        torch.empty(rows, 2 * inter, dtype=FP8_DTYPE, device=device),
+        torch.empty(rows, 2 * ng, dtype=fmt.scale_dtype, device=device),
+    )
+    return dh_rows, torch.empty(cdiv(inter, DSWIGLU_ROWS_BLOCK[1]), rows, dtype=torch.float32, device=device)
+
+
 def dswiglu_rows(
-    g_a: torch.Tensor, h: torch.Tensor, plan: RoutingPlan, fmt: QFormat, *, activation_clamp: float | None = None
+    g_a: torch.Tensor,
+    h: torch.Tensor,
+    plan: RoutingPlan,
+    fmt: QFormat,
+    *,
+    activation_clamp: float | None = None,
+    out: tuple[QTensor, torch.Tensor] | None = None,
 ) -> tuple[QTensor, torch.Tensor]:
     """The quantising SwiGLU backward pass's row outputs (``kernels.swiglu_grad.swiglu_backward_quantize_kernel``,
     ROWS_OUT): from g_a [P, I] (``fp8_fc2_dgrad``) and h = [g | u] [P, 2I], dh row-scaled [P, 2I] (the A of the FC1
     dgrad) and dw_row [P] fp32 (the top-k weight gradient per sorted row). ``activation_clamp``: the forward's
-    clamped SwiGLU limit (``ops.activation``): a is the clamped one, dh zero where g or u was clamped."""
-    _check_tile_space_plan(plan)
-    num_pairs, inter, device = plan.num_pairs, g_a.shape[1], g_a.device
-    ng = cdiv(inter, fmt.group)
-    dh_rows = QTensor(
-        torch.empty(num_pairs, 2 * inter, dtype=FP8_DTYPE, device=device),
-        torch.empty(num_pairs, 2 * ng, dtype=fmt.scale_dtype, device=device),
-    )
-    dw_partial = torch.empty(cdiv(inter, DSWIGLU_ROWS_BLOCK[1]), num_pairs, dtype=torch.float32, device=device)
+    clamped SwiGLU limit (``ops.activation``): a is the clamped one, dh zero where g or u was clamped. ``out`` = (dh,
+    dw partial sums [cdiv(I, DSWIGLU_ROWS_BLOCK[1]), rows]) over every sorted row of the plan a segment's view
+    ``plan`` belongs to (``dswiglu_rows_buffers``): the pieces of a plan fill them in turn, and the dw_row returned
+    is valid on every row written so far."""
+    _check_one_segment(plan)
+    dh_rows, dw_partial = out or dswiglu_rows_buffers(plan.sorted_rows, g_a.shape[1], fmt, g_a.device)
     _dswiglu_launch(
         g_a,
         h,
@@ -682,17 +753,20 @@ def dswiglu_cols_t(
     *,
     gluon: bool | None = None,
     activation_clamp: float | None = None,
+    out: tuple[QTensor, QTensor] | None = None,
 ) -> tuple[QTensor, QTensor]:
     """The same pass's column outputs (COLS_OUT): dh^T [2I, max_tiles * 128] and (w * a)^T [I, ..] in the cols_t
     layout, the K-major operands of the two weight gradients. ``gluon`` None: the Gluon form
     (``kernels/swiglu_grad_cols.py``, the same bits) where ``gluon_cols_unavailable`` says it applies, else the
     Triton launch; True: the Gluon form or an error saying why not; False: the Triton launch. ``activation_clamp``:
-    as in ``dswiglu_rows``."""
+    as in ``dswiglu_rows``. ``plan`` may be a segment's view of a larger plan with ``out`` = (dh^T, (w * a)^T) of the
+    whole plan (``empty_cols_t``): the segment's tiles are written there (``cols_t_of_segment``); the views written
+    are returned."""
     use_gluon = _use_form(gluon, "gluon", "the Gluon column pass", gluon_cols_unavailable, g_a, h, fmt)
     _check_tile_space_plan(plan)
     inter, device = g_a.shape[1], g_a.device
-    dh_t = empty_cols_t(2 * inter, plan, fmt, device)
-    aw_t = empty_cols_t(inter, plan, fmt, device)
+    dh_t = _cols_t_out(2 * inter, plan, fmt, device, None if out is None else out[0])
+    aw_t = _cols_t_out(inter, plan, fmt, device, None if out is None else out[1])
     if use_gluon:
         from ..kernels.swiglu_grad_cols import swiglu_backward_cols_kernel
 
@@ -863,6 +937,7 @@ def expert_tile_list(plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor]:
         plan.expert_tiles,
         offsets,
         tiles,
+        plan.max_tiles // plan.num_segments,
         NUM_SEGMENTS=plan.num_segments,
         NUM_LOCAL=experts,
         EXPERT_BLOCK=next_power_of_2(experts),

@@ -66,11 +66,11 @@ after the FC2 dgrad), g_a 201 MB (freed after the SwiGLU backward pass), dh row-
 dgrad), dh^T 226 MB (freed after dW1), (w * a)^T 113 MB, the K-major copies x^T then dy^T 302 MB each (one at a time,
 each freed after its wgrad), scales ~27 MB, the FC1 dgrad output before the combine 537 MB.
 
-Expert parallelism (``ops.ep_exchange``, over collectives): fp8 and mxfp8 send each rank's tokens as the rows FC1 reads,
-fp8 with their row scales, about half the bytes of bf16; the receivers dequantise them, and FC1's own quantisation maps
-those rows back onto the values sent (to within an fp32 rounding of a scale). The W1 weight gradient then reads these
-rounded tokens instead of the originals (its column-scaled operand is a second rounding of them), the one numerical
-difference from EP = 1. fp8_bwd sends bf16 tokens (its forward is bf16).
+Expert parallelism runs the same kernels in the pipeline of ``ops.ep_pipeline`` (``ops.ep_stages``): fp8 and mxfp8
+send each rank's tokens as the rows FC1 reads (e4m3 with their row scales, about half the bytes of bf16), and the
+output gradients as the rows the FC2 dgrad reads; fp8_bwd sends bf16 tokens (its forward is bf16) and fp8 output
+gradients. The weight gradients read the blocks as they travelled (dequantised, then column-quantised per tile): the
+one numerical difference from EP = 1.
 
 ``fp8_bwd`` runs the bf16 forward kernels (``ops.launch``) and the same fp8 backward as ``fp8``.
 
@@ -134,15 +134,8 @@ def check_precision_supported(precision: str, device: torch.device) -> None:
         )
 
 
-def _format(precision: str, pow2_scales: bool) -> fl.QFormat:
+def quantized_format(precision: str, pow2_scales: bool) -> fl.QFormat:
     return fl.MX_FORMAT if precision == "mxfp8" else fl.fp8_format(pow2_scales)
-
-
-def token_format(precision: str, pow2_scales: bool) -> fl.QFormat | None:
-    """The format tokens travel in between expert-parallel ranks: the quantised forwards (fp8, mxfp8) quantise them
-    per row for FC1 anyway, so they are sent that way; fp8_bwd's forward is bf16 (None: sent as they are)."""
-    _require_quantized(precision)
-    return None if precision == "fp8_bwd" else _format(precision, pow2_scales)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -262,7 +255,7 @@ def _forward(
     check_precision_supported(precision, rows.device)
     rows = rows.contiguous()
     num_local, inter = w1.shape[0], w1.shape[1] // 2
-    fmt = _format(precision, pow2_scales)
+    fmt = quantized_format(precision, pow2_scales)
     if precision == "fp8_bwd":
         # bf16 forward: the bf16 kernels' own tile height, then (if it differs) the 128-row plan for the backward.
         # Both plans sort the rows identically, so h lines up with either.
@@ -331,7 +324,7 @@ class QuantizedRoutedExperts(torch.autograd.Function):
         if need_grad:
             ctx.save_for_backward(rows, w1, w2, h)
             ctx.plan, ctx.plan_lease = lease.plan, lease  # the lease (and its plan) held until the graph is freed
-            ctx.fmt = _format(precision, pow2_scales)
+            ctx.fmt = quantized_format(precision, pow2_scales)
         ctx.weights_dtype = top_k_weights.dtype
         return out
 

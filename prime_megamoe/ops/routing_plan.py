@@ -46,6 +46,9 @@ class RoutingPlan:
     expert_tiles: torch.Tensor | None = None
     num_segments: int = 1
     sorted_rows: int = -1  # rows of every sorted-order buffer (all segments' pairs); num_pairs when -1
+    # This plan's tile 0 is tile ``first_tile`` of the whole plan (a segment's view; None for a half's view, whose
+    # compacted tile list is not the plan's tile numbering). Passes that write per tile (cols_t operands) use it.
+    first_tile: int | None = 0
     # Expert halves (``build_routing_plan(split_expert=...)``): the upper experts' tiles of each segment, compacted
     # (same layout as tile_expert / tile_row), and [S, 2] tiles in use per (segment, half).
     split_expert: int | None = None
@@ -107,6 +110,7 @@ class RoutingPlan:
             num_tiles=num_tiles,
             num_segments=1,
             sorted_rows=self.sorted_rows,
+            first_tile=s * tiles if half is None else None,
         )
 
     def scratch(self, size: int) -> torch.Tensor:
