@@ -9,7 +9,8 @@ Every rank draws the same global problem (all ranks' tokens, all experts), runs 
 dx and d top-k weights with the reference for its tokens, and its expert-weight gradients with the reference
 gradients of its experts (which sum over every rank's tokens). Routing is ragged: the last rank's experts are never
 chosen (that rank receives no rows), expert 1 takes half of all tokens, and ranks hold different token counts; in a
-third case the last rank also sends no tokens.
+third case the last rank also sends no tokens. The quantised precisions (fp8, fp8_bwd, mxfp8) run the same checks
+against the reference within the fp8 bound (their blocks travel as e4m3 rows with their scales).
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ def main():
     torchrun_group()  # launched with two ranks
     rank, world = dist.get_rank(), dist.get_world_size()
     ok = True
-    for dtype, tol, (hidden, inter, experts, top_k, tokens), empty_sender in [
-        (torch.float32, 1e-5, (256, 128, 16, 4, 333), False),
-        (torch.bfloat16, 2e-2, (1024, 512, 32, 8, 2048), False),
-        (torch.float32, 1e-5, (256, 128, 16, 4, 200), True),  # the last rank sends no tokens at all
+    quantized = [(p, torch.bfloat16, 8e-2, (1024, 512, 32, 8, 2048), False) for p in ("fp8", "fp8_bwd", "mxfp8")]
+    for precision, dtype, tol, (hidden, inter, experts, top_k, tokens), empty_sender in [
+        ("bf16", torch.float32, 1e-5, (256, 128, 16, 4, 333), False),
+        ("bf16", torch.bfloat16, 2e-2, (1024, 512, 32, 8, 2048), False),
+        ("bf16", torch.float32, 1e-5, (256, 128, 16, 4, 200), True),  # the last rank sends no tokens at all
+        *quantized,
     ]:
         gen = torch.Generator(device="cuda").manual_seed(1234)
         counts = [tokens - 37 * r for r in range(world)]
@@ -55,16 +58,21 @@ def main():
                 opts = DispatchConfig(
                     type="mega_moe", max_tokens_per_rank=tokens, transport=transport, comm_timeout_s=30
                 )
-                out = fused_experts(leaves[0], routes[rank][0], *leaves[1:], dispatch=opts, group=dist.group.WORLD)
+                out = fused_experts(
+                    leaves[0], routes[rank][0], *leaves[1:], dispatch=opts, precision=precision, group=dist.group.WORLD
+                )
                 grads = torch.autograd.grad(out, leaves, dys[rank])
                 runs[transport, attempt] = [out.detach(), *grads]
                 torch.cuda.synchronize()
-                print(f"rank {rank}: {dtype} {transport} run {attempt} done", flush=True)
+                print(f"rank {rank}: {precision} {dtype} {transport} run {attempt} done", flush=True)
         first = runs["symmetric_memory", 0]
         same = {key: all(torch.equal(a, b) for a, b in zip(first, val)) for key, val in runs.items()}
         if not all(same.values()):
             ok = False
-            print(f"FAIL rank {rank} {dtype}: not bitwise identical across runs/transports: {same}", flush=True)
+            print(
+                f"FAIL rank {rank} {precision} {dtype}: not bitwise identical across runs/transports: {same}",
+                flush=True,
+            )
         out, grads = first[0], first[1:]
 
         dw1 = torch.zeros_like(w1, dtype=torch.float64)
@@ -86,7 +94,7 @@ def main():
         status = "PASS" if max(errs.values()) <= tol else "FAIL"
         ok &= status == "PASS"
         print(
-            f"{status} rank {rank}/{world} {dtype} T={counts[rank]}: "
+            f"{status} rank {rank}/{world} {precision} {dtype} T={counts[rank]}: "
             + " ".join(f"{k}={v:.2e}" for k, v in errs.items()),
             flush=True,
         )

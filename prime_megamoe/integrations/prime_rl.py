@@ -32,6 +32,8 @@ from torch.distributed.tensor import DTensor
 from ..comm.factory import make_transport
 from ..config import DispatchConfig, Precision
 from ..functional import fused_experts
+from ..ops.ep_stages import block_layouts
+from ..ops.quantized_experts import quantized_format
 
 
 class MegaMoEDispatchConfig(DispatchConfig):
@@ -148,7 +150,9 @@ class MegaMoETokenDispatcher:
             return  # sized by the first call (prime-rl always passes its seq_len)
         device = torch.device("cuda", torch.cuda.current_device())
         transport = make_transport(self.options.transport, self.group, capacity, device, self.options.comm_timeout_s)
-        transport.reserve(self.hidden_size, self.top_k, torch.bfloat16)
+        fmt = None if self.precision == "bf16" else quantized_format(self.precision, self.options.fp8_pow2_scales)
+        for parts in block_layouts(self.precision, fmt, self.hidden_size, torch.bfloat16):
+            transport.reserve(parts, (self.hidden_size, torch.bfloat16), self.top_k)
 
     def synchronize(self) -> None:
         """Nothing to wait for: the layer's work and its communication are ordered on the device streams."""

@@ -274,6 +274,15 @@ class QuantizedBackward:
         return grad_w1, grad_w2
 
 
+def block_layouts(recipe_precision: str, fmt: QFormat | None, hidden: int, dtype: torch.dtype) -> set[BlockParts]:
+    """The layouts a precision's blocks travel in (forward, backward): what a transport's workspace must hold."""
+    plain = BlockParts((hidden,), (dtype,))
+    if recipe_precision == "bf16":
+        return {plain}
+    quantized = quantized_parts(hidden, fmt)
+    return {plain, quantized} if recipe_precision == "fp8_bwd" else {quantized}
+
+
 def tile_height(precision: str, bf16_tile_m: int) -> int:
     """The plan's tile height: the quantised kernels' (their scale blocks follow the tiles) for every quantised
     precision, fp8_bwd's bf16 forward included (its backward reads the same plan)."""

@@ -230,14 +230,6 @@ def _run(cfg: Config, rt: Runtime, source, dataset, out_dir: Path, resume_path, 
     )
 
     steps, batch, seq = cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len
-    per_rank = batch // rt.world * seq
-    if moe.dispatch.type == "mega_moe" and rt.ep.ep > 1 and per_rank < moe.dispatch.max_tokens_per_rank:
-        _log(
-            rt,
-            f"note: {per_rank} tokens per rank per step, but the mega_moe exchange pads every rank's block to "
-            f"[model.moe.dispatch] max_tokens_per_rank = {moe.dispatch.max_tokens_per_rank}; set it to {per_rank} "
-            "to skip the padding work",
-        )
     progress = _Progress(rt.is_main, steps, start, cfg.train.log_every, progress_bar)
     records: list[dict] = []
     began = time.perf_counter()
