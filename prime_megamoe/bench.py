@@ -2,6 +2,10 @@
 
     python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 16384 --backends torch mega_moe
     torchrun --nproc-per-node 2 -m prime_megamoe.bench ...        # expert parallelism over the launched ranks
+    python -m prime_megamoe.bench --backends mega_moe --num-sms all 120   # what leaving 12 SMs free costs
+
+``--num-sms`` runs each case at each ``[model.moe.dispatch] num_sms`` given ("all": unset), both backends alike: the
+table's ratios compare backends at one value, and its backend column shows the value after an @.
 
 Forward is timed without autograd; backward = (forward + backward) - forward with autograd on; 2F+1B is a no-grad
 forward followed by a forward and backward (activation checkpointing), timed as one region. Each figure is the median
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import json
 import os
 import platform
@@ -61,6 +66,7 @@ class Result:
     # The two measurements backward_ms is the difference of: the forward with autograd, and forward + backward
     forward_grad_ms: float | None = None
     forward_backward_ms: float | None = None
+    num_sms: int | None = None  # [model.moe.dispatch] num_sms of the run (None: every SM)
 
 
 def _events_median(fn, iters: int, warmup: int, group, repeat: int = 1) -> float:
@@ -117,12 +123,14 @@ class Workload:
 
 
 def make_workload(
-    shape, tokens, backend, precision, group, max_tokens=None, device="cuda", transport="auto"
+    shape, tokens, backend, precision, group, max_tokens=None, device="cuda", transport="auto", num_sms=None
 ) -> Workload:
     rank = 0 if group is None else dist.get_rank(group)
     world = 1 if group is None else dist.get_world_size(group)
     x, index, weights, w1, w2 = make_inputs(shape, tokens, rank, world, seed=0, device=device)
-    options = DispatchConfig(type=backend, max_tokens_per_rank=max_tokens or tokens, transport=transport)
+    options = DispatchConfig(
+        type=backend, max_tokens_per_rank=max_tokens or tokens, transport=transport, num_sms=num_sms
+    )
     dy = torch.randn_like(x)
     xg, wg, w1g, w2g = (t.detach().clone().requires_grad_() for t in (x, weights, w1, w2))
 
@@ -142,11 +150,22 @@ def make_workload(
 
 
 def bench_one(
-    shape, tokens, backend, precision, group, iters, warmup, reference=None, max_tokens=None, transport="auto", repeat=1
+    shape,
+    tokens,
+    backend,
+    precision,
+    group,
+    iters,
+    warmup,
+    reference=None,
+    max_tokens=None,
+    transport="auto",
+    repeat=1,
+    num_sms=None,
 ):
     world = 1 if group is None else dist.get_world_size(group)
     hidden, inter, _, top_k = SHAPES[shape]
-    work = make_workload(shape, tokens, backend, precision, group, max_tokens, transport=transport)
+    work = make_workload(shape, tokens, backend, precision, group, max_tokens, transport=transport, num_sms=num_sms)
     fwd = work.fwd
     out = fwd()
     fwd()
@@ -190,6 +209,7 @@ def bench_one(
         transport if backend == "mega_moe" and world > 1 else "",
         round(t_fg, 4),
         round(t_fb, 4),
+        num_sms,
     )
     return res, out
 
@@ -224,12 +244,12 @@ def hidden_transfer_time(trace_path: str) -> dict:
     }
 
 
-def profile_one(shape, tokens, backend, precision, group, path, transport="auto"):
+def profile_one(shape, tokens, backend, precision, group, path, transport="auto", num_sms=None):
     """Per-kernel CUDA times of one forward+backward (torch.profiler), written as a text table to ``path``, with
     the Chrome trace beside it and, with expert parallelism, how much GPU-to-GPU copy time compute hid."""
     rank = 0 if group is None else dist.get_rank(group)
     world = 1 if group is None else dist.get_world_size(group)
-    step = make_workload(shape, tokens, backend, precision, group, transport=transport).f2b1
+    step = make_workload(shape, tokens, backend, precision, group, transport=transport, num_sms=num_sms).f2b1
 
     for _ in range(2):
         step()
@@ -250,8 +270,8 @@ def profile_one(shape, tokens, backend, precision, group, path, transport="auto"
         os.remove(trace)
         with open(path, "w") as fh:
             fh.write(
-                f"# {shape} T={tokens} ep={world} {backend} {precision} {transport}: 3 x (no-grad forward, "
-                f"forward + backward)\n"
+                f"# {shape} T={tokens} ep={world} {backend} {precision} {transport} num_sms={num_sms}: 3 x (no-grad "
+                f"forward, forward + backward)\n"
             )
             if overlap is not None:
                 fh.write(f"# GPU-to-GPU copies: {json.dumps(overlap)}\n")
@@ -286,14 +306,14 @@ def format_table(results: list[Result]) -> str:
         f"{'fwd TF':>7} {'bwd TF':>7} {'x fwd':>6} {'x bwd':>6} {'x 2F1B':>6} {'mem GiB':>7} {'host ms':>7} {'err':>9}"
     )
     lines = [head]
-    base = {(r.shape, r.tokens_per_rank, r.ep): r for r in results if r.backend == "torch"}
+    base = {(r.shape, r.tokens_per_rank, r.ep, r.num_sms): r for r in results if r.backend == "torch"}
     for r in results:
-        b = base.get((r.shape, r.tokens_per_rank, r.ep))
+        b = base.get((r.shape, r.tokens_per_rank, r.ep, r.num_sms))
 
         def ratio(a, c, b=b):
             return f"{a / c:6.2f}" if b else "   n/a"
 
-        backend = r.backend + _TRANSPORT_TAG.get(r.transport, "")
+        backend = r.backend + _TRANSPORT_TAG.get(r.transport, "") + ("" if r.num_sms is None else f"@{r.num_sms}")
         lines.append(
             f"{r.shape:16} {r.tokens_per_rank:6d} {r.ep:2d} {backend:12} {r.precision:7} {r.forward_ms:8.3f} "
             f"{r.backward_ms:8.3f} {r.f2b1_ms:8.3f} {r.forward_tflops:7.1f} {r.backward_tflops:7.1f} "
@@ -316,6 +336,19 @@ def torchrun_group():
     return dist.group.WORLD
 
 
+def _sm_count(value: str) -> int | None:
+    """A ``--num-sms`` value: a positive SM count, or "all" (the key unset)."""
+    if value.lower() in ("all", "none"):
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive SM count or 'all'")
+    return count
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", nargs="+", default=["qwen3-30b-a3b"], choices=sorted(SHAPES))
@@ -327,6 +360,13 @@ def main(argv: list[str] | None = None) -> None:
         nargs="+",
         default=["auto"],
         help="mega_moe with expert parallelism: auto, symmetric_memory, collectives",
+    )
+    p.add_argument(
+        "--num-sms",
+        nargs="+",
+        type=_sm_count,
+        default=[None],
+        help="[model.moe.dispatch] num_sms: run every case at each value ('all': every SM, the default)",
     )
     p.add_argument("--iters", type=int, default=20)
     p.add_argument(
@@ -350,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
 
     results: list[Result] = []
     for shape in args.shape:
-        for tokens in args.tokens:
+        for tokens, num_sms in itertools.product(args.tokens, args.num_sms):
             reference = None
             for backend in args.backends:
                 precisions = ["bf16"] if backend == "torch" else args.precisions
@@ -368,13 +408,14 @@ def main(argv: list[str] | None = None) -> None:
                             reference=reference if backend != "torch" else None,
                             transport=transport,
                             repeat=args.repeat,
+                            num_sms=num_sms,
                         )
                     except Exception as err:  # noqa: BLE001 - report the failure, measure the rest
                         if rank == 0:
                             msg = str(err).strip().splitlines()
                             print(
-                                f"FAILED {shape} T={tokens} {backend} {precision} {transport}: {type(err).__name__}: "
-                                f"{' | '.join(msg[-6:])}",
+                                f"FAILED {shape} T={tokens} {backend} {precision} {transport} num_sms={num_sms}: "
+                                f"{type(err).__name__}: {' | '.join(msg[-6:])}",
                                 flush=True,
                             )
                         torch.cuda.empty_cache()
@@ -386,11 +427,13 @@ def main(argv: list[str] | None = None) -> None:
                         print(json.dumps(asdict(res)), flush=True)
                     if args.profile_dir and backend in args.profile_backends and tokens in args.profile_tokens:
                         os.makedirs(args.profile_dir, exist_ok=True)
-                        tag = f"_{transport}" if res.transport else ""
+                        tag = (f"_{transport}" if res.transport else "") + (f"_sms{num_sms}" if num_sms else "")
                         path = os.path.join(
                             args.profile_dir, f"profile_{shape}_T{tokens}_ep{res.ep}_{backend}_{precision}{tag}.txt"
                         )
-                        profile_one(shape, tokens, backend, precision, group, path, transport=transport)
+                        profile_one(
+                            shape, tokens, backend, precision, group, path, transport=transport, num_sms=num_sms
+                        )
                     del out
                     torch.cuda.empty_cache()
     if rank == 0:
