@@ -1,12 +1,13 @@
-"""The benchmark's CPU-side pieces: the hidden-transfer measure read from a profiler trace, and the table."""
+"""The benchmark's CPU-side pieces: the hidden-transfer measure read from a profiler trace, the table, the arguments."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
-from prime_megamoe.bench import Result, format_table, hidden_transfer_time, main
+from prime_megamoe.bench import Result, _sm_count, format_table, hidden_transfer_time, main
 
 
 def _event(name, cat, ts, dur, tid):
@@ -60,3 +61,42 @@ def test_benchmark_needs_a_gpu(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(SystemExit, match="CUDA GPU"):
         main([])
+
+
+def test_num_sms_argument(monkeypatch):
+    """``--num-sms`` takes SM counts and "all" (unset); anything else is a usage error before any GPU is asked for."""
+    assert [_sm_count(v) for v in ("120", "all", "ALL", "none")] == [120, None, None, None]
+    for bad in ("0", "-8", "many", "1.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive SM count"):
+            _sm_count(bad)
+    with pytest.raises(SystemExit) as err:
+        main(["--num-sms", "0"])
+    assert err.value.code == 2  # argparse's usage error
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(SystemExit, match="CUDA GPU"):
+        main(["--num-sms", "all", "120"])
+
+
+def test_table_shows_num_sms_and_compares_backends_at_the_same_value():
+    common = dict(
+        shape="qwen3-30b-a3b",
+        tokens_per_rank=16384,
+        ep=1,
+        precision="bf16",
+        f2b1_ms=1.0,
+        forward_tflops=1.0,
+        backward_tflops=1.0,
+        f2b1_tflops=1.0,
+        peak_mem_gib=1.0,
+        host_fwd_ms=1.0,
+    )
+    rows = [
+        Result(backend="torch", forward_ms=8.0, backward_ms=10.0, **common),
+        Result(backend="torch", forward_ms=9.0, backward_ms=12.0, num_sms=120, **common),
+        Result(backend="mega_moe", forward_ms=4.0, backward_ms=5.0, **common),
+        Result(backend="mega_moe", forward_ms=4.5, backward_ms=6.0, num_sms=120, **common),
+    ]
+    lines = format_table(rows).splitlines()
+    assert lines[3].split()[3] == "mega_moe" and lines[3].split()[10:12] == ["2.00", "2.00"]
+    assert lines[4].split()[3] == "mega_moe@120" and lines[4].split()[10:12] == ["2.00", "2.00"]
+    assert lines[2].split()[3] == "torch@120"
