@@ -59,7 +59,8 @@ def _forward(
 
 class RoutedExperts(torch.autograd.Function):
     """rows [R, H], top_k_index [R, k] (global ids), top_k_weights [R, k], w1 [E_l, 2I, H], w2 [E_l, H, I]
-    -> out [R, H]: for each row, the weighted sum over the slots whose expert lives here (zeros if none)."""
+    -> out [R, H]: for each row, the weighted sum over the slots whose expert lives here (zeros if none). The backward
+    runs within the SM budget its forward ran in (``sm_budget``: ``[model.moe.dispatch] num_sms``)."""
 
     @staticmethod
     @keeps_sm_budget

@@ -289,7 +289,8 @@ def _forward(
 
 
 class QuantizedRoutedExperts(torch.autograd.Function):
-    """Like ``expert_compute.RoutedExperts`` with fp8 / MXFP8 GEMMs; ``precision`` in QUANTIZED_PRECISIONS."""
+    """Like ``expert_compute.RoutedExperts`` with fp8 / MXFP8 GEMMs; ``precision`` in QUANTIZED_PRECISIONS. The
+    backward runs within the SM budget its forward ran in (``sm_budget``)."""
 
     @staticmethod
     @keeps_sm_budget

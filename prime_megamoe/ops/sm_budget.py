@@ -240,15 +240,16 @@ class GreenStream:
             self.sms = got
         self._entered: contextvars.ContextVar[bool] = contextvars.ContextVar(f"green_{id(self)}", default=False)
 
-    def run(self, fn: Callable, args: tuple, kwargs: dict, hand_back_to=None):
+    def run(self, fn: Callable, args: tuple, kwargs: dict, hand_back_to=None, caller=None):
         """``fn(*args, **kwargs)`` in the green context, ordered after the current stream's work and before its
         next; the tensor inputs are recorded on the green stream and the tensors returned on the current stream
         and on ``hand_back_to``. Already on the green stream (autograd runs a backward on its forward's stream): a
-        plain call."""
+        plain call. ``caller``: the current stream, where the caller has it already."""
         if self.stream is None:
             return self._run_in_context(fn, args, kwargs, hand_back_to)
         stream = self.stream
-        caller = torch.cuda.current_stream(self.index)
+        if caller is None:
+            caller = torch.cuda.current_stream(self.index)
         if caller == stream:
             out = fn(*args, **kwargs)
         else:
@@ -332,9 +333,10 @@ class SMLimit:
             finally:
                 _BUDGET.reset(token)
         sms = self.sms if outer is None else min(self.sms, outer.sms)
-        token = _BUDGET.set(SMBudget(sms, green, torch.cuda.current_stream(green.index)))
+        caller = torch.cuda.current_stream(green.index)
+        token = _BUDGET.set(SMBudget(sms, green, caller))
         try:
-            return green.run(fn, args, kwargs)
+            return green.run(fn, args, kwargs, caller=caller)
         finally:
             _BUDGET.reset(token)
 
