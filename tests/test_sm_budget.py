@@ -441,3 +441,15 @@ def test_gpu_layer_with_num_sms_is_bitwise_that_without(precision):
         torch.cuda.synchronize()
         for name, a, b in zip(NAMES, got, plain):
             assert torch.equal(a, b), f"{precision} num_sms = {n} (caller stream {stream}): {name} differs"
+
+
+@pytest.mark.multigpu
+def test_gpu_expert_parallel_with_num_sms_is_bitwise_that_without():
+    """Two GPUs, both transports, bf16 and fp8: num_sms = 120 bitwise num_sms = None, also in a stack of layers
+    whose rounds alternate between the caller's stream and the green context's (scripts/gpu_check_num_sms_ep.py)."""
+    from .test_mega_moe_ep_gpu import _torchrun
+
+    run = _torchrun("gpu_check_num_sms_ep.py", timeout=900)
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith(("PASS", "FAIL"))]
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert len(lines) == 12 and all(ln.startswith("PASS") for ln in lines), run.stdout
