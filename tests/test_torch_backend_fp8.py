@@ -270,17 +270,22 @@ def _hopper() -> bool:
 
 
 @pytest.mark.gpu
-def test_scaled_grouped_mm_matches_reference_form(monkeypatch):
+def test_scaled_grouped_mm_matches_reference_form():
     if not _hopper():
         pytest.skip("needs a Hopper GPU and a torch with _scaled_grouped_mm")
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    counts = [0, 300, 17, 1, 64, 130]  # an empty group, unaligned group sizes
+    counts = [0, 300, 17, 1, 64, 130]  # an empty group, group sizes off the 16-row alignment
     rows, k, n = sum(counts), 256, 384
     a = torch.randn(rows, k, device=dev, generator=gen, dtype=torch.bfloat16)
     b = torch.randn(len(counts), n, k, device=dev, generator=gen, dtype=torch.bfloat16)
     c = torch.randn(rows, n, device=dev, generator=gen, dtype=torch.bfloat16)
-    ops = {}
+    # The compiled quantisation (the op's path) gives the eager values, up to rare rounding-midpoint cases.
+    for quantize, args in ((fg.quantize_rows, (a,)), (fg.quantize_group_cols, (c, counts))):
+        (q1, s1), (q0, s0) = quantize(*args, compiled=True), quantize(*args, compiled=False)
+        assert torch.equal(s1, s0) and (q1.float() != q0.float()).float().mean() < 1e-4, quantize.__name__
+    assert fg._compiled.get("failed") is None, fg._compiled.get("failed")
+    results = {}
     for use_op in (True, False):
         fwd = fg.grouped_mm_rows(*fg.quantize_rows(a), *fg.quantize_rows(b), counts, torch.bfloat16, use_op=use_op)
         wgrad = fg.grouped_mm_cols(
@@ -290,23 +295,32 @@ def test_scaled_grouped_mm_matches_reference_form(monkeypatch):
             torch.bfloat16,
             use_op=use_op,
         )
-        ops[use_op] = (fwd, wgrad)
-    for got, want in zip(ops[True], ops[False]):
-        assert rel_err(got, want) < 5e-3  # bf16 outputs, fp32 accumulation in different orders
-    assert (ops[True][1][0] == 0).all()
+        results[use_op] = (fwd, wgrad)
+    for name, got, want in zip(("2D x 3D", "2D x 2D"), results[True], results[False]):
+        assert got.shape == want.shape and got.dtype == want.dtype == torch.bfloat16, name
+        assert rel_err(got, want) < 5e-3, name  # bf16 outputs, fp32 accumulation in different orders
+    assert (results[True][1][0] == 0).all()  # the empty group's weight gradient
 
-    # The whole layer, forward and backward: the op form against the reference form.
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_layer_on_scaled_grouped_mm_matches_reference_form(monkeypatch, dtype):
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU and a torch with _scaled_grouped_mm")
+    # Forward and backward of the layer (ragged routing: expert 0 empty, expert 1 hot), the op form against the
+    # reference form and the float64 oracle.
     hidden, inter, experts, top_k, tokens = 512, 256, 8, 4, 512
-    x, index, weights, w1, w2, grad_out = (
-        t.to(dev) for t in fp8_problem(tokens, hidden, inter, experts, top_k, seed=3, dtype=torch.bfloat16)
-    )
+    problem = fp8_problem(tokens, hidden, inter, experts, top_k, seed=3, dtype=dtype)
+    on_gpu = [t.cuda() for t in problem]
     monkeypatch.setattr(fg, "IMPLEMENTATION", "op")
-    got = run_fp8(x, index, weights, w1, w2, grad_out)
+    got = run_fp8(*on_gpu)
+    assert fg._compiled.get("failed") is None, fg._compiled.get("failed")  # compiled in forward and backward
     monkeypatch.setattr(fg, "IMPLEMENTATION", "reference")
-    want = run_fp8(x, index, weights, w1, w2, grad_out)
+    want = run_fp8(*on_gpu)
     for name, a, b in zip(NAMES, got, want):
-        assert a.dtype == b.dtype == torch.bfloat16
+        assert a.dtype == b.dtype == dtype, name
         assert rel_err(a, b) < 1e-2, name
-    oracle = oracle_with_grads(*(t.cpu() for t in (x, index, weights, w1, w2, grad_out)))
+    assert (got[3][0] == 0).all() and (got[4][0] == 0).all()
+    oracle = oracle_with_grads(*problem)
     for name, a, b in zip(NAMES, got, oracle):
         assert rel_err(a.cpu(), b) < ORACLE_TOL, name

@@ -23,18 +23,21 @@ outside these GEMMs.
 Which op. On an NVIDIA GPU of compute capability 9.x (Hopper) whose torch has ``torch._scaled_grouped_mm``, with K
 and N multiples of 16: ``torch._scaled_grouped_mm`` with fp32 rowwise scales and a bf16 output (then cast to the
 caller's dtype) -- the forward and dgrads as its 2D x 3D form (groups along M: ``a`` [P, K] row-major, ``b`` [E, N,
-K] row-major passed transposed, ``scale_a`` [P], ``scale_b`` [E, N], ``offs`` the int32 cumulative row ends), the
+K] row-major passed transposed, ``scale_a`` [P], ``scale_b`` [E, N] (2D: torch's checks want one row of scales per
+group for a 3D operand), ``offs`` the int32 cumulative row ends; an empty group is allowed), the
 weight gradients as its 2D x 2D form (groups along K: ``a`` = dy^T [N, P'] and ``b`` = x^T [K, P'] row-major, the
 latter passed transposed, ``scale_a`` [E * N], ``scale_b`` [E * K], ``offs`` along P'), where P' pads every
 expert's rows to a multiple of 16 with zero rows (the kernel wants each group's start 16-byte aligned; zeros add
 nothing). Everywhere else (CPU; CUDA GPUs of other generations; a torch without the op; other shapes) the same recipe
 runs in a *reference form*: the same e4m3 values and scales, dequantised to fp32 and multiplied per expert in fp32.
 Both forms give the same numbers up to accumulation order (and the op's bf16 output rounding, which the reference form
-shares for bf16 callers).
+shares for bf16 callers). On the op's path the quantisation passes run through ``torch.compile`` (fused kernels, so the
+baseline is not slowed by eager casts; eager again, with a warning, if compiling fails).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -57,16 +60,60 @@ def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, (amax / FP8_MAX).clamp(min=_MIN_SCALE), torch.ones_like(amax))
 
 
-def _to_e4m3(xf: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+def _to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    y = x.to(torch.float32, copy=True)  # one fp32 transient, divided and clamped in place
+    return y.div_(scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = _scale_from_amax(x.abs().amax(dim=-1, keepdim=True).float())
+    return _to_e4m3(x, scale), scale.squeeze(-1)
+
+
+def _quantize_group_cols(x: torch.Tensor, group_id: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    amax = torch.zeros(groups, x.shape[1], dtype=torch.float32, device=x.device)
+    amax.scatter_reduce_(0, group_id[:, None].expand(x.shape), x.abs().float(), reduce="amax", include_self=True)
+    scale = _scale_from_amax(amax)
+    return _to_e4m3(x, scale[group_id]), scale
+
+
+# On the op's path the quantisation passes go through torch.compile (each a fused kernel or two instead of five eager
+# passes over the operand: the baseline should not lose to its own casts); eager where compiling fails (a warning,
+# once). Compiled division may round differently from eager in the last bit of fp32, which moves an e4m3 value only
+# where it sits on a rounding midpoint.
+COMPILE_QUANTIZATION = True
+_compiled: dict[str, object] = {}
+
+
+def _quantizer(fn, compiled: bool):
+    if not (compiled and COMPILE_QUANTIZATION and _compiled.get("failed") is None):
+        return fn
+    name = fn.__name__
+    if name not in _compiled:
+        _compiled[name] = torch.compile(fn, dynamic=True)
+    compiled_fn = _compiled[name]
+
+    def run(*args):
+        if _compiled.get("failed") is None:
+            try:
+                return compiled_fn(*args)
+            except Exception as err:  # noqa: BLE001 - any compile failure: fall back to the same passes, eager
+                _compiled["failed"] = err
+                warnings.warn(
+                    f"torch.compile of the fp8 quantisation failed ({type(err).__name__}: {err}); the torch backend's "
+                    "fp8 quantises eagerly from now on (same values, more memory passes)",
+                    stacklevel=2,
+                )
+        return fn(*args)
+
+    return run
+
+
+def quantize_rows(x: torch.Tensor, *, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 with one fp32 scale per row (along the last dim): ``q [..., K]`` (contiguous), ``scale [...]``,
-    x ~= q * scale[..., None]."""
-    xf = x.float().contiguous()  # (made contiguous before the cast: copies of e4m3 tensors are not everywhere)
-    scale = _scale_from_amax(xf.abs().amax(dim=-1, keepdim=True)) if x.shape[-1] else xf.new_ones(*x.shape[:-1], 1)
-    return _to_e4m3(xf, scale), scale.squeeze(-1).contiguous()
+    x ~= q * scale[..., None]. ``compiled``: through torch.compile (see ``COMPILE_QUANTIZATION``)."""
+    x = x.contiguous()  # (in x's dtype: copies of e4m3 tensors are not implemented everywhere)
+    return _quantizer(_quantize_rows, compiled)(x)
 
 
 def _group_ids(counts: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -75,17 +122,13 @@ def _group_ids(counts: Sequence[int], device: torch.device) -> torch.Tensor:
 
 
 def quantize_group_cols(
-    x: torch.Tensor, counts: Sequence[int], group_id: torch.Tensor | None = None
+    x: torch.Tensor, counts: Sequence[int], group_id: torch.Tensor | None = None, *, compiled: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 with one fp32 scale per column of each row group (``counts[g]`` consecutive rows each, along the rows):
     ``q [P, n]``, ``scale [G, n]``, x[r] ~= q[r] * scale[group of r]. A group without rows gets scale 1."""
     if group_id is None:
         group_id = _group_ids(counts, x.device)
-    xf = x.float()
-    amax = xf.new_zeros(len(counts), x.shape[1])
-    amax.scatter_reduce_(0, group_id[:, None].expand_as(xf), xf.abs(), reduce="amax", include_self=True)
-    scale = _scale_from_amax(amax)
-    return _to_e4m3(xf, scale[group_id]), scale
+    return _quantizer(_quantize_group_cols, compiled)(x.contiguous(), group_id, len(counts))
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -159,6 +202,7 @@ def grouped_mm_cols(
     out_dtype: torch.dtype,
     *,
     use_op: bool,
+    group_id: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Groups along the reduction (the rows): out[g] = (a_q * a_scale[g])[rows of g]^T @ (b_q * b_scale[g])[rows of g].
 
@@ -175,7 +219,8 @@ def grouped_mm_cols(
         for g in range(1, groups):
             starts[g] = starts[g - 1] + padded[g - 1]
         shift = torch.tensor([s - sum(counts[:g]) for g, s in enumerate(starts)], dtype=torch.long).to(a_q.device)
-        group_id = _group_ids(counts, a_q.device)
+        if group_id is None:
+            group_id = _group_ids(counts, a_q.device)
         dst = torch.arange(a_q.shape[0], device=a_q.device) + shift[group_id]
         a_t = _padded_t(a_q, dst, sum(padded))  # [m, P'] row-major
         b_t = _padded_t(b_q, dst, sum(padded))  # [n, P'] row-major, passed transposed (column-major [P', n])
@@ -187,7 +232,8 @@ def grouped_mm_cols(
         if empty:  # a group without rows (an empty K range): zeros, whatever the kernel writes there
             out[empty] = 0
         return out.to(out_dtype)
-    group_id = _group_ids(counts, a_q.device)
+    if group_id is None:
+        group_id = _group_ids(counts, a_q.device)
     a = a_q.float() * a_scale[group_id]
     b = b_q.float() * b_scale[group_id]
     out = a.new_zeros(groups, m, n)
@@ -208,8 +254,8 @@ class Fp8GroupedLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
         k, n = weight.shape[2], weight.shape[1]
         use_op = _use_op(x.device, k, n)
-        x_q, x_scale = quantize_rows(x)
-        w_q, w_scale = quantize_rows(weight)
+        x_q, x_scale = quantize_rows(x, compiled=use_op)
+        w_q, w_scale = quantize_rows(weight, compiled=use_op)
         ctx.save_for_backward(x, weight)
         ctx.counts = counts
         ctx.use_op = use_op
@@ -222,14 +268,14 @@ class Fp8GroupedLinear(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            g_q, g_scale = quantize_rows(grad_out)  # along N
-            wt_q, wt_scale = quantize_rows(weight.transpose(1, 2))  # W^T [E, K, N], along N
+            g_q, g_scale = quantize_rows(grad_out, compiled=use_op)  # along N
+            wt_q, wt_scale = quantize_rows(weight.transpose(1, 2), compiled=use_op)  # W^T [E, K, N], along N
             grad_x = grouped_mm_rows(g_q, g_scale, wt_q, wt_scale, counts, x.dtype, use_op=use_op)
         if ctx.needs_input_grad[1]:
             group_id = _group_ids(counts, x.device)
-            g_q, g_scale = quantize_group_cols(grad_out, counts, group_id)  # along each expert's rows
-            x_q, x_scale = quantize_group_cols(x, counts, group_id)
-            grad_w = grouped_mm_cols(g_q, g_scale, x_q, x_scale, counts, weight.dtype, use_op=use_op)
+            g_q, g_scale = quantize_group_cols(grad_out, counts, group_id, compiled=use_op)  # along each expert's rows
+            x_q, x_scale = quantize_group_cols(x, counts, group_id, compiled=use_op)
+            grad_w = grouped_mm_cols(g_q, g_scale, x_q, x_scale, counts, weight.dtype, use_op=use_op, group_id=group_id)
         return grad_x, grad_w, None
 
 
