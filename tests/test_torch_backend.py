@@ -194,9 +194,10 @@ def _seed(case: Case, world: int, dtype_name: str) -> int:
     return 1000 * world + 10 * EP_CASES.index(case) + list(DTYPES).index(dtype_name)
 
 
-# precision = "fp8" with EP = 2: (name, clamp, drop every 4th token's first slot); tokens per rank; shape
+# precision = "fp8" over gloo with EP = 1 and 2: (name, clamp, drop every 4th token's first slot); tokens per rank
+FP8_EP_WORLDS = (1, 2)
 FP8_EP_VARIANTS = (("plain", None, False), ("clamp_dropped", 2.5, True))
-FP8_EP_TOKENS = (13, 8)
+FP8_EP_TOKENS = (13, 8)  # with EP = 2; one rank takes all 21
 FP8_EP_SHAPE = dict(hidden=48, inter=24, experts=8, top_k=4)
 
 
@@ -215,7 +216,8 @@ def _fp8_ep_run(rank, world, group):
     results = {}
     for name, clamp, drop in FP8_EP_VARIANTS:
         x, index, weights, w1, w2, grad_out = fp8_ep_problem(drop)
-        t0, t1 = sum(FP8_EP_TOKENS[:rank]), sum(FP8_EP_TOKENS[: rank + 1])
+        tokens = FP8_EP_TOKENS if world == 2 else (sum(FP8_EP_TOKENS),)
+        t0, t1 = sum(tokens[:rank]), sum(tokens[: rank + 1])
         per_rank = FP8_EP_SHAPE["experts"] // world
         e0, e1 = rank * per_rank, (rank + 1) * per_rank
         leaves = [t.clone().requires_grad_() for t in (x[t0:t1], weights[t0:t1], w1[e0:e1], w2[e0:e1])]
@@ -258,7 +260,7 @@ _EP_RESULTS: dict[int, list] = {}
 def ep_results(world: int) -> list:
     if world not in _EP_RESULTS:
         cases = [(c, d) for c in EP_CASES for d in DTYPES if not (c.routing == "starved" and world == 1)]
-        _EP_RESULTS[world] = run_on_ranks(_ep_body, world, cases, world == 2)
+        _EP_RESULTS[world] = run_on_ranks(_ep_body, world, cases, world in FP8_EP_WORLDS)
     return _EP_RESULTS[world]
 
 
@@ -314,21 +316,23 @@ def test_expert_parallel_matches_single_rank():
 
 
 @pytest.mark.parametrize("variant", [v[0] for v in FP8_EP_VARIANTS])
-def test_expert_parallel_fp8_matches_oracle_recipe_and_single_rank(variant):
-    """precision = "fp8" with EP = 2 (ragged routing; the clamped SwiGLU with -1 slots): the float64 oracle within the
-    fp8 bound, the float64 emulation of the recipe, and the same problem on one rank holding every expert."""
+@pytest.mark.parametrize("world", FP8_EP_WORLDS, ids=lambda w: f"ep{w}")
+def test_expert_parallel_fp8_matches_oracle_recipe_and_single_rank(world, variant):
+    """precision = "fp8" over gloo, EP = 1 and 2 (ragged routing; the clamped SwiGLU with -1 slots): the float64
+    oracle within the fp8 bound, the float64 emulation of the recipe, and the same problem in this process on one rank
+    holding every expert (group=None)."""
     _, clamp, drop = next(v for v in FP8_EP_VARIANTS if v[0] == variant)
     x, index, weights, w1, w2, grad_out = fp8_ep_problem(drop)
-    got = [r[("fp8", variant)] for r in ep_results(2)]
+    got = [r[("fp8", variant)] for r in ep_results(world)]
     joined = tuple(torch.cat([res[n] for res in got]) for n in range(5))
     dropped = index < 0
     oracle = list(oracle_with_grads(x, index.clamp(min=0), weights * ~dropped, w1, w2, grad_out, clamp))
     oracle[2] = oracle[2] * ~dropped
     assert_matches_oracle(joined, x, index, weights, w1, w2, grad_out, FP8_ORACLE_TOL, ref=oracle)
-    check_fp8_emulation(joined, emulate_fp8(x, index, weights, w1, w2, grad_out, clamp), f"EP=2 {variant}")
+    check_fp8_emulation(joined, emulate_fp8(x, index, weights, w1, w2, grad_out, clamp), f"EP={world} {variant}")
     # Each expert sees the same rows in the same order, so the same scales: EP changes only the summation order.
     single = run_fp8_single(x, index, weights, w1, w2, grad_out, activation_clamp=clamp)
     for name, a, b in zip(GRAD_NAMES, joined, single):
-        assert rel_err(a, b) < 1e-5, f"EP=2 {variant} {name} vs one rank"
+        assert rel_err(a, b) < 1e-5, f"EP={world} {variant} {name} vs one rank"
     assert (joined[2][dropped] == 0).all()
     assert (joined[3][0] == 0).all() and (joined[4][0] == 0).all()  # expert 0 (rank 0's) got no rows
