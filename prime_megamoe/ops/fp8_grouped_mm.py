@@ -112,8 +112,8 @@ def _quantizer(fn, compiled: bool):
 def quantize_rows(x: torch.Tensor, *, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 with one fp32 scale per row (along the last dim): ``q [..., K]`` (contiguous), ``scale [...]``,
     x ~= q * scale[..., None]. ``compiled``: through torch.compile (see ``COMPILE_QUANTIZATION``)."""
-    x = x.contiguous()  # (in x's dtype: copies of e4m3 tensors are not implemented everywhere)
-    return _quantizer(_quantize_rows, compiled)(x)
+    q, scale = _quantizer(_quantize_rows, compiled)(x.contiguous())
+    return q.contiguous(), scale.contiguous()  # (the op wants both; no copies when they already are)
 
 
 def _group_ids(counts: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -128,7 +128,8 @@ def quantize_group_cols(
     ``q [P, n]``, ``scale [G, n]``, x[r] ~= q[r] * scale[group of r]. A group without rows gets scale 1."""
     if group_id is None:
         group_id = _group_ids(counts, x.device)
-    return _quantizer(_quantize_group_cols, compiled)(x.contiguous(), group_id, len(counts))
+    q, scale = _quantizer(_quantize_group_cols, compiled)(x.contiguous(), group_id, len(counts))
+    return q.contiguous(), scale.contiguous()
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -186,8 +187,7 @@ def grouped_mm_rows(
 
 def _padded_t(q: torch.Tensor, dst: torch.Tensor, padded_rows: int) -> torch.Tensor:
     """Rows of ``q`` [P, n] (e4m3) placed at rows ``dst`` of a zero [padded_rows, n], returned transposed and
-    row-major: [n, padded_rows] (moved as bytes: index_copy and copies of e4m3 tensors are not implemented
-    everywhere)."""
+    row-major: [n, padded_rows] (moved as bytes: index_copy is not implemented for e4m3 everywhere)."""
     out = torch.zeros(padded_rows, q.shape[1], dtype=torch.uint8, device=q.device)
     out.index_copy_(0, dst, q.view(torch.uint8))
     return out.t().contiguous().view(FP8)
