@@ -21,6 +21,8 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 Precision = Literal["bf16", "fp8", "mxfp8", "fp8_bwd"]
 DispatchType = Literal["torch", "mega_moe"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
+# What the `torch` backend runs: the GEMMs in the inputs' dtype, or rowwise-scaled fp8 (fp8_bwd and mxfp8: mega_moe).
+TORCH_PRECISIONS: tuple[str, ...] = ("bf16", "fp8")
 DISPATCH_TYPES: tuple[str, ...] = get_args(DispatchType)
 
 

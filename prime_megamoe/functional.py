@@ -36,7 +36,8 @@ def fused_experts(
 
     ``dispatch`` names a backend ("mega_moe": fused Triton kernels; "torch": all_to_all + grouped GEMM baseline) or is
     a DispatchConfig with backend options. ``precision`` is one of "bf16" (the inputs' own dtype, no quantisation),
-    "fp8", "mxfp8", "fp8_bwd".
+    "fp8", "mxfp8", "fp8_bwd"; the torch backend runs "bf16" and "fp8" (its own recipe: rowwise-scaled e4m3 through
+    torch._scaled_grouped_mm, ``ops.fp8_grouped_mm``), mega_moe all four (blockwise fp8, ``ops.quantized_experts``).
 
     ``activation_clamp`` (prime-rl's experts option): None (or inf) for SwiGLU, or a limit c > 0 for the clamped
     SwiGLU ``a = silu(min(g, c)) * clamp(u, -c, c)``, g and u the gate and up halves of ``gate_up_proj`` x; its
