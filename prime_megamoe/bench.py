@@ -2,6 +2,10 @@
 
     python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 4096 16384 --backends torch mega_moe
     torchrun --nproc-per-node 2 -m prime_megamoe.bench ...        # expert parallelism over the launched ranks
+    python -m prime_megamoe.bench --backends mega_moe --num-sms all 120   # what leaving 12 SMs free costs
+
+``--num-sms`` runs each case at each ``[model.moe.dispatch] num_sms`` given ("all": unset), both backends alike: the
+table's ratios compare backends at one value, and its backend column shows the value after an @.
 
 Forward is timed without autograd; backward = (forward + backward) - forward with autograd on; 2F+1B is a no-grad
 forward followed by a forward and backward (activation checkpointing), timed as one region. Each figure is the median
@@ -9,12 +13,19 @@ of CUDA-event timings after warm-up; with several ranks, the slowest rank's medi
 GPU and (with several ranks) host-synchronised ranks, so host launch time shows in short calls; ``--repeat K`` times
 K calls issued back to back per sample instead, as a training step sees them. TFLOP/s counts the expert GEMMs only:
 forward T*k*6*H*I per rank, backward twice that. Results go to JSON with the GPU, versions and command.
+
+Baselines compare like with like: mega_moe runs every ``--precisions`` entry, the torch backend those it has (bf16,
+fp8), and each row's speed-up ratios ("x fwd", ...) and its error are against the torch row of the same precision
+(``--backends torch mega_moe --precisions fp8``: fp8 against fp8). A precision the torch backend lacks (fp8_bwd,
+mxfp8) is measured against the torch bf16 row, which then runs too; the table marks such rows (``bf16*`` in its
+``base`` column) and says so below it. The torch rows' own error is against the torch bf16 output.
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import json
 import os
 import platform
@@ -28,7 +39,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from .config import DispatchConfig
+from .config import TORCH_PRECISIONS, DispatchConfig
 from .functional import fused_experts
 from .routing import softmax_top_k
 
@@ -56,11 +67,38 @@ class Result:
     f2b1_tflops: float
     peak_mem_gib: float
     host_fwd_ms: float
-    max_rel_err_vs_torch: float | None = None
+    max_rel_err_vs_torch: float | None = None  # relative to the output of the torch row named by err_vs
     transport: str = ""  # mega_moe with ep > 1: how blocks move between ranks
     # The two measurements backward_ms is the difference of: the forward with autograd, and forward + backward
     forward_grad_ms: float | None = None
     forward_backward_ms: float | None = None
+    num_sms: int | None = None  # [model.moe.dispatch] num_sms of the run (None: every SM)
+    err_vs: str = ""  # the torch row max_rel_err_vs_torch compares with: "torch/<precision>", "" without one
+
+
+def torch_precisions(precisions: list[str]) -> list[str]:
+    """What the torch backend runs for ``--precisions``: those it has, and bf16 as the baseline of the others; bf16
+    first (the reference of the torch rows' own error)."""
+    own = [p for p in TORCH_PRECISIONS if p in precisions]
+    if "bf16" not in own and (not own or any(p not in TORCH_PRECISIONS for p in precisions)):
+        own.insert(0, "bf16")
+    return own
+
+
+def baseline_precision(precision: str, torch_ran: set[str] | list[str] | dict) -> str | None:
+    """The precision of the torch row that a row of ``precision`` is compared with: the same one when the torch
+    backend ran it, else bf16; None when there is neither."""
+    if precision in torch_ran:
+        return precision
+    return "bf16" if "bf16" in torch_ran else None
+
+
+def reference_precision(backend: str, precision: str, torch_outputs: dict) -> str | None:
+    """Whose output a row's error is measured against: ``baseline_precision`` for mega_moe rows; for torch rows the
+    torch bf16 output (None for the bf16 row itself)."""
+    if backend == "torch":
+        return "bf16" if precision != "bf16" and "bf16" in torch_outputs else None
+    return baseline_precision(precision, torch_outputs)
 
 
 def _events_median(fn, iters: int, warmup: int, group, repeat: int = 1) -> float:
@@ -117,12 +155,14 @@ class Workload:
 
 
 def make_workload(
-    shape, tokens, backend, precision, group, max_tokens=None, device="cuda", transport="auto"
+    shape, tokens, backend, precision, group, max_tokens=None, device="cuda", transport="auto", num_sms=None
 ) -> Workload:
     rank = 0 if group is None else dist.get_rank(group)
     world = 1 if group is None else dist.get_world_size(group)
     x, index, weights, w1, w2 = make_inputs(shape, tokens, rank, world, seed=0, device=device)
-    options = DispatchConfig(type=backend, max_tokens_per_rank=max_tokens or tokens, transport=transport)
+    options = DispatchConfig(
+        type=backend, max_tokens_per_rank=max_tokens or tokens, transport=transport, num_sms=num_sms
+    )
     dy = torch.randn_like(x)
     xg, wg, w1g, w2g = (t.detach().clone().requires_grad_() for t in (x, weights, w1, w2))
 
@@ -142,11 +182,23 @@ def make_workload(
 
 
 def bench_one(
-    shape, tokens, backend, precision, group, iters, warmup, reference=None, max_tokens=None, transport="auto", repeat=1
+    shape,
+    tokens,
+    backend,
+    precision,
+    group,
+    iters,
+    warmup,
+    reference=None,
+    max_tokens=None,
+    transport="auto",
+    repeat=1,
+    num_sms=None,
+    err_vs="",
 ):
     world = 1 if group is None else dist.get_world_size(group)
     hidden, inter, _, top_k = SHAPES[shape]
-    work = make_workload(shape, tokens, backend, precision, group, max_tokens, transport=transport)
+    work = make_workload(shape, tokens, backend, precision, group, max_tokens, transport=transport, num_sms=num_sms)
     fwd = work.fwd
     out = fwd()
     fwd()
@@ -190,6 +242,8 @@ def bench_one(
         transport if backend == "mega_moe" and world > 1 else "",
         round(t_fg, 4),
         round(t_fb, 4),
+        num_sms,
+        err_vs if err is not None else "",
     )
     return res, out
 
@@ -224,12 +278,12 @@ def hidden_transfer_time(trace_path: str) -> dict:
     }
 
 
-def profile_one(shape, tokens, backend, precision, group, path, transport="auto"):
+def profile_one(shape, tokens, backend, precision, group, path, transport="auto", num_sms=None):
     """Per-kernel CUDA times of one forward+backward (torch.profiler), written as a text table to ``path``, with
     the Chrome trace beside it and, with expert parallelism, how much GPU-to-GPU copy time compute hid."""
     rank = 0 if group is None else dist.get_rank(group)
     world = 1 if group is None else dist.get_world_size(group)
-    step = make_workload(shape, tokens, backend, precision, group, transport=transport).f2b1
+    step = make_workload(shape, tokens, backend, precision, group, transport=transport, num_sms=num_sms).f2b1
 
     for _ in range(2):
         step()
@@ -250,8 +304,8 @@ def profile_one(shape, tokens, backend, precision, group, path, transport="auto"
         os.remove(trace)
         with open(path, "w") as fh:
             fh.write(
-                f"# {shape} T={tokens} ep={world} {backend} {precision} {transport}: 3 x (no-grad forward, "
-                f"forward + backward)\n"
+                f"# {shape} T={tokens} ep={world} {backend} {precision} {transport} num_sms={num_sms}: 3 x (no-grad "
+                f"forward, forward + backward)\n"
             )
             if overlap is not None:
                 fh.write(f"# GPU-to-GPU copies: {json.dumps(overlap)}\n")
@@ -281,26 +335,44 @@ _TRANSPORT_TAG = {"symmetric_memory": "/sm", "collectives": "/nc", "auto": "/aut
 
 
 def format_table(results: list[Result]) -> str:
+    """One line per result; the ratio columns are the torch row's time over this row's, taking the torch row of the
+    same shape, tokens, EP and precision, or the torch bf16 row where the torch backend did not run that precision
+    (``base`` shows which: ``bf16*``, with a note under the table)."""
     head = (
-        f"{'shape':16} {'T':>6} {'ep':>2} {'backend':12} {'prec':7} {'fwd ms':>8} {'bwd ms':>8} {'2F+1B':>8} "
-        f"{'fwd TF':>7} {'bwd TF':>7} {'x fwd':>6} {'x bwd':>6} {'x 2F1B':>6} {'mem GiB':>7} {'host ms':>7} {'err':>9}"
+        f"{'shape':16} {'T':>6} {'ep':>2} {'backend':12} {'prec':7} {'base':5} {'fwd ms':>8} {'bwd ms':>8} "
+        f"{'2F+1B':>8} {'fwd TF':>7} {'bwd TF':>7} {'x fwd':>6} {'x bwd':>6} {'x 2F1B':>6} {'mem GiB':>7} "
+        f"{'host ms':>7} {'err':>9}"
     )
     lines = [head]
-    base = {(r.shape, r.tokens_per_rank, r.ep): r for r in results if r.backend == "torch"}
+    base = {(r.shape, r.tokens_per_rank, r.ep, r.num_sms, r.precision): r for r in results if r.backend == "torch"}
+    fallbacks = set()
     for r in results:
-        b = base.get((r.shape, r.tokens_per_rank, r.ep))
+        key = (r.shape, r.tokens_per_rank, r.ep, r.num_sms)
+        base_prec = baseline_precision(r.precision, {p for (*k, p) in base if tuple(k) == key})
+        b = base.get((*key, base_prec)) if base_prec is not None else None
+        base_tag = "n/a"
+        if b is not None:
+            base_tag = base_prec if base_prec == r.precision else base_prec + "*"
+            if base_prec != r.precision:
+                fallbacks.add(r.precision)
 
         def ratio(a, c, b=b):
             return f"{a / c:6.2f}" if b else "   n/a"
 
-        backend = r.backend + _TRANSPORT_TAG.get(r.transport, "")
+        backend = r.backend + _TRANSPORT_TAG.get(r.transport, "") + ("" if r.num_sms is None else f"@{r.num_sms}")
         lines.append(
-            f"{r.shape:16} {r.tokens_per_rank:6d} {r.ep:2d} {backend:12} {r.precision:7} {r.forward_ms:8.3f} "
-            f"{r.backward_ms:8.3f} {r.f2b1_ms:8.3f} {r.forward_tflops:7.1f} {r.backward_tflops:7.1f} "
+            f"{r.shape:16} {r.tokens_per_rank:6d} {r.ep:2d} {backend:12} {r.precision:7} {base_tag:5} "
+            f"{r.forward_ms:8.3f} {r.backward_ms:8.3f} {r.f2b1_ms:8.3f} "
+            f"{r.forward_tflops:7.1f} {r.backward_tflops:7.1f} "
             f"{ratio(b.forward_ms, r.forward_ms) if b else '   n/a'} "
             f"{ratio(b.backward_ms, r.backward_ms) if b else '   n/a'} "
             f"{ratio(b.f2b1_ms, r.f2b1_ms) if b else '   n/a'} {r.peak_mem_gib:7.2f} {r.host_fwd_ms:7.3f} "
             f"{'' if r.max_rel_err_vs_torch is None else f'{r.max_rel_err_vs_torch:9.2e}'}"
+        )
+    if fallbacks:
+        lines.append(
+            f"* base bf16*: ratios against the torch bf16 row: the torch backend did not run "
+            f"{', '.join(sorted(fallbacks))} here (it has {', '.join(TORCH_PRECISIONS)})"
         )
     return "\n".join(lines)
 
@@ -316,17 +388,43 @@ def torchrun_group():
     return dist.group.WORLD
 
 
+def _sm_count(value: str) -> int | None:
+    """A ``--num-sms`` value: a positive SM count, or "all" (the key unset)."""
+    if value.lower() in ("all", "none"):
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive SM count or 'all'")
+    return count
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", nargs="+", default=["qwen3-30b-a3b"], choices=sorted(SHAPES))
     p.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384], help="tokens per rank")
     p.add_argument("--backends", nargs="+", default=["torch", "mega_moe"])
-    p.add_argument("--precisions", nargs="+", default=["bf16"], help="precisions for mega_moe (torch runs bf16)")
+    p.add_argument(
+        "--precisions",
+        nargs="+",
+        default=["bf16"],
+        help="precisions to measure: mega_moe runs each, torch the ones it has (bf16, fp8) plus bf16 as the baseline "
+        "of the others; every row is compared with the torch row of its own precision where there is one",
+    )
     p.add_argument(
         "--transports",
         nargs="+",
         default=["auto"],
         help="mega_moe with expert parallelism: auto, symmetric_memory, collectives",
+    )
+    p.add_argument(
+        "--num-sms",
+        nargs="+",
+        type=_sm_count,
+        default=[None],
+        help="[model.moe.dispatch] num_sms: run every case at each value ('all': every SM, the default)",
     )
     p.add_argument("--iters", type=int, default=20)
     p.add_argument(
@@ -349,13 +447,17 @@ def main(argv: list[str] | None = None) -> None:
     rank = 0 if group is None else dist.get_rank()
 
     results: list[Result] = []
+    # torch first: its rows are the baselines (and its outputs the references) of the others.
+    backends = sorted(args.backends, key=lambda b: b != "torch")
     for shape in args.shape:
-        for tokens in args.tokens:
-            reference = None
-            for backend in args.backends:
-                precisions = ["bf16"] if backend == "torch" else args.precisions
+        for tokens, num_sms in itertools.product(args.tokens, args.num_sms):
+            references: dict[str, torch.Tensor] = {}  # torch output per precision
+            for backend in backends:
+                precisions = torch_precisions(args.precisions) if backend == "torch" else args.precisions
                 transports = args.transports if backend == "mega_moe" and group is not None else ["auto"]
                 for precision, transport in [(p, t) for p in precisions for t in transports]:
+                    ref_prec = reference_precision(backend, precision, references)
+                    reference = None if ref_prec is None else references[ref_prec]
                     try:
                         res, out = bench_one(
                             shape,
@@ -365,33 +467,37 @@ def main(argv: list[str] | None = None) -> None:
                             group,
                             args.iters,
                             args.warmup,
-                            reference=reference if backend != "torch" else None,
+                            reference=reference,
                             transport=transport,
                             repeat=args.repeat,
+                            num_sms=num_sms,
+                            err_vs=f"torch/{ref_prec}" if reference is not None else "",
                         )
                     except Exception as err:  # noqa: BLE001 - report the failure, measure the rest
                         if rank == 0:
                             msg = str(err).strip().splitlines()
                             print(
-                                f"FAILED {shape} T={tokens} {backend} {precision} {transport}: {type(err).__name__}: "
-                                f"{' | '.join(msg[-6:])}",
+                                f"FAILED {shape} T={tokens} {backend} {precision} {transport} num_sms={num_sms}: "
+                                f"{type(err).__name__}: {' | '.join(msg[-6:])}",
                                 flush=True,
                             )
                         torch.cuda.empty_cache()
                         continue
                     if backend == "torch":
-                        reference = out
+                        references[precision] = out
                     results.append(res)
                     if rank == 0:
                         print(json.dumps(asdict(res)), flush=True)
                     if args.profile_dir and backend in args.profile_backends and tokens in args.profile_tokens:
                         os.makedirs(args.profile_dir, exist_ok=True)
-                        tag = f"_{transport}" if res.transport else ""
+                        tag = (f"_{transport}" if res.transport else "") + (f"_sms{num_sms}" if num_sms else "")
                         path = os.path.join(
                             args.profile_dir, f"profile_{shape}_T{tokens}_ep{res.ep}_{backend}_{precision}{tag}.txt"
                         )
-                        profile_one(shape, tokens, backend, precision, group, path, transport=transport)
-                    del out
+                        profile_one(
+                            shape, tokens, backend, precision, group, path, transport=transport, num_sms=num_sms
+                        )
+                    del out, reference
                     torch.cuda.empty_cache()
     if rank == 0:
         from .comm.symmetric_memory import workspace_info

@@ -21,6 +21,8 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 Precision = Literal["bf16", "fp8", "mxfp8", "fp8_bwd"]
 DispatchType = Literal["torch", "mega_moe"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
+# What the `torch` backend runs: the GEMMs in the inputs' dtype, or rowwise-scaled fp8 (fp8_bwd and mxfp8: mega_moe).
+TORCH_PRECISIONS: tuple[str, ...] = ("bf16", "fp8")
 DISPATCH_TYPES: tuple[str, ...] = get_args(DispatchType)
 
 
@@ -42,8 +44,10 @@ class DispatchConfig(_Strict):
     # None: no limit without expert parallelism; over EP, the largest call so far sizes the exchange buffers (they
     # grow, once, when a call brings more tokens). The reference trainer sets it to its tokens per rank.
     max_tokens_per_rank: int | None = Field(default=None, gt=0)
-    # Streaming multiprocessors the fused kernels may use (None: all of them): every launch's grid stays within it,
-    # leaving the rest to work that overlaps the layer (collectives of other parallelisms).
+    # Streaming multiprocessors the layer's kernels may use, forward and backward (None: all of them), leaving the
+    # rest to work that overlaps the layer (collectives of other parallelisms), like DeepGEMM's set_num_sms. The
+    # persistent kernels launch that many programs; on CUDA each call runs on a CUDA green context of that many SMs
+    # (needs a torch with torch.cuda.green_contexts). At most the GPU's SM count; results do not depend on it.
     num_sms: int | None = Field(default=None, gt=0)
     # prime-rl's switch for fp8 experts: true means [model.moe] precision = "fp8".
     fp8: bool = False

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
 from .config import DISPATCH_TYPES, PRECISIONS, DispatchConfig
 from .dispatch.registry import get_backend
 from .ops.activation import check_activation_clamp
+from .ops.sm_budget import sm_limit
 from .validation import check_expert_ids, check_expert_inputs
 
 
@@ -33,12 +36,19 @@ def fused_experts(
 
     ``dispatch`` names a backend ("mega_moe": fused Triton kernels; "torch": all_to_all + grouped GEMM baseline) or is
     a DispatchConfig with backend options. ``precision`` is one of "bf16" (the inputs' own dtype, no quantisation),
-    "fp8", "mxfp8", "fp8_bwd".
+    "fp8", "mxfp8", "fp8_bwd"; the torch backend runs "bf16" and "fp8" (its own recipe: rowwise-scaled e4m3 through
+    torch._scaled_grouped_mm, ``ops.fp8_grouped_mm``), mega_moe all four (blockwise fp8, ``ops.quantized_experts``).
 
     ``activation_clamp`` (prime-rl's experts option): None (or inf) for SwiGLU, or a limit c > 0 for the clamped
     SwiGLU ``a = silu(min(g, c)) * clamp(u, -c, c)``, g and u the gate and up halves of ``gate_up_proj`` x; its
     gradient is zero where g or u was clamped (torch.clamp's convention: it passes where g <= c and -c <= u <= c).
     Every backend and precision supports it; anything else than None or a number > 0 is an error.
+
+    ``dispatch.num_sms`` (``[model.moe.dispatch] num_sms``; None: all): the SMs the call's kernels, and its
+    backward's, may use, leaving the rest to work that overlaps the layer. The persistent kernels launch that many
+    programs; on CUDA the whole call runs on a stream of a CUDA green context of that many SMs (torch's
+    ``torch.cuda.green_contexts``; a torch without them is an error that says so), ordered with the caller's stream
+    both ways. Results are bitwise those of ``num_sms = None``. More SMs than the GPU has is an error.
     """
     activation_clamp = check_activation_clamp(activation_clamp)
     options = dispatch if isinstance(dispatch, DispatchConfig) else None
@@ -46,11 +56,6 @@ def fused_experts(
         if dispatch not in DISPATCH_TYPES:
             raise ValueError(f"dispatch = {dispatch!r} is not a backend; allowed values: {list(DISPATCH_TYPES)}")
         options = DispatchConfig(type=dispatch)
-    if options.num_sms is not None:
-        raise NotImplementedError(
-            f"[model.moe.dispatch] num_sms = {options.num_sms} is not implemented yet: the fused kernels use every SM; "
-            "remove the key"
-        )
     if not options.deterministic:
         raise NotImplementedError(
             "[model.moe.dispatch] deterministic = false is not implemented: both backends sum in a fixed order "
@@ -71,6 +76,8 @@ def fused_experts(
     if not check_after:
         check_expert_ids(top_k_index, shapes.num_experts, sync=check_on_host)
     backend = get_backend(options.type)
+    if options.num_sms is not None:  # every kernel of the call and of its backward on num_sms SMs (ops.sm_budget)
+        backend = functools.partial(sm_limit(options.num_sms, hidden_states.device).run, backend)
     out = backend(
         hidden_states,
         top_k_index,

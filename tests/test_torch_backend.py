@@ -1,6 +1,7 @@
 """The `torch` backend against the plain loop and the transformers float64 oracle, on one rank and with expert
 parallelism over gloo processes (EP = 1, 2, 4): outputs and the gradients of hidden_states, top_k_weights,
-gate_up_proj and down_proj."""
+gate_up_proj and down_proj. Its precision = "fp8" is tested in test_torch_backend_fp8.py, except with EP = 2, which
+runs here in the same gloo processes as the bf16 cases (one spawn costs seconds)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ import torch.distributed as dist
 from prime_megamoe import DispatchConfig, fused_experts
 
 from .distributed import run_on_ranks
-from .oracle import loop_reference, oracle_with_grads, ragged_routing, rel_err
+from .oracle import assert_matches_oracle, loop_reference, oracle_with_grads, ragged_routing, rel_err
+from .test_torch_backend_fp8 import ORACLE_TOL as FP8_ORACLE_TOL
+from .test_torch_backend_fp8 import check_emulation as check_fp8_emulation
+from .test_torch_backend_fp8 import emulate as emulate_fp8
+from .test_torch_backend_fp8 import fp8_problem
+from .test_torch_backend_fp8 import run_fp8 as run_fp8_single
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -188,10 +194,53 @@ def _seed(case: Case, world: int, dtype_name: str) -> int:
     return 1000 * world + 10 * EP_CASES.index(case) + list(DTYPES).index(dtype_name)
 
 
-def _ep_body(rank, world, cases):
+# precision = "fp8" over gloo with EP = 1 and 2: (name, clamp, drop every 4th token's first slot); tokens per rank
+FP8_EP_WORLDS = (1, 2)
+FP8_EP_VARIANTS = (("plain", None, False), ("clamp_dropped", 2.5, True))
+FP8_EP_TOKENS = (13, 8)  # with EP = 2; one rank takes all 21
+FP8_EP_SHAPE = dict(hidden=48, inter=24, experts=8, top_k=4)
+
+
+def fp8_ep_problem(drop: bool):
+    """The global problem of the fp8 EP cases: ragged routing (expert 0 empty, 1 hot), optionally with -1 slots."""
+    x, index, weights, w1, w2, grad_out = fp8_problem(
+        sum(FP8_EP_TOKENS), seed=11, empty_expert=0, hot_expert=1, **FP8_EP_SHAPE
+    )
+    if drop:
+        index = index.clone()
+        index[::4, 0] = -1
+    return x, index, weights, w1, w2, grad_out
+
+
+def _fp8_ep_run(rank, world, group):
+    results = {}
+    for name, clamp, drop in FP8_EP_VARIANTS:
+        x, index, weights, w1, w2, grad_out = fp8_ep_problem(drop)
+        tokens = FP8_EP_TOKENS if world == 2 else (sum(FP8_EP_TOKENS),)
+        t0, t1 = sum(tokens[:rank]), sum(tokens[: rank + 1])
+        per_rank = FP8_EP_SHAPE["experts"] // world
+        e0, e1 = rank * per_rank, (rank + 1) * per_rank
+        leaves = [t.clone().requires_grad_() for t in (x[t0:t1], weights[t0:t1], w1[e0:e1], w2[e0:e1])]
+        out = fused_experts(
+            leaves[0],
+            index[t0:t1],
+            leaves[1],
+            leaves[2],
+            leaves[3],
+            dispatch="torch",
+            precision="fp8",
+            group=group,
+            activation_clamp=clamp,
+        )
+        out.backward(grad_out[t0:t1])
+        results[("fp8", name)] = (out.detach(), *(t.grad for t in leaves))
+    return results
+
+
+def _ep_body(rank, world, cases, fp8=False):
     """Each rank: its own tokens, its slice of experts; forward + backward through the group."""
     group = dist.group.WORLD
-    results = {}
+    results = _fp8_ep_run(rank, world, group) if fp8 else {}
     for case, dtype_name in cases:
         dtype = DTYPES[dtype_name]
         x, w, w1, w2, g, idx = make_problem(case, world, dtype, _seed(case, world, dtype_name))
@@ -211,7 +260,7 @@ _EP_RESULTS: dict[int, list] = {}
 def ep_results(world: int) -> list:
     if world not in _EP_RESULTS:
         cases = [(c, d) for c in EP_CASES for d in DTYPES if not (c.routing == "starved" and world == 1)]
-        _EP_RESULTS[world] = run_on_ranks(_ep_body, world, cases)
+        _EP_RESULTS[world] = run_on_ranks(_ep_body, world, cases, world in FP8_EP_WORLDS)
     return _EP_RESULTS[world]
 
 
@@ -264,3 +313,26 @@ def test_expert_parallel_matches_single_rank():
     for n, name in enumerate(GRAD_NAMES):
         joined = torch.cat([res[n] for res in got])
         torch.testing.assert_close(joined, single[n], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("variant", [v[0] for v in FP8_EP_VARIANTS])
+@pytest.mark.parametrize("world", FP8_EP_WORLDS, ids=lambda w: f"ep{w}")
+def test_expert_parallel_fp8_matches_oracle_recipe_and_single_rank(world, variant):
+    """precision = "fp8" over gloo, EP = 1 and 2 (ragged routing; the clamped SwiGLU with -1 slots): the float64
+    oracle within the fp8 bound, the float64 emulation of the recipe, and the same problem in this process on one rank
+    holding every expert (group=None)."""
+    _, clamp, drop = next(v for v in FP8_EP_VARIANTS if v[0] == variant)
+    x, index, weights, w1, w2, grad_out = fp8_ep_problem(drop)
+    got = [r[("fp8", variant)] for r in ep_results(world)]
+    joined = tuple(torch.cat([res[n] for res in got]) for n in range(5))
+    dropped = index < 0
+    oracle = list(oracle_with_grads(x, index.clamp(min=0), weights * ~dropped, w1, w2, grad_out, clamp))
+    oracle[2] = oracle[2] * ~dropped
+    assert_matches_oracle(joined, x, index, weights, w1, w2, grad_out, FP8_ORACLE_TOL, ref=oracle)
+    check_fp8_emulation(joined, emulate_fp8(x, index, weights, w1, w2, grad_out, clamp), f"EP={world} {variant}")
+    # Each expert sees the same rows in the same order, so the same scales: EP changes only the summation order.
+    single = run_fp8_single(x, index, weights, w1, w2, grad_out, activation_clamp=clamp)
+    for name, a, b in zip(GRAD_NAMES, joined, single):
+        assert rel_err(a, b) < 1e-5, f"EP={world} {variant} {name} vs one rank"
+    assert (joined[2][dropped] == 0).all()
+    assert (joined[3][0] == 0).all() and (joined[4][0] == 0).all()  # expert 0 (rank 0's) got no rows

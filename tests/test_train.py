@@ -309,7 +309,8 @@ def no_work(monkeypatch):
     [
         ({"model__moe__ep": 2}, "ep"),  # one process cannot hold an EP group of 2
         ({"model__moe__ep": 3}, "ep"),
-        ({"model__moe__precision": "fp8"}, "precision"),  # the torch backend is bf16 only
+        ({"model__moe__precision": "mxfp8"}, "precision"),  # the torch backend runs bf16 and fp8 only
+        ({"model__moe__precision": "fp8_bwd"}, "precision"),
         ({"model__moe__dispatch__max_tokens_per_rank": 8}, "max_tokens_per_rank"),
         ({"train__seq_len": 5000}, "train.seq_len"),
         ({"model__name": "no-such-model-anywhere"}, "model.name"),
@@ -325,6 +326,18 @@ def test_bad_config_fails_before_work(tmp_path, no_work, dotted, key):
         train_here(d)
     assert key in str(info.value)
     assert not Path(d["output_dir"]).exists()
+
+
+def test_torch_backend_takes_fp8(tmp_path):
+    # The torch backend runs precision = "fp8" (rowwise-scaled e4m3 GEMMs); mxfp8 and fp8_bwd need mega_moe.
+    from prime_megamoe.train.models import resolve_model
+    from prime_megamoe.train.trainer import validate
+
+    cfg = config_from_dict(run_config(tmp_path, "v", model__moe__precision="fp8"))
+    validate(cfg, resolve_model(cfg.model), world=1, local_world=1)
+    cfg = config_from_dict(run_config(tmp_path, "v", model__moe__precision="mxfp8"))
+    with pytest.raises(ConfigError, match=r"precision = 'mxfp8' needs dispatch = 'mega_moe'.*'bf16' or 'fp8'"):
+        validate(cfg, resolve_model(cfg.model), world=1, local_world=1)
 
 
 def test_batch_must_split_over_ranks_and_ep_must_stay_in_a_node(tmp_path):

@@ -116,8 +116,8 @@ def test_options_come_from_the_moe_config():
         model(input_ids=batch(0))
     # The implementation name picks the backend; the precision comes from the config too.
     model = build("torch")
-    hf.configure_experts(model, MoEConfig(precision="fp8"))
-    with pytest.raises(NotImplementedError, match="precision"):
+    hf.configure_experts(model, MoEConfig(precision="mxfp8"))
+    with pytest.raises(NotImplementedError, match="precision = 'mxfp8'"):
         model(input_ids=batch(0))
 
 

@@ -223,9 +223,11 @@ def test_registry_unknown_backend():
         get_backend("no_such_backend")
 
 
-def test_torch_backend_rejects_quantised_precision():
-    with pytest.raises(NotImplementedError, match="mega_moe"):
-        call(*make_inputs(), dispatch="torch", precision="fp8")
+@pytest.mark.parametrize("precision", ["fp8_bwd", "mxfp8"])
+def test_torch_backend_rejects_quantised_precision(precision):
+    # fp8 runs on the torch backend (tests/test_torch_backend_fp8.py); the other quantised precisions do not.
+    with pytest.raises(NotImplementedError, match=rf"precision = '{precision}'.*type = 'mega_moe'"):
+        call(*make_inputs(), dispatch="torch", precision=precision)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -276,7 +278,15 @@ def test_expert_parallel_validation():
 
 def test_options_that_are_not_implemented_raise():
     x, index, weights, w1, w2 = make_inputs(seed=4)
-    with pytest.raises(NotImplementedError, match="num_sms"):
-        call(x, index, weights, w1, w2, dispatch=DispatchConfig(type="torch", num_sms=8))
     with pytest.raises(NotImplementedError, match="deterministic"):
         call(x, index, weights, w1, w2, dispatch=DispatchConfig(type="torch", deterministic=False))
+
+
+def test_num_sms_is_accepted_and_changes_no_result():
+    """num_sms is implemented (tests/test_sm_budget.py): both backends take it; the torch backend on CPU has
+    nothing it bounds, and computes the same bits."""
+    x, index, weights, w1, w2 = make_inputs(seed=4)
+    plain = call(x, index, weights, w1, w2, dispatch=DispatchConfig(type="torch"))
+    assert torch.equal(call(x, index, weights, w1, w2, dispatch=DispatchConfig(type="torch", num_sms=8)), plain)
+    with pytest.raises(ValueError, match="num_sms"):
+        DispatchConfig(num_sms=0)

@@ -1,8 +1,21 @@
 """The `torch` backend: what a trainer uses today, and the speed baseline.
 
 Sort (token, slot) pairs by expert, exchange split sizes and rows with all_to_all (host-synced splits), run the
-experts as grouped GEMMs (``torch._grouped_mm`` on GPU in bf16, an exact per-expert loop elsewhere), send the rows
-back and take the weighted sum. Autograd runs through all of it.
+experts as grouped GEMMs, send the rows back and take the weighted sum. Autograd runs through all of it.
+
+Precisions:
+
+- ``bf16``: the GEMMs in the inputs' dtype: ``torch._grouped_mm`` on a GPU in bf16, an exact per-expert loop
+  elsewhere.
+- ``fp8``: every grouped GEMM (FC1 and FC2 forward, both dgrads, both weight gradients) with e4m3 operands and fp32
+  **rowwise** scales (amax / 448 per row along that GEMM's reduction dim; per expert and column along the tokens for
+  the weight gradients), through ``torch._scaled_grouped_mm`` (2D x 3D for forward and dgrads, 2D x 2D for the
+  weight gradients) on Hopper, and in a reference form elsewhere (the same e4m3 values and scales, dequantised and
+  multiplied per expert in fp32); see ``ops.fp8_grouped_mm``. This is the recipe of a torch all_to_all + fp8 grouped
+  GEMM baseline (torchao's rowwise fp8 MoE training), not the fused backend's blockwise one (1x128 activations,
+  128x128 weights: ``ops.quantized_experts``). Weights, activations and gradients stay in the caller's dtypes;
+  SwiGLU (clamped or not) and the weighting run in them too.
+- ``fp8_bwd`` and ``mxfp8``: not here (an error that says so).
 """
 
 from __future__ import annotations
@@ -12,7 +25,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..comm.collectives import all_to_all_variable
-from ..config import DispatchConfig
+from ..config import TORCH_PRECISIONS, DispatchConfig
+from ..ops.fp8_grouped_mm import fp8_grouped_linear
 from .registry import register_backend
 
 
@@ -23,8 +37,10 @@ def _use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
     return torch.cuda.get_device_capability(x.device)[0] >= 9 and x.shape[1] % 8 == 0 and w.shape[1] % 8 == 0
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], precision: str = "bf16") -> torch.Tensor:
     """Rows of ``x`` grouped by expert (``counts[e]`` rows each) times ``weight[e].T`` -> [sum(counts), N]."""
+    if precision == "fp8":
+        return fp8_grouped_linear(x, weight, counts)
     if _use_grouped_mm(x, weight):
         offs = torch.tensor(counts, device=x.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)
@@ -39,15 +55,16 @@ def swiglu_experts(
     down_proj: torch.Tensor,
     counts: list[int],
     activation_clamp: float | None = None,
+    precision: str = "bf16",
 ):
     """FC1, SwiGLU (clamped: silu(min(g, c)) * clamp(u, -c, c) with c = ``activation_clamp``), FC2 over rows already
-    grouped by local expert."""
-    gate, up = grouped_linear(x, gate_up_proj, counts).chunk(2, dim=-1)
+    grouped by local expert; the GEMMs in ``precision`` ("bf16": the inputs' dtype, or "fp8")."""
+    gate, up = grouped_linear(x, gate_up_proj, counts, precision).chunk(2, dim=-1)
     if activation_clamp is not None:
         # torch.clamp's gradient passes where g <= c and -c <= u <= c, the fused kernels' convention.
         gate = gate.clamp(max=activation_clamp)
         up = up.clamp(min=-activation_clamp, max=activation_clamp)
-    return grouped_linear(F.silu(gate) * up, down_proj, counts)
+    return grouped_linear(F.silu(gate) * up, down_proj, counts, precision)
 
 
 @register_backend("torch")
@@ -63,10 +80,11 @@ def torch_experts(
     options: DispatchConfig,
     activation_clamp: float | None = None,
 ) -> torch.Tensor:
-    if precision != "bf16":
+    if precision not in TORCH_PRECISIONS:
         raise NotImplementedError(
-            f"the torch backend computes in the inputs' dtype only (precision = 'bf16'); precision = {precision!r} "
-            "needs [model.moe.dispatch] type = 'mega_moe'"
+            f"precision = {precision!r} is not implemented by the torch backend, which runs 'bf16' (the inputs' "
+            "dtype) and 'fp8' (rowwise-scaled e4m3 GEMMs) only; use [model.moe.dispatch] type = 'mega_moe' for "
+            f"{precision!r}, or precision = 'fp8' or 'bf16' with the torch backend"
         )
     num_tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[1]
@@ -85,7 +103,7 @@ def torch_experts(
     send_rows = hidden_states[token_of_pair]
 
     if world == 1:
-        out_sorted = swiglu_experts(send_rows, gate_up_proj, down_proj, counts, activation_clamp)
+        out_sorted = swiglu_experts(send_rows, gate_up_proj, down_proj, counts, activation_clamp, precision)
     else:
         # Exchange how many rows each rank sends to each of the receiver's local experts.
         recv_counts = torch.empty_like(counts_per_expert)
@@ -103,7 +121,12 @@ def torch_experts(
         segment_key = (segment_id % num_local) * world + segment_id // num_local
         expert_major = torch.argsort(segment_key, stable=True)
         out_expert_major = swiglu_experts(
-            recv_rows[expert_major], gate_up_proj, down_proj, recv_counts.sum(0).tolist(), activation_clamp
+            recv_rows[expert_major],
+            gate_up_proj,
+            down_proj,
+            recv_counts.sum(0).tolist(),
+            activation_clamp,
+            precision,
         )
         out_recv = torch.empty_like(out_expert_major).index_copy(0, expert_major, out_expert_major)
         out_sorted = all_to_all_variable(out_recv, send_splits, recv_splits, group)

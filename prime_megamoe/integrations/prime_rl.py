@@ -34,6 +34,7 @@ from ..config import DispatchConfig, Precision
 from ..functional import fused_experts
 from ..ops.ep_stages import block_layouts
 from ..ops.quantized_experts import quantized_format
+from ..ops.sm_budget import sm_limit
 
 
 class MegaMoEDispatchConfig(DispatchConfig):
@@ -87,6 +88,8 @@ class MegaMoETokenDispatcher:
     ``fp8``, ``capacity_factor``, ...). ``activation_clamp`` c: the clamped SwiGLU ``silu(min(g, c)) *
     clamp(u, -c, c)``; None (or inf) is plain SwiGLU. The symmetric-memory workspace of an expert-parallel group on
     CUDA is allocated here (every rank of ``group`` constructs its dispatchers together), for bf16 activations.
+    ``num_sms``: the SMs the layer's kernels may use (None: all; ``DispatchConfig.num_sms``); on CUDA it is checked
+    against the GPU and its green context is made here too.
     """
 
     fuses_shared_expert = True
@@ -137,6 +140,9 @@ class MegaMoETokenDispatcher:
         self.activation_clamp = activation_clamp
         self.precision = precision
         self._checked_experts: set[int] = set()
+        if self.options.num_sms is not None and torch.cuda.is_available():
+            # Checked against the GPU's SMs and its green context made now, not in the first (checkpointed) forward
+            sm_limit(self.options.num_sms, torch.device("cuda", torch.cuda.current_device()))
         self._reserve_workspace()
         self.key = next(_KEYS)
         _DISPATCHERS[self.key] = self

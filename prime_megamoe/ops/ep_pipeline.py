@@ -36,6 +36,7 @@ from .activation import check_activation_clamp
 from .ep_stages import Bf16Backward, Bf16Forward, QuantizedBackward, QuantizedForward, Recipe, tile_height
 from .quantized_experts import quantized_format
 from .routing_plan import PlanLease, allocate_routing_plan, fill_routing_plan, take_plan
+from .sm_budget import in_kept_sm_budget, keeps_sm_budget
 
 
 def compute_order(transport: Transport):
@@ -79,6 +80,7 @@ def lease_forward_plan(
 
 class ExpertParallelExperts(torch.autograd.Function):
     @staticmethod
+    @keeps_sm_budget
     def forward(ctx, x, top_k_index, top_k_weights, w1, w2, transport: Transport, recipe: Recipe, grad_enabled: bool):
         x = x.contiguous()  # the own block's GEMMs read it row by row
         num_tokens, top_k = top_k_index.shape
@@ -150,6 +152,7 @@ class ExpertParallelExperts(torch.autograd.Function):
         return out
 
     @staticmethod
+    @in_kept_sm_budget
     def backward(ctx, grad_out):
         w1, w2, h, *kept = ctx.saved_tensors
         plan, transport, recipe = ctx.plan_lease.plan, ctx.transport, ctx.recipe

@@ -21,6 +21,7 @@ import torch
 from . import launch
 from .activation import check_activation_clamp
 from .routing_plan import RoutingPlan, lease_routing_plan
+from .sm_budget import in_kept_sm_budget, keeps_sm_budget
 
 
 def unquantized_forward(rows, w1, w2, plan: RoutingPlan, save_h: bool, activation_clamp: float | None = None):
@@ -58,9 +59,11 @@ def _forward(
 
 class RoutedExperts(torch.autograd.Function):
     """rows [R, H], top_k_index [R, k] (global ids), top_k_weights [R, k], w1 [E_l, 2I, H], w2 [E_l, H, I]
-    -> out [R, H]: for each row, the weighted sum over the slots whose expert lives here (zeros if none)."""
+    -> out [R, H]: for each row, the weighted sum over the slots whose expert lives here (zeros if none). The backward
+    runs within the SM budget its forward ran in (``sm_budget``: ``[model.moe.dispatch] num_sms``)."""
 
     @staticmethod
+    @keeps_sm_budget
     def forward(
         ctx,
         rows,
@@ -87,6 +90,7 @@ class RoutedExperts(torch.autograd.Function):
         return out
 
     @staticmethod
+    @in_kept_sm_budget
     def backward(ctx, grad_out):
         rows, w1, w2, h = ctx.saved_tensors
         plan: RoutingPlan = ctx.plan

@@ -181,8 +181,8 @@ def _descriptors(a_2d: torch.Tensor, b_desc, c_2d: torch.Tensor | None, config: 
 
 
 def _grid(per_sm: int, device: torch.device, tiles: int, programs: int | None) -> tuple[int]:
-    """Persistent programs: as many as the SMs hold (``per_sm`` each), at most one a tile and at
-    most ``programs``."""
+    """Persistent programs: as many as the SMs hold (``per_sm`` each; the SMs within the budget in effect:
+    ``launch._num_sms``), at most one a tile and at most ``programs``."""
     return (max(1, min(per_sm * _num_sms(device), tiles, programs or tiles)),)
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -15,21 +13,12 @@ from .activation import clamp_kernel_args
 from .compiled_launch import launch
 from .routing_plan import RoutingPlan
 from .sizes import cdiv, next_power_of_2
+from .sm_budget import available_sms, cuda_properties
 
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return _cuda_properties(device).multi_processor_count
-
-
-def _cuda_properties(device: torch.device):
-    return _cuda_properties_at(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _cuda_properties_at(index: int):  # asked on every launch: keep it off the host's hot path
-    return torch.cuda.get_device_properties(index)
+# Every persistent grid's size (here, ``fp8_ws_launch._grid``, the one-pass SwiGLU backward): the device's SMs within
+# the SM budget in effect (``sm_budget``: ``[model.moe.dispatch] num_sms``).
+_num_sms = available_sms
+_cuda_properties = cuda_properties
 
 
 def _flags(t: torch.Tensor) -> dict:
@@ -38,7 +27,7 @@ def _flags(t: torch.Tensor) -> dict:
 
 def _tile_grid(plan: RoutingPlan, n: int, num_sms: int, cols_per_program: int = 1):
     """Grid of a tile-list kernel: one program per (column block, row block: a tile or a BLOCK_M part of one), or
-    one per SM when persistent."""
+    one per SM of the budget (``_num_sms``) when persistent."""
 
     def grid(meta):
         if meta["PERSISTENT"]:

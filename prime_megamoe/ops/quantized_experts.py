@@ -99,6 +99,7 @@ from . import launch
 from .activation import check_activation_clamp
 from .expert_compute import combine_with_pair_values, unquantized_forward
 from .routing_plan import PlanLease, RoutingPlan, lease_routing_plan
+from .sm_budget import in_kept_sm_budget, keeps_sm_budget
 
 QUANTIZED_PRECISIONS = ("fp8", "fp8_bwd", "mxfp8")
 
@@ -288,9 +289,11 @@ def _forward(
 
 
 class QuantizedRoutedExperts(torch.autograd.Function):
-    """Like ``expert_compute.RoutedExperts`` with fp8 / MXFP8 GEMMs; ``precision`` in QUANTIZED_PRECISIONS."""
+    """Like ``expert_compute.RoutedExperts`` with fp8 / MXFP8 GEMMs; ``precision`` in QUANTIZED_PRECISIONS. The
+    backward runs within the SM budget its forward ran in (``sm_budget``)."""
 
     @staticmethod
+    @keeps_sm_budget
     def forward(
         ctx,
         rows,
@@ -329,6 +332,7 @@ class QuantizedRoutedExperts(torch.autograd.Function):
         return out
 
     @staticmethod
+    @in_kept_sm_budget
     def backward(ctx, grad_out):
         rows, w1, w2, h = ctx.saved_tensors
         plan: RoutingPlan = ctx.plan

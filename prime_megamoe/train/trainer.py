@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..config import Config, ConfigError, OptimConfig
+from ..config import TORCH_PRECISIONS, Config, ConfigError, OptimConfig
 from ..integrations import transformers as hf
 from ..ops.quantized_experts import invalidate_weight_cache
 from . import checkpoint as ckpt
@@ -78,10 +78,10 @@ def validate(cfg: Config, source, world: int, local_world: int) -> None:
     max_pos = getattr(source.config, "max_position_embeddings", None)
     if max_pos is not None and cfg.train.seq_len > max_pos:
         raise ConfigError(f"train.seq_len = {cfg.train.seq_len} exceeds the model's max_position_embeddings {max_pos}")
-    if moe.dispatch.type == "torch" and moe.precision != "bf16":
+    if moe.dispatch.type == "torch" and moe.precision not in TORCH_PRECISIONS:
         raise ConfigError(
-            f"[model.moe] precision = {moe.precision!r} needs dispatch = 'mega_moe'; the torch backend computes in "
-            "the model's dtype only (precision = 'bf16')"
+            f"[model.moe] precision = {moe.precision!r} needs dispatch = 'mega_moe'; the torch backend runs "
+            f"precision = {' or '.join(map(repr, TORCH_PRECISIONS))} only"
         )
     if cfg.train.resume_from is not None and not Path(cfg.train.resume_from).is_dir():
         raise ConfigError(f"train.resume_from = {cfg.train.resume_from!r} is not a directory")
