@@ -98,15 +98,15 @@ def test_bad_limits_are_errors_that_name_the_option():
         routed_experts(x, index, weights, w1, w2, **kw)
     with pytest.raises(ValueError, match="activation_clamp"):
         routed_experts_quantized(x, index, weights, w1, w2, precision="fp8", **kw)
-    plan = build_routing_plan(index, weights, expert_base=0, num_local_experts=4, tile_m=tuning.tile_m())
     with pytest.raises(ValueError, match="activation_clamp"):
-        launch.fc1_swiglu(x, w1, plan, save_h=False, activation_clamp=float("nan"))
+        launch.fc1_swiglu(x, w1, None, save_h=False, activation_clamp=float("nan"))
+    with pytest.raises(ValueError, match="activation_clamp"):
+        fl.fp8_fc1_swiglu(None, None, None, fl.fp8_format(), inter=8, h_dtype=None, activation_clamp=0.0)
 
 
 def test_plain_swiglu_limits_run_the_unclamped_kernels(monkeypatch):
     """None, +inf and a limit above every finite fp32 value mean plain SwiGLU: the kernels get CLAMP False (their
-    plain SwiGLU form). A finite limit that no value reaches launches CLAMP True and gives the same bits (the clamp
-    changes nothing that it does not cut)."""
+    plain SwiGLU form, the kernels compiled before the option existed) and give its bits."""
     for plain in (None, math.inf, 1e39):
         assert check_activation_clamp(plain) is None and clamp_kernel_args(plain) == (0.0, False)
     assert check_activation_clamp(np.float32(2.5)) == 2.5 and clamp_kernel_args(3) == (3.0, True)
@@ -121,11 +121,10 @@ def test_plain_swiglu_limits_run_the_unclamped_kernels(monkeypatch):
 
     monkeypatch.setattr(launch, "launch", spy)
     with torch.no_grad():
-        plain = fused_experts(x, index, weights, w1, w2, activation_clamp=math.inf)
-        assert seen == [False]  # the FC1 + SwiGLU launch
-        unreached = fused_experts(x, index, weights, w1, w2, activation_clamp=1e30)
-        assert seen == [False, True]
-    assert torch.equal(plain, unreached)
+        inf = fused_experts(x, index, weights, w1, w2, activation_clamp=math.inf)
+    assert seen == [False]  # the FC1 + SwiGLU launch
+    plain = oracle_with_grads(x, index, weights, w1, w2, torch.zeros_like(x))[0]
+    assert rel_err(inf, plain) < 1e-5
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -139,7 +138,7 @@ def test_unquantized_layer_matches_the_clamped_reference(dtype):
     (from da * u * silu'(c) to 0; a few such elements cost 2-5% of a gradient's norm against the exact reference).
     So the bf16 reference decides the clamp on h rounded as each layer stores it (``oracle.clamp_gate_up``): torch
     rounds to nearest, the Triton kernels to nearest on a GPU and toward zero under the interpreter."""
-    problem = make_problem(33, 40, 24, 6, 4, dtype, seed=17, routing="ragged")
+    problem = make_problem(24, 32, 16, 4, 2, dtype, seed=17, routing="ragged")
     x, index, weights, w1, w2, grad_out = problem
     _assert_clamped_fractions(x, index, w1)
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
@@ -212,12 +211,13 @@ def test_backward_row_pass_at_the_limit():
     assert at_g.sum() > 10 and at_u.sum() > 10 and (dg[at_g] != 0).all() and (du[at_u] != 0).all()
 
 
-@pytest.mark.parametrize("fmt", [fl.fp8_format(), fl.MX_FORMAT], ids=["fp8", "mx"])
-def test_quantising_backward_pass_at_the_limit(fmt):
+def test_quantising_backward_pass_at_the_limit():
     """The quantised path's FC2 dgrad + SwiGLU backward (row outputs, and the column outputs of the Triton launch: the
     Gluon one is checked against it on GPUs) against float64 on the same quantised operands: dh row-scaled, dh^T and
     (w * a)^T column-scaled, the recipe's fake quantisation of the clamped float64 values; dw exact up to fp32 sums;
-    dh zero where clamped, nonzero at the limit. A two-tile expert and an empty one."""
+    dh zero where clamped, passing at the limit. A two-tile expert and an empty one. The fp8 format: the clamp comes
+    before the format's quantisers (mxfp8 with the clamp: the layer test against the emulated recipe)."""
+    fmt = fl.fp8_format()
     rows, top_k, experts, hidden, inter = 80, 2, 4, 64, 64
     plan, dy, w2, h = _sorted_problem(rows, top_k, experts, hidden, inter, 128, seed=8)
     dyq, w2q = fl.quantize_rows(dy, fmt), fl.quantize_w2_bwd(w2, fmt)

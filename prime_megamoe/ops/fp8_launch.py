@@ -425,8 +425,8 @@ def fp8_fc1_swiglu(
     at Qwen3-30B-A3B, T = 16384, fp8_probe_s15.txt). Otherwise the Triton kernel, with ``use_tma``:
     read W1 by TMA; off by default: for FC1 pointer loads measured as fast or faster (1.172 / 1.166 ms against
     1.205 / 1.168 with TMA at Qwen3-30B-A3B, T = 16384, fp8_probe_s11_tma.txt / _wgrad_tma.txt)."""
-    _check_plan(plan)
     clamp_limit, clamp = clamp_kernel_args(activation_clamp)
+    _check_plan(plan)
     num_pairs, hidden = plan.num_pairs, xq.data.shape[1]
     ng_out = cdiv(inter, fmt.group)
     aq = torch.empty(num_pairs, inter, dtype=FP8_DTYPE, device=xq.data.device)
