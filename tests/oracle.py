@@ -8,12 +8,37 @@ import torch.nn.functional as F
 import triton
 
 from prime_megamoe import fused_experts
+from prime_megamoe.kernels import tuning
 
 
-def loop_reference(x, top_k_index, top_k_weights, gate_up_proj, down_proj, activation_clamp=None):
+def bf16_as_stored_by_kernels(t: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded to bf16 as the layer's Triton kernels store an fp32 value there: to nearest even on a GPU, toward
+    zero under the interpreter (which drops the low 16 bits), in ``t``'s dtype."""
+    if not tuning.interpreting():
+        return t.to(torch.bfloat16).to(t.dtype)
+    return (t.float().view(torch.int32) & -65536).view(torch.float32).to(t.dtype)
+
+
+def clamp_gate_up(g, u, limit, decide_on=None):
+    """The clamped SwiGLU's inputs: min(g, limit) and clamp(u, -limit, limit), by torch.clamp (whose gradient passes
+    where g <= limit and -limit <= u <= limit). ``decide_on`` = (g', u'): decide which elements are clamped on these
+    values instead, as a layer does from the h it computed and kept (rounded to bf16, or from fp8 operands); an
+    element clamped by neither keeps its exact value (near the limit the two differ by less than that rounding)."""
+    if decide_on is None:
+        return g.clamp(max=limit), u.clamp(-limit, limit)
+    g_r, u_r = decide_on
+    return (
+        torch.where(g_r <= limit, g, limit),
+        torch.where(u_r > limit, limit, torch.where(u_r < -limit, -limit, u)),
+    )
+
+
+def loop_reference(
+    x, top_k_index, top_k_weights, gate_up_proj, down_proj, activation_clamp=None, clamp_decided_on=None
+):
     """y_t = sum_j w_tj * W2_e (silu(g) * u), [g; u] = W1_e x_t, one (token, slot) at a time. With
-    ``activation_clamp`` c the clamped SwiGLU: silu(min(g, c)) * clamp(u, -c, c) by torch.clamp (whose gradient
-    passes where g <= c and -c <= u <= c)."""
+    ``activation_clamp`` c the clamped SwiGLU: silu(min(g, c)) * clamp(u, -c, c) (``clamp_gate_up``), the clamp
+    decided on h itself, or (``clamp_decided_on``) on a function of it (a rounding) or on given values [T, k, 2I]."""
     inter = down_proj.shape[-1]
     rows = []
     for t in range(x.shape[0]):
@@ -23,18 +48,33 @@ def loop_reference(x, top_k_index, top_k_weights, gate_up_proj, down_proj, activ
             h = gate_up_proj[e] @ x[t]
             g, u = h[:inter], h[inter:]
             if activation_clamp is not None:
-                g, u = g.clamp(max=activation_clamp), u.clamp(-activation_clamp, activation_clamp)
+                decide = clamp_decided_on
+                if callable(decide):
+                    decide = decide(h.detach())
+                elif decide is not None:
+                    decide = decide[t, j].to(h.dtype)
+                if decide is not None:
+                    decide = (decide[:inter], decide[inter:])
+                g, u = clamp_gate_up(g, u, activation_clamp, decide)
             acc = acc + top_k_weights[t, j] * (down_proj[e] @ (F.silu(g) * u))
         rows.append(acc)
     return torch.stack(rows) if rows else x.new_zeros(x.shape)
 
 
+def routed_h(x, top_k_index, gate_up_proj) -> torch.Tensor:
+    """[T, k, 2I] float64: h = W1_e x_t of every (token, slot), computed expert by expert."""
+    index = top_k_index.long()
+    h = torch.zeros(*index.shape, gate_up_proj.shape[1], dtype=torch.float64, device=x.device)
+    for e in range(gate_up_proj.shape[0]):
+        hit = index == e
+        h[hit] = x.double()[hit.nonzero()[:, 0]] @ gate_up_proj[e].double().T
+    return h
+
+
 def clamped_fractions(x, top_k_index, gate_up_proj, activation_clamp) -> tuple[float, float]:
     """The fractions of the routed pairs' g values above c and of their u values outside [-c, c] (float64): how much
     of the input a clamp test actually clamps."""
-    inter = gate_up_proj.shape[1] // 2
-    h = torch.einsum("th,tjnh->tjn", x.double(), gate_up_proj.double()[top_k_index.long()])
-    g, u = h[..., :inter], h[..., inter:]
+    g, u = routed_h(x, top_k_index, gate_up_proj).chunk(2, dim=-1)
     return float((g > activation_clamp).double().mean()), float((u.abs() > activation_clamp).double().mean())
 
 
@@ -58,15 +98,17 @@ def qwen3_experts_reference(x, top_k_index, top_k_weights, gate_up_proj, down_pr
     return experts(x, top_k_index, top_k_weights)
 
 
-def oracle_with_grads(x, top_k_index, top_k_weights, gate_up_proj, down_proj, grad_out, activation_clamp=None):
+def oracle_with_grads(
+    x, top_k_index, top_k_weights, gate_up_proj, down_proj, grad_out, activation_clamp=None, clamp_decided_on=None
+):
     """(out, dx, dweights, dW1, dW2) in float64: from the transformers oracle, or with ``activation_clamp`` (which
-    transformers' Qwen3MoeExperts does not have) from the loop reference's clamped SwiGLU."""
+    transformers' Qwen3MoeExperts does not have) from the loop reference's clamped SwiGLU (``loop_reference``)."""
     leaves = [t.detach().double().requires_grad_() for t in (x, top_k_weights, gate_up_proj, down_proj)]
     xd, wd, w1d, w2d = leaves
     if activation_clamp is None:
         out = qwen3_experts_reference(xd, top_k_index.long(), wd, w1d, w2d)
     else:
-        out = loop_reference(xd, top_k_index.long(), wd, w1d, w2d, activation_clamp=activation_clamp)
+        out = loop_reference(xd, top_k_index.long(), wd, w1d, w2d, activation_clamp, clamp_decided_on)
     grads = torch.autograd.grad(out, leaves, grad_out.double())
     return (out.detach(), *grads)
 

@@ -42,7 +42,7 @@ def _problem(tokens, hidden, inter, experts, top_k, seed, **routing):
     return x, index, weights, w1, w2, grad_out
 
 
-def _run(precision, x, index, weights, w1, w2, grad_out, *, expert_base=0, pow2=False):
+def _run(precision, x, index, weights, w1, w2, grad_out, *, expert_base=0, pow2=False, activation_clamp=None):
     leaves = [t.clone().requires_grad_() for t in (x, weights, w1, w2)]
     out = routed_experts_quantized(
         leaves[0],
@@ -54,6 +54,7 @@ def _run(precision, x, index, weights, w1, w2, grad_out, *, expert_base=0, pow2=
         tile_m=tuning.tile_m(),
         precision=precision,
         pow2_scales=pow2,
+        activation_clamp=activation_clamp,
     )
     out.backward(grad_out)
     return [out.detach()] + [t.grad for t in leaves]
@@ -80,7 +81,7 @@ def _fake_quant_halves(x, bm, bk, pow2, dim):
     return torch.cat([_fake_quant(half, bm, bk, pow2) for half in x.chunk(2, dim=dim)], dim=dim)
 
 
-def _emulate(precision, x, index, weights, w1, w2, grad_out, *, pow2=False, tile=128):
+def _emulate(precision, x, index, weights, w1, w2, grad_out, *, pow2=False, tile=128, activation_clamp=None):
     mx = precision == "mxfp8"
     g_k, w_rows, pow2 = (32, 1, True) if mx else (128, 128, pow2)
     fq = lambda t, bm=1: _fake_quant(t, bm, g_k, pow2)  # noqa: E731
@@ -102,6 +103,11 @@ def _emulate(precision, x, index, weights, w1, w2, grad_out, *, pow2=False, tile
         ]
     )
     g, u = h[:, :inter], h[:, inter:]
+    g_ok = u_ok = torch.ones_like(g, dtype=torch.bool)
+    if activation_clamp is not None:  # the clamped SwiGLU; its gradient passes where g <= c and -c <= u <= c
+        c = activation_clamp
+        g_ok, u_ok = g <= c, (u >= -c) & (u <= c)
+        g, u = g.clamp(max=c), u.clamp(-c, c)
     a = F.silu(g) * u
     aq = a if bf16_fwd else fq(a)
     o = torch.cat([aq[r] @ (w2[e].double() if bf16_fwd else fq(w2[e], w_rows)).T for e, r in enumerate(spans)])
@@ -111,7 +117,7 @@ def _emulate(precision, x, index, weights, w1, w2, grad_out, *, pow2=False, tile
     sig = torch.sigmoid(g)
     silu = g * sig
     da = g_a * w_row
-    dh = torch.cat([da * u * (sig + silu * (1 - sig)), da * silu], 1)
+    dh = torch.cat([da * u * (sig + silu * (1 - sig)) * g_ok, da * silu * u_ok], 1)
     aw = a * w_row
     dh_rows = _fake_quant_halves(dh, 1, g_k, pow2, 1)
     dx_sorted = torch.cat(

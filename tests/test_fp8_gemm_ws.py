@@ -296,13 +296,17 @@ def test_ws_fc1_applicability_says_why_not():
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("hidden,inter", [(256, 256), (208, 384)], ids=["two_k_blocks", "partial_k_block"])
-def test_ws_fc1_matches_the_triton_kernel(hidden, inter):
+@pytest.mark.parametrize(
+    "hidden,inter,clamp",
+    [(256, 256, None), (208, 384, None), (256, 256, 0.75)],
+    ids=["two_k_blocks", "partial_k_block", "two_k_blocks_clamp"],
+)
+def test_ws_fc1_matches_the_triton_kernel(hidden, inter, clamp):
     """h and the quantised a against the Triton FC1 + SwiGLU kernel: ragged routing (an empty expert, one taking
     most rows), H = 208 (the last K step partial), plain and power-of-two scales, with and without h, as many
-    programs as tiles and 1 and 3 (several tiles a program), 4 and 3 stages. Both compute the same fp32 values (the
-    first form of the kernel gave the same bits); a quantised value may still land one e4m3 step away where the two
-    round a last fp32 bit apart."""
+    programs as tiles and 1 and 3 (several tiles a program), 4 and 3 stages; ``clamp``: the clamped SwiGLU
+    (activation_clamp; h stays unclamped). Both compute the same fp32 values (the first form of the kernel gave the
+    same bits); a quantised value may still land one e4m3 step away where the two round a last fp32 bit apart."""
     device = "cuda"
     index, weights = ragged_routing(300, 4, 2, seed=9, hot_fraction=0.8)
     plan = build_routing_plan(index.to(device), weights.to(device), expert_base=0, num_local_experts=4, tile_m=QTILE_M)
@@ -314,7 +318,9 @@ def test_ws_fc1_matches_the_triton_kernel(hidden, inter):
     for pow2 in (False, True):
         fmt = fl.fp8_format(pow2)
         xq, w1q = fl.quantize_rows(x, fmt), fl.quantize_w1_fwd(w1, fmt)
-        h_ref, a_ref = fl.fp8_fc1_swiglu(xq, w1q, plan, fmt, inter=inter, h_dtype=torch.bfloat16)
+        h_ref, a_ref = fl.fp8_fc1_swiglu(
+            xq, w1q, plan, fmt, inter=inter, h_dtype=torch.bfloat16, activation_clamp=clamp
+        )
         a_ref_f = fl.dequantize_rows(a_ref, fmt)
         a_tol = 2**-3 * float(a_ref_f.abs().max())
         for save_h, programs, stages in itertools.product((True, False), (None, 1, 3), (4, 3)):
@@ -323,7 +329,17 @@ def test_ws_fc1_matches_the_triton_kernel(hidden, inter):
             aq = torch.full((pairs, inter), 0x7F, dtype=torch.uint8, device=device).view(fl.FP8_DTYPE)  # NaN
             a_s = torch.full((pairs, inter // 128), float("nan"), device=device)
             fp8_fc1_swiglu_ws(
-                xq, w1q, plan, h if save_h else None, aq, a_s, inter=inter, pow2=pow2, programs=programs, stages=stages
+                xq,
+                w1q,
+                plan,
+                h if save_h else None,
+                aq,
+                a_s,
+                inter=inter,
+                pow2=pow2,
+                programs=programs,
+                stages=stages,
+                activation_clamp=clamp,
             )
             torch.testing.assert_close(a_s, a_ref.scale, rtol=1e-6, atol=0, msg=msg)
             torch.testing.assert_close(
@@ -333,8 +349,15 @@ def test_ws_fc1_matches_the_triton_kernel(hidden, inter):
                 torch.testing.assert_close(h, h_ref, rtol=2**-8, atol=2**-8, msg=msg)
             else:
                 assert torch.isnan(h).all(), msg  # without h nothing is written there
-        h, a = fl.fp8_fc1_swiglu(xq, w1q, plan, fmt, inter=inter, h_dtype=torch.bfloat16, use_ws=True)
+        h, a = fl.fp8_fc1_swiglu(
+            xq, w1q, plan, fmt, inter=inter, h_dtype=torch.bfloat16, use_ws=True, activation_clamp=clamp
+        )
         torch.testing.assert_close(h, h_ref, rtol=2**-8, atol=2**-8)
+        if clamp is not None:  # the clamp acted: a = silu(min(g, c)) * clamp(u, -c, c) of h, to e4m3 rounding
+            g, u = h_ref.float().chunk(2, dim=1)
+            want = torch.nn.functional.silu(g.clamp(max=clamp)) * u.clamp(-clamp, clamp)
+            assert rel_err(fl.dequantize_rows(a, fmt), want) < 0.05
+            assert rel_err(want, torch.nn.functional.silu(g) * u) > 0.3
     with pytest.raises(ValueError, match="not mx"):
         fl.fp8_fc1_swiglu(xq, w1q, plan, fl.MX_FORMAT, inter=inter, h_dtype=None, use_ws=True)
 

@@ -31,10 +31,10 @@ def _seed(case: Case, world: int, dtype_name: str) -> int:
     return 7000 + 100 * world + 10 * CASES.index(case) + list(DTYPES).index(dtype_name)
 
 
-def _run(x, index, weights, w1, w2, grad_out, group, capacity):
+def _run(x, index, weights, w1, w2, grad_out, group, capacity, **kwargs):
     leaves = [t.detach().clone().requires_grad_() for t in (x, weights, w1, w2)]
     opts = DispatchConfig(type="mega_moe", max_tokens_per_rank=capacity)
-    out = fused_experts(leaves[0], index, leaves[1], leaves[2], leaves[3], dispatch=opts, group=group)
+    out = fused_experts(leaves[0], index, leaves[1], leaves[2], leaves[3], dispatch=opts, group=group, **kwargs)
     out.backward(grad_out)
     return (out.detach(), *(t.grad for t in leaves))
 
@@ -221,3 +221,69 @@ def test_transport_choice_on_cpu():
         assert len(errors) == 1, errors
         ((kind, msg),) = errors
         assert kind == "ValueError" and "needs CUDA tensors" in msg
+
+
+CLAMP_CASE = Case("clamp", 32, 16, 4, 2, "ragged", (9, 5))  # 2 experts a rank: expert 0 empty, expert 1 hot
+CLAMP_SEED = 7301
+
+
+def _fp8_clamp_problem():
+    from tests.test_fp8_experts import _problem
+
+    return _problem(24, 128, 128, 4, 2, seed=37, hot_fraction=0.8)
+
+
+def _clamped_ep_body(rank, world):
+    """EP = 2 with the clamped SwiGLU, max_tokens_per_rank = the most tokens a rank has: the pipeline unquantised (fp32
+    data), then in fp8 (ranks' tokens [0, 14) and [14, 24), experts two a rank)."""
+    from tests.test_activation_clamp import LIMIT
+
+    x, w, w1, w2, g, idx = make_problem(CLAMP_CASE, world, torch.float32, CLAMP_SEED)
+    counts = CLAMP_CASE.tokens_per_rank(world)
+    t0, t1 = sum(counts[:rank]), sum(counts[: rank + 1])
+    e0, e1 = rank * CLAMP_CASE.experts // world, (rank + 1) * CLAMP_CASE.experts // world
+    args = (x[t0:t1], idx[t0:t1], w[t0:t1], w1[e0:e1], w2[e0:e1], g[t0:t1], dist.group.WORLD, max(counts))
+    unquantized = _run(*args, activation_clamp=LIMIT)
+    x, index, weights, w1, w2, grad_out = _fp8_clamp_problem()
+    t0, t1 = (0, 14) if rank == 0 else (14, 24)
+    e0, e1 = 2 * rank, 2 * rank + 2
+    leaves = [t.clone().requires_grad_() for t in (x[t0:t1], weights[t0:t1], w1[e0:e1], w2[e0:e1])]
+    opts = DispatchConfig(type="mega_moe", max_tokens_per_rank=14)
+    out = fused_experts(
+        leaves[0],
+        index[t0:t1],
+        *leaves[1:],
+        dispatch=opts,
+        precision="fp8",
+        group=dist.group.WORLD,
+        activation_clamp=LIMIT,
+    )
+    out.backward(grad_out[t0:t1])
+    return unquantized, [out.detach()] + [t.grad for t in leaves]
+
+
+def test_expert_parallel_clamped_swiglu_matches_the_clamped_reference():
+    # activation_clamp under EP = 2 (ragged routing, unequal token counts): the pipeline (ops/ep_pipeline.py) in bf16
+    # within the fp32 bound and in fp8 within the clamped fp8 bound, against the
+    # float64 clamped reference (see tests/test_activation_clamp.py for both bounds and the reference's clamp
+    # decisions), and each far from the unclamped oracle.
+    from tests.test_activation_clamp import (
+        CLAMPED_ORACLE_TOL,
+        LIMIT,
+        _assert_clamped_fractions,
+        _check,
+        _quantized_forward_h,
+    )
+
+    per = run_on_ranks(_clamped_ep_body, 2)
+    x, w, w1, w2, g, idx = make_problem(CLAMP_CASE, 2, torch.float32, CLAMP_SEED)
+    problem = (x, idx, w, w1, w2, g)
+    _assert_clamped_fractions(x, idx, w1)
+    got = [torch.cat([r[0][n] for r in per]) for n in range(5)]
+    _check(got, problem, oracle_with_grads(*problem, activation_clamp=LIMIT), TOL[torch.float32], "bf16 EP=2")
+    problem = _fp8_clamp_problem()
+    _assert_clamped_fractions(problem[0], problem[1], problem[3])
+    got = [torch.cat([r[1][n] for r in per]) for n in range(5)]
+    decided_on = _quantized_forward_h("fp8", problem[0], problem[1], problem[3])
+    ref = oracle_with_grads(*problem, activation_clamp=LIMIT, clamp_decided_on=decided_on)
+    _check(got, problem, ref, CLAMPED_ORACLE_TOL["fp8"], "fp8 EP=2")

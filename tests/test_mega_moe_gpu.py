@@ -1,5 +1,6 @@
 """The fused layer on a GPU at the Qwen3-30B-A3B layer shape (skipped without CUDA): outputs and all gradients
-against the float64 transformers oracle, and bitwise equal over two identical calls."""
+against the float64 transformers oracle, and bitwise equal over two identical calls; the clamped SwiGLU
+(activation_clamp) at a modest shape in bf16 and fp8."""
 
 from __future__ import annotations
 
@@ -93,3 +94,35 @@ def test_no_grad_forward_captures_in_a_cuda_graph(precision):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_clamped_swiglu_matches_the_clamped_reference(precision):
+    """activation_clamp on a GPU (bf16 data, T = 512, H = 512, I = 384, 8 experts, top-4, ragged routing): the output
+    and the four gradients against the float64 clamped reference and far from the unclamped oracle (bounds and the
+    reference's clamp decisions as in tests/test_activation_clamp.py: on h rounded to bf16 as the layer keeps it,
+    and for fp8 computed from the recipe's e4m3 operands). fp8 runs the Hopper kernels here (the warp-specialised
+    FC1 + SwiGLU, the Gluon column pass), which the CPU tests only compile."""
+    from .oracle import bf16_as_stored_by_kernels, make_problem, oracle_with_grads
+    from .test_activation_clamp import (
+        CLAMPED_ORACLE_TOL,
+        LIMIT,
+        _assert_clamped_fractions,
+        _check,
+        _quantized_forward_h,
+    )
+
+    problem = make_problem(512, 512, 384, 8, 4, torch.bfloat16, seed=5, routing="ragged", device="cuda")
+    x, index, weights, w1, w2, g = problem
+    _assert_clamped_fractions(x, index, w1)
+    got = run_mega_moe(*problem, precision=precision, activation_clamp=LIMIT)
+    torch.cuda.synchronize()
+    cpu = [t.cpu() for t in problem]
+    if precision == "fp8":
+        decided_on = bf16_as_stored_by_kernels(_quantized_forward_h(precision, cpu[0], cpu[1], cpu[3]))
+    else:
+        decided_on = bf16_as_stored_by_kernels
+    ref = oracle_with_grads(*cpu, activation_clamp=LIMIT, clamp_decided_on=decided_on)
+    tol = TOL[torch.bfloat16] if precision == "bf16" else CLAMPED_ORACLE_TOL[precision]
+    _check([t.cpu() for t in got], cpu, ref, tol, f"GPU {precision}")

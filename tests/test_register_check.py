@@ -149,19 +149,6 @@ COMPILES = [
         ["--config", "128,128,64,8,3", "--ones", "stride_wk"],
     ),
     (
-        "prime_megamoe.kernels.grouped_gemm:fc1_swiglu_kernel",  # the clamped SwiGLU (activation_clamp)
-        {
-            "SAVE_H": True,
-            "CLAMP": True,
-            "CAST_F32": False,
-            "IEEE": False,
-            "TILE_M": 128,
-            "PERSISTENT": True,
-            "ONE_DOT": True,
-        },
-        ["--config", "128,128,64,8,3", "--ones", "stride_wk"],
-    ),
-    (
         "prime_megamoe.kernels.grouped_gemm:grouped_gemm_kernel",
         {
             "GATHER_A": False,
@@ -223,7 +210,6 @@ COMPILES = [
         "expert_ids",
         "combine_pairs",
         "fc1_one_dot",
-        "fc1_one_dot_clamp",
         "gemm_tma_both",
         "gemm_tma_weights",
         "wgrad_tma",

@@ -59,23 +59,27 @@ def test_gluon_cols_applicability_says_why_not():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "tokens,inter,pow2",
-    [(300, 256, False), (700, 384, True), (64, 200, False)],
-    ids=["two_groups", "three_groups_pow2", "ragged_columns"],
+    "tokens,inter,pow2,clamp",
+    [(300, 256, False, None), (700, 384, True, None), (64, 200, False, None), (300, 256, False, 1.5)],
+    ids=["two_groups", "three_groups_pow2", "ragged_columns", "two_groups_clamp"],
 )
-def test_gluon_cols_matches_the_triton_launch(tokens, inter, pow2):
+def test_gluon_cols_matches_the_triton_launch(tokens, inter, pow2, clamp):
     """Ragged routing (an empty expert, one taking most rows, tiles ending mid-way) and an intermediate size that is
-    not a multiple of the column block: the same bits as the Triton launch for dh^T and (w * a)^T and their scales."""
+    not a multiple of the column block: the same bits as the Triton launch for dh^T and (w * a)^T and their scales.
+    ``clamp``: the clamped SwiGLU (activation_clamp; h has standard deviation 2, so ~25% of g and ~45% of u are cut)."""
     plan, g_a, h = ragged_swiglu_backward_inputs(tokens, inter)
     fmt = fl.fp8_format(pow2)
-    ref = fl.dswiglu_cols_t(g_a, h, plan, fmt, gluon=False)
-    got = fl.dswiglu_cols_t(g_a, h, plan, fmt, gluon=True)
+    ref = fl.dswiglu_cols_t(g_a, h, plan, fmt, gluon=False, activation_clamp=clamp)
+    got = fl.dswiglu_cols_t(g_a, h, plan, fmt, gluon=True, activation_clamp=clamp)
     for name, a_q, b_q in zip(("dh_t", "aw_t"), got, ref):
         for a, b in zip(_cols_t_written(a_q, plan), _cols_t_written(b_q, plan)):
             assert torch.equal(a, b), name
     # The layer's default (gluon=None) takes the Gluon form here.
-    default = fl.dswiglu_cols_t(g_a, h, plan, fmt)
+    default = fl.dswiglu_cols_t(g_a, h, plan, fmt, activation_clamp=clamp)
     assert torch.equal(_cols_t_written(default[0], plan)[0], _cols_t_written(got[0], plan)[0])
+    if clamp is not None:  # and the clamp acted: without it dh^T differs
+        plain = fl.dswiglu_cols_t(g_a, h, plan, fmt, gluon=True)
+        assert not torch.equal(_cols_t_written(plain[0], plan)[0], _cols_t_written(got[0], plan)[0])
 
 
 @pytest.mark.gpu

@@ -55,24 +55,27 @@ def _cols_t_written(q: fl.QTensor, plan) -> list[torch.Tensor]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "tokens,inter,pow2",
-    [(300, 256, False), (700, 384, True), (64, 128, False)],
-    ids=["two_groups", "three_groups_pow2", "one_tile"],
+    "tokens,inter,pow2,clamp",
+    [(300, 256, False, None), (700, 384, True, None), (64, 128, False, None), (300, 256, False, 1.5)],
+    ids=["two_groups", "three_groups_pow2", "one_tile", "two_groups_clamp"],
 )
-def test_fused_dswiglu_matches_the_two_launch_pass(tokens, inter, pow2):
+def test_fused_dswiglu_matches_the_two_launch_pass(tokens, inter, pow2, clamp):
     """Ragged routing (an empty expert, one taking most rows, tiles ending mid-way): the same bits as the Triton
     pass for dh (row-scaled), dh^T and (w * a)^T (column-scaled) and their scales; dw per row to fp32 rounding
-    (its 128-column sums run in another order)."""
+    (its 128-column sums run in another order). ``clamp``: the clamped SwiGLU (activation_clamp)."""
     plan, g_a, h = ragged_swiglu_backward_inputs(tokens, inter)
     fmt = fl.fp8_format(pow2)
-    ref = fl.fp8_dswiglu(g_a, h, plan, fmt, fused=False)
-    got = fl.fp8_dswiglu(g_a, h, plan, fmt, fused=True)
+    ref = fl.fp8_dswiglu(g_a, h, plan, fmt, fused=False, activation_clamp=clamp)
+    got = fl.fp8_dswiglu(g_a, h, plan, fmt, fused=True, activation_clamp=clamp)
     assert torch.equal(got.dh_rows.data.view(torch.uint8), ref.dh_rows.data.view(torch.uint8))
     assert torch.equal(got.dh_rows.scale, ref.dh_rows.scale)
     for name in ("dh_t", "aw_t"):
         for a, b in zip(_cols_t_written(getattr(got, name), plan), _cols_t_written(getattr(ref, name), plan)):
             assert torch.equal(a, b), name
     torch.testing.assert_close(got.dw_row, ref.dw_row, rtol=1e-5, atol=1e-5)
+    if clamp is not None:  # and the clamp acted
+        plain = fl.fp8_dswiglu(g_a, h, plan, fmt, fused=True)
+        assert not torch.equal(plain.dh_rows.data.view(torch.uint8), got.dh_rows.data.view(torch.uint8))
 
 
 def ragged_swiglu_backward_inputs(tokens, inter, device="cuda"):

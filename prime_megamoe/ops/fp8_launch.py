@@ -472,8 +472,8 @@ def fp8_fc1_swiglu(
     read W1 by TMA; off by default: for FC1 pointer loads measured as fast or faster (1.172 / 1.166 ms against
     1.205 / 1.168 with TMA at Qwen3-30B-A3B, T = 16384, two runs of scripts/fp8_probe.py). ``out`` = (h or None,
     a): buffers of every sorted row of the plan a segment's view ``plan`` belongs to (its tiles' rows are written)."""
-    _check_one_segment(plan)
     clamp_limit, clamp = clamp_kernel_args(activation_clamp)
+    _check_one_segment(plan)
     num_pairs, hidden = plan.num_pairs, xq.data.shape[1]
     ng_out = cdiv(inter, fmt.group)
     save_h = h_dtype is not None
