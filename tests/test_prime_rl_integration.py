@@ -320,3 +320,69 @@ def test_refuses_what_it_cannot_compute():
     assert _dispatcher(activation_clamp=float("inf")).activation_clamp is None
     assert _dispatcher(fp8=True).precision == "fp8"
     assert _dispatcher().synchronize() is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# On a GPU: the stand-in at the Qwen3-30B-A3B layer shape, and the op inside a compiled block
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_gpu_qwen3_shape_and_compiled_block(precision):
+    """fp32 master weights (fused gate/up) and bf16 activations at H = 2048, I = 768, 128 experts, top-8, T = 2048,
+    zero-score slots: outputs and gradients against float64 within the bounds of the layer's own GPU tests (bf16:
+    2e-2; fp8: the fp8 oracle bound); then the block around the dispatcher under torch.compile gives the eager
+    block's bits (the op runs eagerly at its graph break, as prime-rl compiles its decoder blocks)."""
+    from .test_fp8_experts import ORACLE_TOL
+
+    torch.manual_seed(0)
+    tokens, hidden, inter, experts, top_k = 2048, 2048, 768, 128, 8
+    dev = torch.device("cuda")
+    w1 = (torch.randn(experts, 2 * inter, hidden) * hidden**-0.5).to(dev)
+    w2 = (torch.randn(experts, hidden, inter) * inter**-0.5).to(dev)
+    module = GroupedExperts(w1, w2, fused=True, clamp=None).to(dev)
+    x = torch.randn(tokens, hidden, device=dev).bfloat16().requires_grad_()
+    scores, index = torch.softmax(torch.randn(tokens, experts, device=dev), -1).topk(top_k, dim=-1)
+    scores = (scores / scores.sum(-1, keepdim=True)).masked_fill(torch.rand(tokens, top_k, device=dev) < 0.05, 0.0)
+    scores = scores.requires_grad_()
+    grad_out = torch.randn(tokens, hidden, device=dev).bfloat16()
+    dispatcher = MegaMoETokenDispatcher(
+        num_experts=experts,
+        top_k=top_k,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        group=None,
+        max_tokens_per_rank=tokens,
+        precision=precision,
+    )
+
+    def block(x_in, scores_in):
+        return dispatcher.run(x_in, scores_in, index, module) * 1.0
+
+    out = block(x, scores)
+    out.backward(grad_out)
+    got = (out.detach(), x.grad, scores.grad, module.gate_up_proj.grad, module.down_proj.grad)
+    dropped_ids = index.masked_fill(scores.detach() == 0, -1)
+    ref = reference(
+        x,
+        dropped_ids.clamp(min=0),
+        scores.detach(),
+        w1,
+        w2,
+        (torch.zeros(1, hidden, device=dev),) * 2 + (torch.zeros(hidden, 1, device=dev),),
+        grad_out,
+        None,
+    )
+    tol = 2e-2 if precision == "bf16" else ORACLE_TOL
+    for name, a, b in zip(("out", "dx", "d scores", "d gate_up_proj", "d down_proj"), got, ref):
+        err = rel_err(a.double(), b)
+        assert err <= tol, f"{precision} {name}: relative error {err:.3e} > {tol}"
+
+    eager = [t.clone() for t in got]
+    for t in (x, scores, module.gate_up_proj, module.down_proj):
+        t.grad = None
+    compiled = torch.compile(block)
+    out = compiled(x, scores)
+    out.backward(grad_out)
+    again = (out.detach(), x.grad, scores.grad, module.gate_up_proj.grad, module.down_proj.grad)
+    assert all(torch.equal(a, b) for a, b in zip(eager, again)), "the compiled block differs from the eager one"
