@@ -17,9 +17,10 @@ import triton.language as tl
 
 @triton.jit
 def clamp_gate_up(g, u, limit):
-    """(min(g, limit), clamp(u, -limit, limit)), NaN kept."""
+    """(min(g, limit), clamp(u, -limit, limit)), NaN kept. (The clamp as a maximum and a minimum, as the Gluon kernels
+    write it: their language has no clamp in every Triton version the package runs on; exact either way.)"""
     g_c = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
-    u_c = tl.clamp(u, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
+    u_c = tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit, propagate_nan=tl.PropagateNan.ALL)
     return g_c, u_c
 
 

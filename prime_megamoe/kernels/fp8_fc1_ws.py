@@ -189,7 +189,7 @@ def _clamp_gate_up(g, u, limit):
     """``kernels.activation.clamp_gate_up`` in Gluon (the same operations, so the same bits): min(g, limit) and
     clamp(u, -limit, limit), NaN kept."""
     g_c = gl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
-    u_c = gl.clamp(u, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
+    u_c = gl.minimum(gl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit, propagate_nan=tl.PropagateNan.ALL)
     return g_c, u_c
 
 
