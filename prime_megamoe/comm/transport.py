@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_gather_blocks, exchange_blocks, pad_rows
+from .liveness import WaitBounds
 
 # Result kinds a round returns to the source ranks: "rows" [C, H] in the rows' dtype (the layer output, or the
 # token gradient), "pairs" [C, k] fp32 (the top-k weight gradient, backward only).
@@ -38,12 +39,12 @@ PAIR_RESULTS = "pairs"
 class Transport:
     """Interface of one expert-parallel group's exchange (see the module docstring)."""
 
-    def __init__(self, group, capacity: int, timeout_s: float | None):
+    def __init__(self, group, capacity: int, bounds: WaitBounds | None):
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.capacity = capacity
-        self.timeout_s = timeout_s
+        self.bounds = bounds  # how long a wait may last: a peer's silence, and a stall (``comm.liveness``)
         # Buffers the layer keeps per transport and reuses round after round (``ep_pipeline.lease_forward_plan``)
         self.reused: dict = {}
 
@@ -103,17 +104,15 @@ class Transport:
 
 class CollectiveTransport(Transport):
     """torch.distributed collectives (gloo on CPU, NCCL on GPU): all_gather at ``start``, all_to_all at ``finish``.
-    Waits are bounded by ``timeout_s`` on gloo (see ``collectives``)."""
+    Waits on gloo are bounded by the peers' liveness (see ``collectives`` and ``liveness``)."""
 
     def start(self, block, routing, kinds, top_k, *, keep=False, read_own=False):
         c = self.capacity
-        rows = self._rows = all_gather_blocks(pad_rows(block, c), self.group, self.timeout_s, "dispatch of rows")
+        rows = self._rows = all_gather_blocks(pad_rows(block, c), self.group, self.bounds, "dispatch of rows")
         self._routing = None
         if routing is not None:
             padded = (pad_rows(routing[0].to(torch.int32), c, -1), pad_rows(routing[1].float(), c))
-            self._routing = tuple(
-                all_gather_blocks(t, self.group, self.timeout_s, "dispatch of routing") for t in padded
-            )
+            self._routing = tuple(all_gather_blocks(t, self.group, self.bounds, "dispatch of routing") for t in padded)
         w = self.world
         self._staging = {}
         for kind in kinds:
@@ -143,6 +142,6 @@ class CollectiveTransport(Transport):
         out = {}
         for kind, buf in self._staging.items():
             flat = buf.view(self.world * self.capacity, *buf.shape[2:])
-            out[kind] = exchange_blocks(flat, self.group, self.timeout_s, f"return of results ({kind})").view(buf.shape)
+            out[kind] = exchange_blocks(flat, self.group, self.bounds, f"return of results ({kind})").view(buf.shape)
         self._staging, self._rows = {}, None
         return out

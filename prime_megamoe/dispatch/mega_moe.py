@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from ..comm.collectives import check_group_within_node
 from ..comm.factory import make_transport
+from ..comm.liveness import wait_bounds
 from ..config import DispatchConfig
 from ..kernels.tuning import tile_m
 from ..ops.ep_exchange import combine_rows_across, dispatch_rows
@@ -49,10 +50,11 @@ def mega_moe_experts(
             hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, expert_base=0, tile_m=tile_m()
         )
     check_group_within_node(group)
-    capacity, timeout = options.max_tokens_per_rank, options.comm_timeout_s
+    capacity = options.max_tokens_per_rank
+    bounds = wait_bounds(options.comm_timeout_s, options.comm_stall_timeout_s, hidden_states.device)
     if precision == "bf16":
         # Dispatch, expert GEMMs and combine pipelined per source rank (ops/ep_pipeline.py).
-        transport = make_transport(options.transport, group, capacity, hidden_states.device, timeout)
+        transport = make_transport(options.transport, group, capacity, hidden_states.device, bounds)
         return expert_parallel_experts(
             hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, transport=transport, tile_m=tile_m()
         )
@@ -67,10 +69,10 @@ def mega_moe_experts(
     # which sums the shares in rank order.
     rank = dist.get_rank(group)
     rows = dispatch_rows(
-        hidden_states, capacity, group, timeout_s=timeout, fmt=token_format(precision, options.fp8_pow2_scales)
+        hidden_states, capacity, group, bounds=bounds, fmt=token_format(precision, options.fp8_pow2_scales)
     )
-    index = dispatch_rows(top_k_index, capacity, group, fill=-1, timeout_s=timeout)
-    weights = dispatch_rows(top_k_weights, capacity, group, timeout_s=timeout)
+    index = dispatch_rows(top_k_index, capacity, group, fill=-1, bounds=bounds)
+    weights = dispatch_rows(top_k_weights, capacity, group, bounds=bounds)
     num_local = gate_up_proj.shape[0]
     partials = experts(rows, index, weights, gate_up_proj, down_proj, expert_base=rank * num_local, tile_m=tile_m())
-    return combine_rows_across(partials, hidden_states.shape[0], group, timeout_s=timeout)
+    return combine_rows_across(partials, hidden_states.shape[0], group, bounds=bounds)

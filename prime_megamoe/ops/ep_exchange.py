@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..comm.collectives import all_gather_blocks, exchange_blocks, pad_rows
+from ..comm.liveness import WaitBounds
 from . import fp8_launch as fl
 from . import launch
 
@@ -33,20 +34,20 @@ class DispatchRows(torch.autograd.Function):
     quantised format ``fmt``, x [T, H] travels as fp8 rows with their scales and arrives dequantised."""
 
     @staticmethod
-    def forward(ctx, x, capacity: int, group, fill, timeout_s, fmt):
-        ctx.group, ctx.num_tokens, ctx.dtype, ctx.timeout_s = group, x.shape[0], x.dtype, timeout_s
+    def forward(ctx, x, capacity: int, group, fill, bounds, fmt):
+        ctx.group, ctx.num_tokens, ctx.dtype, ctx.bounds = group, x.shape[0], x.dtype, bounds
         block = pad_rows(x, capacity, fill)
         if fmt is None:
-            return all_gather_blocks(block, group, timeout_s, "dispatch of tokens")
+            return all_gather_blocks(block, group, bounds, "dispatch of tokens")
         q = fl.quantize_rows(block, fmt)
-        data = all_gather_blocks(q.data, group, timeout_s, "dispatch of tokens (fp8)")
-        scale = all_gather_blocks(q.scale, group, timeout_s, "dispatch of token scales")
+        data = all_gather_blocks(q.data, group, bounds, "dispatch of tokens (fp8)")
+        scale = all_gather_blocks(q.scale, group, bounds, "dispatch of token scales")
         return fl.dequantize_rows(fl.QTensor(data, scale), fmt, dtype=x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         world = torch.distributed.get_world_size(ctx.group)
-        back = exchange_blocks(grad.contiguous(), ctx.group, ctx.timeout_s, "return of token gradients")
+        back = exchange_blocks(grad.contiguous(), ctx.group, ctx.bounds, "return of token gradients")
         return _sum_partials(back, world, ctx.num_tokens, ctx.dtype), None, None, None, None, None
 
 
@@ -54,28 +55,30 @@ class CombineRows(torch.autograd.Function):
     """Partial rows [W*capacity, H] (block s: this rank's results for rank s's tokens) -> [T, H] on each rank."""
 
     @staticmethod
-    def forward(ctx, partials, num_tokens: int, group, timeout_s):
+    def forward(ctx, partials, num_tokens: int, group, bounds):
         world = torch.distributed.get_world_size(group)
-        ctx.group, ctx.capacity, ctx.timeout_s = group, partials.shape[0] // world, timeout_s
-        back = exchange_blocks(partials, group, timeout_s, "combine of expert outputs")
+        ctx.group, ctx.capacity, ctx.bounds = group, partials.shape[0] // world, bounds
+        back = exchange_blocks(partials, group, bounds, "combine of expert outputs")
         return _sum_partials(back, world, num_tokens, partials.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         out = all_gather_blocks(
-            pad_rows(grad.contiguous(), ctx.capacity), ctx.group, ctx.timeout_s, "dispatch of output gradients"
+            pad_rows(grad.contiguous(), ctx.capacity), ctx.group, ctx.bounds, "dispatch of output gradients"
         )
         return out, None, None, None
 
 
 def dispatch_rows(
-    x: torch.Tensor, capacity: int, group, fill=0, timeout_s: float | None = None, fmt: fl.QFormat | None = None
+    x: torch.Tensor, capacity: int, group, fill=0, bounds: WaitBounds | None = None, fmt: fl.QFormat | None = None
 ) -> torch.Tensor:
     """Every rank's rows, padded to ``capacity`` each; ``fmt``: send them quantised in that format (tokens [T, H])."""
     if x.requires_grad or x.is_floating_point():
-        return DispatchRows.apply(x, capacity, group, fill, timeout_s, fmt)
-    return all_gather_blocks(pad_rows(x, capacity, fill), group, timeout_s, "dispatch of routing")
+        return DispatchRows.apply(x, capacity, group, fill, bounds, fmt)
+    return all_gather_blocks(pad_rows(x, capacity, fill), group, bounds, "dispatch of routing")
 
 
-def combine_rows_across(partials: torch.Tensor, num_tokens: int, group, timeout_s: float | None = None) -> torch.Tensor:
-    return CombineRows.apply(partials, num_tokens, group, timeout_s)
+def combine_rows_across(
+    partials: torch.Tensor, num_tokens: int, group, bounds: WaitBounds | None = None
+) -> torch.Tensor:
+    return CombineRows.apply(partials, num_tokens, group, bounds)
