@@ -31,7 +31,7 @@ WORLD, CHANNEL, ROUND = 4, 0, 7
 
 
 def _setup():
-    from prime_megamoe.kernels.signals import wait_flags_kernel
+    from prime_megamoe.kernels.signals import KERNEL_BEAT_NS, wait_flags_kernel
     from prime_megamoe.ops.compiled_launch import launch
 
     dev = torch.device("cuda", 0)
@@ -41,23 +41,26 @@ def _setup():
     regions[0] = beats
     peer_beats = torch.tensor([r.data_ptr() for r in regions], dtype=torch.int64, device=dev)
 
-    def wait(silence_s, stall_s):
+    def wait(silence_s, stall_s, value=ROUND):
         launch(
             wait_flags_kernel,
             (1,),
             flags,
             beats,
             peer_beats,
-            ROUND,
+            value,
             0,
             CHANNEL,
             int(silence_s * 1e9),
             int(stall_s * 1e9),
             WORLD=WORLD,
             WORLD_BLOCK=WORLD,
+            BEAT_NS=KERNEL_BEAT_NS,
             num_warps=1,
         )
 
+    wait(1.0, 1.0, value=0)  # compiled here, not in a timed wait (round 0: nothing to wait for)
+    torch.cuda.synchronize()
     return dev, flags, beats, regions, wait
 
 
@@ -172,10 +175,13 @@ def main():
             lines = [line for line in text.splitlines() if "trapped after" in line]
             trapped = float(lines[0].split("trapped after ")[1].split(" s")[0]) if lines else None
             printed = [line for line in text.splitlines() if "prime_megamoe expert-parallel wait" in line]
+            # the device print: one line per operand and thread; the operands are rank, peer, channel, round
+            operands = sorted({line.split("(operand ")[1].replace(")", "") for line in printed if "(operand " in line})
             ok = out.returncode == code and trapped is not None and bound - 0.1 <= trapped <= bound + 2.0
             verdict = "ok" if ok else "FAIL"
             print(f"{verdict} {name}: exit {out.returncode}, trapped after {trapped} s (bound {bound:g} s)")
             print(f"    device print ({len(printed)} lines): {printed[0][:400] if printed else '(none)'}")
+            print(f"    operands (index value): {operands}")
             if not ok:
                 print(text[-3000:])
             failed += not ok

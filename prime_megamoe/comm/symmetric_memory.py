@@ -58,7 +58,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..kernels.signals import wait_flags_kernel
+from ..kernels.signals import KERNEL_BEAT_NS, wait_flags_kernel
 from ..ops.compiled_launch import launch
 from .liveness import WaitBounds, heartbeat
 from .transport import PAIR_RESULTS, ROW_RESULTS, Transport
@@ -178,6 +178,7 @@ class SymmetricWorkspace:
             int(bounds.stall_s * 1e9),
             WORLD=self.world,
             WORLD_BLOCK=max(2, 1 << (self.world - 1).bit_length()),
+            BEAT_NS=KERNEL_BEAT_NS,
             num_warps=1,
         )
 

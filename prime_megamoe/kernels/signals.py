@@ -18,6 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+KERNEL_BEAT_NS = 1 << 20  # how often a spinning wait kernel advances its rank's heartbeat (about a millisecond)
+
 
 @triton.jit
 def _now_ns():
@@ -41,14 +43,15 @@ def wait_flags_kernel(
     stall_ns,
     WORLD: tl.constexpr,
     WORLD_BLOCK: tl.constexpr,
-    BEAT_NS: tl.constexpr = 1 << 20,
+    BEAT_NS: tl.constexpr,
 ):
     """Spin until flags[channel * WORLD + q] >= value for every peer q != rank (acquire, system scope).
 
     beats_ptr: this rank's heartbeat region [2, WORLD] int32 (slot q of each row written by peer q); peer_beats_ptr:
-    [WORLD] int64, the address of each peer's region, whose row 1 slot ``rank`` this kernel advances every ``BEAT_NS``
-    while it spins (this rank is alive, waiting). A peer waited for whose heartbeat stood still for ``silence_ns``:
-    print the rank, that peer, the channel and the round, then trap; likewise after ``stall_ns`` of waiting in all."""
+    [WORLD] int64, the address of each peer's region, whose row 1 slot ``rank`` this kernel advances every
+    ``BEAT_NS`` (``KERNEL_BEAT_NS``) while it spins (this rank is alive, waiting). A peer waited for whose heartbeat
+    stood still for ``silence_ns``: print the rank, that peer, the channel and the round, then trap; likewise after
+    ``stall_ns`` of waiting in all."""
     peers = tl.arange(0, WORLD_BLOCK)
     mask = (peers < WORLD) & (peers != rank)
     zeros = tl.zeros_like(peers)
