@@ -19,7 +19,7 @@ from prime_megamoe import DispatchConfig, fused_experts
 from prime_megamoe.comm import factory as transport_registry
 from prime_megamoe.comm.collectives import check_group_within_node
 from prime_megamoe.comm.factory import make_transport
-from prime_megamoe.comm.liveness import WaitBounds, start_heartbeat, wait_bounds
+from prime_megamoe.comm.liveness import WaitBounds, start_heartbeat, wait_bounds, wait_for_work
 
 from .distributed import run_on_ranks
 from .oracle import loop_reference, oracle_with_grads
@@ -278,6 +278,28 @@ def test_a_live_peer_that_never_joins_is_an_error_not_a_hang():
     elapsed, message = run_on_ranks(_stalled_peer_body, 2)[0]
     assert 3.0 <= elapsed < 5.5, elapsed
     assert "rank 0" in message and "[1]" in message and "comm_stall_timeout_s" in message, message
+
+
+class _WorkDoneAsItsSliceEnds:
+    """A collective's work whose first timed wait runs out just as it completes."""
+
+    def __init__(self):
+        self.waits = []
+
+    def wait(self, timeout=None):
+        self.waits.append(timeout)
+        if timeout is not None:
+            raise RuntimeError("Operation timed out!")
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def test_a_work_that_completes_as_its_wait_slice_ends_is_no_error():
+    work = _WorkDoneAsItsSliceEnds()
+    wait_for_work(work, None, "dispatch of rows", WaitBounds(1.0, 10.0))  # returns: the work did complete
+    assert len(work.waits) == 2 and work.waits[-1] is None
 
 
 def test_wait_bounds_default_per_device(monkeypatch):

@@ -136,6 +136,7 @@ def _reset_after_fork() -> None:  # a forked child has no thread: start afresh
     _HEARTBEAT = Heartbeat()
     _ENTERED.clear()
     _PUBLISHED.clear()
+    _STORE[:] = [None, None]  # the parent's client connection is not this process's
 
 
 if hasattr(os, "register_at_fork"):
@@ -153,15 +154,37 @@ def heartbeat() -> Heartbeat:
 _STORE_BEAT = "store"
 _ENTERED: dict[str, int] = {}  # per group name: the exchanges this rank has entered
 _PUBLISHED: dict[str, int] = {}  # per group name: how many of them the store holds
-_STORE: list = [None]  # the store the counts were published to (a new process group starts them afresh)
+_STORE: list = [None, None]  # (the default process group's store, the client the heartbeats use with it)
 
 
 def _store():
-    """The default process group's store (every rank of every group reaches it), or None."""
+    """The store of the heartbeats (every rank of every group reaches it), or None: the default process group's store,
+    through a client connection of its own where that store is a TCPStore (torch serialises the operations of one
+    client, so a blocking wait of its own on the shared one, as in ``new_group``, would hold up every beat)."""
     if not dist.is_initialized():
         return None
     get = getattr(dist.distributed_c10d, "_get_default_store", None)
-    return get() if get is not None else None
+    default = get() if get is not None else None
+    if default is not _STORE[0]:  # a new process group: a new client, and the published counts start afresh
+        _STORE[:] = [default, _own_client(default)]
+        _PUBLISHED.clear()
+    return _STORE[1]
+
+
+def _own_client(store):
+    """A client of the server behind ``store`` (under any prefixes: the keys here are the server's own), else the
+    store under its prefixes itself (a file or hash store: no server to connect to)."""
+    base = store
+    while base is not None and hasattr(base, "underlying_store"):
+        base = base.underlying_store
+    if isinstance(base, dist.TCPStore):
+        try:
+            return dist.TCPStore(
+                base.host, base.port, is_master=False, timeout=timedelta(seconds=60), wait_for_workers=False
+            )
+        except Exception as err:  # noqa: BLE001 - the shared client still reaches the same keys
+            log.debug("prime_megamoe: no heartbeat client of its own (%s); sharing the default store's", err)
+    return base
 
 
 def _beat_key(global_rank: int) -> str:
@@ -177,9 +200,6 @@ def _store_beat(count: int) -> None:
     if store is None:
         return
     rank = dist.get_rank()
-    if store is not _STORE[0]:
-        _STORE[0] = store
-        _PUBLISHED.clear()
     store.add(_beat_key(rank), 1)
     for name, entered in list(_ENTERED.items()):
         published = _PUBLISHED.get(name, 0)
@@ -234,6 +254,7 @@ class PeerWatch:
         except Exception as err:  # noqa: BLE001 - the store's host is gone: no peer is heard from
             self.error = err
             return
+        self.error = None
         for p, value in values.items():
             if self.beats[p] is not None and value != self.beats[p]:
                 self.heard[p] = now
@@ -273,9 +294,13 @@ def wait_for_work(work, group, what: str, bounds: WaitBounds) -> None:
         try:
             if work.wait(timeout=timedelta(seconds=_WAIT_SLICE_S)) is not False:
                 return
-        except RuntimeError as err:  # a slice that ran out ("timed out"), or the work failed
-            if work.is_completed():
-                _raise_failed(work, group, what, bounds, watch or PeerWatch(group, begun), err)
+        except RuntimeError:  # a slice that ran out ("timed out"), or the work failed
+            if work.is_completed():  # failed, or completed just after its slice ran out: its own wait tells which
+                try:
+                    work.wait()
+                    return
+                except RuntimeError as err:
+                    _raise_failed(work, group, what, bounds, watch or PeerWatch(group, begun), err)
         now = time.monotonic()
         watch = watch or PeerWatch(group, begun)
         watch.look(now)
@@ -314,7 +339,13 @@ def _raise_failed(work, group, what: str, bounds: WaitBounds, watch: PeerWatch, 
         if not quiet or now - failed_at >= window:
             break
     cause = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
-    if quiet:
+    if watch.error is not None:
+        first = str(watch.error).splitlines()[0][:200] if str(watch.error) else type(watch.error).__name__
+        verdict = (
+            f"the peers' heartbeats could not be read ({first}): the process hosting the process group's store (the "
+            f"rank at MASTER_ADDR:MASTER_PORT, or torchrun's agent) is gone too, so which peer went first is unknown"
+        )
+    elif quiet:
         verdict = (
             f"peer(s) (global ranks) {quiet} stopped their heartbeat ({window:g} s without a beat): they are gone "
             f"(crashed or killed) and their blocks never arrived; check their logs"
