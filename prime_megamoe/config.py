@@ -61,8 +61,17 @@ class DispatchConfig(_Strict):
     # the layer stays asynchronous and capturable in a CUDA graph. True: a host-side check with a readable message
     # (one device sync per call), for debugging. CPU tensors are always checked on the host.
     validate_routing: bool = False
-    # A cross-rank wait that has not completed after this many seconds raises an error naming rank, peer and block.
-    comm_timeout_s: float = Field(default=60.0, gt=0)
+    # How long a peer of the expert-parallel group may show no sign of life while this rank waits for its block:
+    # every rank publishes a heartbeat several times a second (a thread, whatever the layer is doing), and a wait
+    # fails with an error naming this rank, the peer and the block once the peer's heartbeat has stood still this
+    # long (it crashed or was killed). A slow but live peer never trips it, however long the wait. None: the device's
+    # default, 10 s on a GPU, 300 s under the Triton interpreter / on the CPU (processes there share few cores, and a
+    # starved heartbeat thread may wait seconds for one).
+    comm_timeout_s: float | None = Field(default=None, gt=0)
+    # How long one cross-rank wait may last even while every peer is alive: a peer that never joins the exchange
+    # (ranks calling the layer a different number of times) becomes an error after this long instead of a hang. Like
+    # NCCL's watchdog it is generous, far above any healthy wait.
+    comm_stall_timeout_s: float = Field(default=1800.0, gt=0)
     # How tokens and results move between the ranks of an expert-parallel group. "symmetric_memory": peer copies
     # through symmetric-memory buffers with device-side signals, overlapped with the expert GEMMs (CUDA only).
     # "collectives": torch.distributed all_gather / all_to_all, not overlapped (any backend, gloo on CPU). "auto":

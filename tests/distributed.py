@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import io
 import os
+import queue
 import socket
+import time
 import traceback
 
 import torch
@@ -37,26 +39,37 @@ def _worker(rank, world, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_on_ranks(fn, world: int, *args, timeout: float = 600.0) -> list:
+def run_on_ranks(fn, world: int, *args, timeout: float = 600.0, may_exit: tuple[int, ...] = ()) -> list:
     """Call ``fn(rank, world, *args)`` on ``world`` gloo processes; return the per-rank results in rank order.
 
-    ``fn`` must be a module-level function (it is pickled); results must be picklable (CPU tensors are)."""
+    ``fn`` must be a module-level function (it is pickled); results must be picklable (CPU tensors are). A rank in
+    ``may_exit`` may end its process without a result (a test that kills it, or freezes it): its result is None, and
+    once every other rank has its result it is killed if still running. Any other rank that exits without a result
+    fails the test as soon as that is seen, instead of after ``timeout``."""
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    results_queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results_queue)) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, object] = {}
     errors = []
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world):
-            rank, status, payload = queue.get(timeout=timeout)
-            if status == "error":
-                errors.append(f"rank {rank}:\n{payload}")
-            else:
-                payload = torch.load(io.BytesIO(payload), weights_only=False)
-            results[rank] = payload
+        while any(r not in results for r in range(world) if r not in may_exit):
+            try:
+                _take(results_queue.get(timeout=0.5), results, errors)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise AssertionError(
+                        f"distributed test: no result within {timeout:g} s from ranks "
+                        f"{sorted(set(range(world)) - set(results))}"
+                    ) from None
+                _collect_exited(procs, results, results_queue, errors, may_exit)
+        for r in may_exit:
+            if r not in results:
+                procs[r].kill()
+                results[r] = None
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -65,3 +78,30 @@ def run_on_ranks(fn, world: int, *args, timeout: float = 600.0) -> list:
     if errors:
         raise AssertionError("distributed test failed\n" + "\n".join(errors))
     return [results[r] for r in range(world)]
+
+
+def _collect_exited(procs, results: dict, results_queue, errors: list, may_exit) -> None:
+    """Ranks whose process has exited without a result: None for those in ``may_exit``, an error for the others. What
+    an exited process put on the queue is read first (it is in the pipe once the process is gone)."""
+    exited = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+    if not exited:
+        return
+    while True:
+        try:
+            _take(results_queue.get(timeout=1.0), results, errors)
+        except queue.Empty:
+            break
+    for r in exited:
+        if r not in results:
+            results[r] = None
+            if r not in may_exit:
+                errors.append(f"rank {r}: its process exited with code {procs[r].exitcode} without a result")
+
+
+def _take(item, results: dict, errors: list) -> None:
+    rank, status, payload = item
+    if status == "error":
+        errors.append(f"rank {rank}:\n{payload}")
+    else:
+        payload = torch.load(io.BytesIO(payload), weights_only=False)
+    results[rank] = payload

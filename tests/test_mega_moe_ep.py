@@ -1,11 +1,14 @@
 """The fused `mega_moe` backend with expert parallelism over gloo processes (EP = 2 and 4): outputs and all four
 gradients against the float64 transformers oracle, ragged routing (an empty expert, a hot expert, a rank that
-receives nothing, a rank that sends nothing, unequal token counts), bitwise determinism, bounded waits, the one-node
-rule, the transport choice and the quantised precisions under EP."""
+receives nothing, a rank that sends nothing, unequal token counts), bitwise determinism, waits bounded by the peers'
+liveness (a killed peer, a slow one, a live one that never joins), the one-node rule, the transport choice and the
+quantised precisions under EP."""
 
 from __future__ import annotations
 
 import gc
+import os
+import signal
 import time
 
 import pytest
@@ -16,9 +19,10 @@ from prime_megamoe import DispatchConfig, fused_experts
 from prime_megamoe.comm import factory as transport_registry
 from prime_megamoe.comm.collectives import check_group_within_node
 from prime_megamoe.comm.factory import make_transport
+from prime_megamoe.comm.liveness import WaitBounds, start_heartbeat, wait_bounds, wait_for_work
 
 from .distributed import run_on_ranks
-from .oracle import oracle_with_grads
+from .oracle import loop_reference, oracle_with_grads
 from .test_torch_backend import DTYPES, TOL, Case, assert_matches, make_problem
 
 CASES = [
@@ -152,15 +156,114 @@ def test_expert_parallel_mega_moe_matches_oracle(world, case, dtype_name):
         assert (per[-1][3] == 0).all() and (per[-1][4] == 0).all()
 
 
+def _tiny_problem(world: int):
+    """All ranks' tokens (4 each), routing (every rank's expert gets rows from every rank) and one expert per rank."""
+    gen = torch.Generator().manual_seed(11)
+    tokens = 4 * world
+    x = torch.randn(tokens, 32, generator=gen)
+    t = torch.arange(tokens)
+    index = torch.stack([t % world, (t + 1) % world], dim=1)
+    weights = torch.rand(tokens, 2, generator=gen)
+    w1, w2 = torch.randn(world, 48, 32, generator=gen) * 0.2, torch.randn(world, 32, 24, generator=gen) * 0.2
+    return x, index, weights, w1, w2
+
+
+def _tiny_forward(rank, world, opts):
+    """This rank's share of ``_tiny_problem`` through the layer (a forward: each interpreted forward takes seconds)."""
+    x, index, weights, w1, w2 = _tiny_problem(world)
+    rows = slice(4 * rank, 4 * rank + 4)
+    w1, w2 = w1[rank : rank + 1], w2[rank : rank + 1]
+    return fused_experts(x[rows], index[rows], weights[rows], w1, w2, dispatch=opts, group=dist.group.WORLD)
+
+
+def _before(step: str, action):
+    """Make the collectives transport run ``action`` first in ``step``: "start" (the dispatch of this rank's block, at
+    the beginning of the layer's call) or "finish" (the return of results, after this rank's expert GEMMs)."""
+    from prime_megamoe.comm.transport import CollectiveTransport
+
+    original = getattr(CollectiveTransport, step)
+
+    def patched(self, *args, **kwargs):
+        action()
+        return original(self, *args, **kwargs)
+
+    setattr(CollectiveTransport, step, patched)
+
+
+def _gone_peer_body(rank, world, victim, bound, how, death_file):
+    opts = DispatchConfig(type="mega_moe", max_tokens_per_rank=4, comm_timeout_s=bound)
+    if rank == victim:
+
+        def go():  # inside the layer's call, before its block goes out
+            with open(death_file, "w") as f:
+                f.write(repr(time.time()))
+            if how == "exit":
+                os._exit(0)  # its connections close: gloo fails at once, the heartbeat names the peer
+            os.kill(os.getpid(), signal.SIGSTOP)  # frozen: connections open, only its silence tells
+
+        _before("start", go)
+    try:
+        _tiny_forward(rank, world, opts)
+    except RuntimeError as err:
+        return time.time(), str(err)
+    return None
+
+
+@pytest.mark.parametrize("how", ["exit", "freeze"])
+def test_a_gone_peer_is_an_error_naming_it_within_the_bound(tmp_path, how):
+    # EP = 4 over gloo; rank 2 dies (or freezes) inside the layer's call, before sending its block (the other ranks'
+    # wait for it is the same at every exchange, ``collectives._finish``; going here spares the test an interpreted
+    # forward). Every other rank fails within the bound with an error naming it, the peer and the block waited for.
+    bound, victim = 2.0, 2
+    death_file = tmp_path / "death"
+    results = run_on_ranks(_gone_peer_body, 4, victim, bound, how, str(death_file), may_exit=(victim,))
+    died = float(death_file.read_text())
+    assert results[victim] is None
+    for rank, result in enumerate(results):
+        if rank == victim:
+            continue
+        assert result is not None, f"rank {rank} completed without its peer"
+        failed, message = result
+        assert failed - died < bound + 3.0, f"rank {rank} failed {failed - died:.1f} s after the peer went"
+        assert f"rank {rank} of the expert-parallel group" in message, message
+        assert "dispatch of rows" in message and "comm_timeout_s" in message, message
+        named = message.split("peer(s) (global ranks) [", 1)[1].split("]", 1)[0]
+        assert str(victim) in named.split(", "), message
+        if how == "freeze":
+            assert failed - died >= bound - 0.5 and "showed no sign of life" in message, message
+
+
+def _slow_peer_body(rank, world, sleeper, nap, bound):
+    opts = DispatchConfig(type="mega_moe", max_tokens_per_rank=4, comm_timeout_s=bound)
+    if rank == sleeper:
+        _before("finish", lambda: time.sleep(nap))  # alive, but late with its results
+    start = time.monotonic()
+    out = _tiny_forward(rank, world, opts)
+    return out, time.monotonic() - start
+
+
+def test_a_slow_peer_is_not_an_error():
+    # EP = 4 (four processes on CI's two cores): rank 3 holds back its results for three times the bound while it
+    # stays alive. Its heartbeat keeps the others waiting without an error; the results are right.
+    bound, nap = 2.0, 6.0
+    results = run_on_ranks(_slow_peer_body, 4, 3, nap, bound)
+    x, index, weights, w1, w2 = _tiny_problem(4)
+    reference = loop_reference(x, index, weights, w1, w2)
+    for rank, (out, elapsed) in enumerate(results):
+        assert elapsed > nap, f"rank {rank} did not wait for the slow peer ({elapsed:.1f} s)"
+        torch.testing.assert_close(out, reference[4 * rank : 4 * rank + 4], rtol=1e-4, atol=1e-4)
+
+
 def _stalled_peer_body(rank, world):
+    if rank == 1:  # alive (its heartbeat runs) but never joins the exchange
+        start_heartbeat()
+        time.sleep(6.0)
+        return None
     x = torch.randn(4, 32)
     index = torch.tensor([[0, 1]] * 4)
     weights = torch.full((4, 2), 0.5)
     w1, w2 = torch.randn(1, 48, 32), torch.randn(1, 32, 24)
-    if rank == 1:  # never joins the exchange
-        time.sleep(6.0)
-        return None
-    opts = DispatchConfig(type="mega_moe", max_tokens_per_rank=4, comm_timeout_s=1.5)
+    opts = DispatchConfig(type="mega_moe", max_tokens_per_rank=4, comm_timeout_s=1.0, comm_stall_timeout_s=3.0)
     start = time.monotonic()
     try:
         fused_experts(x, index, weights, w1, w2, dispatch=opts, group=dist.group.WORLD)
@@ -169,10 +272,46 @@ def _stalled_peer_body(rank, world):
     return None
 
 
-def test_a_peer_that_never_arrives_is_an_error_not_a_hang():
+def test_a_live_peer_that_never_joins_is_an_error_not_a_hang():
+    # Rank 1 lives but never calls the layer (mismatched call counts): its heartbeat advances, so the silence bound
+    # (1 s) never trips; the stall bound (3 s) does, naming the peer that entered fewer exchanges.
     elapsed, message = run_on_ranks(_stalled_peer_body, 2)[0]
-    assert elapsed < 5.0
-    assert "rank 0" in message and "[1]" in message and "comm_timeout_s" in message
+    assert 3.0 <= elapsed < 5.5, elapsed
+    assert "rank 0" in message and "[1]" in message and "comm_stall_timeout_s" in message, message
+
+
+class _WorkDoneAsItsSliceEnds:
+    """A collective's work whose first timed wait runs out just as it completes."""
+
+    def __init__(self):
+        self.waits = []
+
+    def wait(self, timeout=None):
+        self.waits.append(timeout)
+        if timeout is not None:
+            raise RuntimeError("Operation timed out!")
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def test_a_work_that_completes_as_its_wait_slice_ends_is_no_error():
+    work = _WorkDoneAsItsSliceEnds()
+    wait_for_work(work, None, "dispatch of rows", WaitBounds(1.0, 10.0))  # returns: the work did complete
+    assert len(work.waits) == 2 and work.waits[-1] is None
+
+
+def test_wait_bounds_default_per_device(monkeypatch):
+    opts = DispatchConfig()
+    assert opts.comm_timeout_s is None and opts.comm_stall_timeout_s == 1800.0
+    cpu = wait_bounds(opts.comm_timeout_s, opts.comm_stall_timeout_s, torch.device("cpu"))
+    assert cpu == WaitBounds(300.0, 1800.0)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert wait_bounds(None, 1800.0, torch.device("cuda", 0)).silence_s == 10.0
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert wait_bounds(None, 1800.0, torch.device("cuda", 0)).silence_s == 300.0
+    assert wait_bounds(2.5, 60.0, torch.device("cuda", 0)) == WaitBounds(2.5, 60.0)
 
 
 def _node_check_body(rank, world):
@@ -191,7 +330,7 @@ def test_an_expert_parallel_group_must_stay_inside_one_node():
 
 def test_symmetric_memory_transport_needs_cuda():
     with pytest.raises(ValueError, match=r"transport = 'symmetric_memory' needs CUDA.*'collectives'"):
-        make_transport("symmetric_memory", None, 8, torch.device("cpu"), 5.0)
+        make_transport("symmetric_memory", None, 8, torch.device("cpu"), WaitBounds(5.0, 60.0))
 
 
 def _transport_choice_body(rank, world):
@@ -199,10 +338,11 @@ def _transport_choice_body(rank, world):
     index = torch.tensor([[0, 1]] * 4)
     weights = torch.full((4, 2), 0.5)
     w1, w2 = torch.randn(1, 48, 32), torch.randn(1, 32, 24)
-    auto = make_transport("auto", dist.group.WORLD, 4, x.device, 5.0)
-    # One transport per (name, group, capacity, device, timeout), reused by every call; other options, another one.
-    reused = make_transport("auto", dist.group.WORLD, 4, x.device, 5.0) is auto
-    distinct = make_transport("auto", dist.group.WORLD, 8, x.device, 5.0) is not auto
+    bounds = WaitBounds(5.0, 60.0)
+    auto = make_transport("auto", dist.group.WORLD, 4, x.device, bounds)
+    # One transport per (name, group, capacity, device, wait bounds), reused by every call; other options, another one.
+    reused = make_transport("auto", dist.group.WORLD, 4, x.device, WaitBounds(5.0, 60.0)) is auto
+    distinct = make_transport("auto", dist.group.WORLD, 8, x.device, bounds) is not auto
     errors = []
     opts = DispatchConfig(type="mega_moe", max_tokens_per_rank=4, transport="symmetric_memory")
     try:

@@ -196,6 +196,17 @@ COMPILES = [
         {"d_desc": None, "DENSE_A": False, "USE_TMA": False, "CAST_F32": False, "IEEE": False, "GROUP_M": 8},
         ["--config", "128,256,64,8,3", "--ones", "stride_cn"],
     ),
+    (
+        "prime_megamoe.kernels.signals:wait_flags_kernel",  # the symmetric-memory wait, with the peers' heartbeats
+        {"WORLD": 8, "WORLD_BLOCK": 8, "BEAT_NS": 1 << 20},
+        [
+            "--warps",
+            "1",
+            "--types",
+            '{"flags_ptr": "*i32", "beats_ptr": "*i32", "peer_beats_ptr": "*i64", "silence_ns": "i64", '
+            '"stall_ns": "i64"}',
+        ],
+    ),
 ]
 
 
@@ -214,6 +225,7 @@ COMPILES = [
         "gemm_tma_weights",
         "wgrad_tma",
         "wgrad_pointers",
+        "wait_flags",
     ],
 )
 def test_kernel_compiles_for_hopper(kernel, constexprs, extra):

@@ -4,50 +4,42 @@ Every rank contributes a block of exactly ``capacity`` rows (its tokens, padded)
 counts travel to the host and the calls are stream-ordered on GPU. Collectives here move bytes only (no reductions),
 so tensors travel as raw bytes (uint8), which every backend supports.
 
-Waits are bounded. On CPU (gloo) each exchange waits at most ``timeout_s`` and then raises an error naming this rank,
-the exchange and the peers of the group, instead of hanging. On GPU the exchange is enqueued on the stream (waiting
-on the host would add a sync); there the process group's own timeout (``init_process_group(timeout=...)``) and NCCL's
-watchdog turn a peer that never arrives into an error.
+Waits are bounded by the peers' liveness (``comm.liveness``). On CPU (gloo) an exchange waits as long as every peer
+of the group keeps publishing its heartbeat, and raises an error naming this rank, the exchange and the peer(s) once a
+peer has been silent for ``bounds.silence_s`` (``comm_timeout_s``: it is gone), once gloo reports a failure (a peer's
+connection closed), or once the wait has lasted ``bounds.stall_s`` (``comm_stall_timeout_s``: a live peer never joined
+it), instead of hanging. On GPU the exchange is enqueued on the stream (waiting on the host would add a sync); there
+the process group's own timeout (``init_process_group(timeout=...)``) and NCCL's watchdog turn a peer that never
+arrives into an error.
 """
 
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from .liveness import WaitBounds, entered_exchange, start_heartbeat, wait_for_work
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-def _finish(work, group, what: str, timeout_s: float | None) -> None:
+def _finish(work, group, what: str, bounds: WaitBounds | None) -> None:
     if work is None:
         return
-    if timeout_s is None or dist.get_backend(group) != "gloo":
+    if bounds is None or dist.get_backend(group) != "gloo":
         work.wait()
         return
-    try:
-        completed = work.wait(timeout=timedelta(seconds=timeout_s))
-    except RuntimeError as err:
-        completed = False
-        cause = f" ({str(err).splitlines()[0][:200]})"
-    else:
-        cause = ""
-    if completed is False:
-        rank = dist.get_rank(group)
-        peers = [p for p in dist.get_process_group_ranks(group) if p != dist.get_global_rank(group, rank)]
-        raise RuntimeError(
-            f"rank {rank} of the expert-parallel group: the {what} did not complete within {timeout_s:g} s; peers "
-            f"(global ranks) {peers} never delivered their blocks{cause}. Check that every rank of the group calls the "
-            f"MoE layer the same number of times, or raise [model.moe.dispatch] comm_timeout_s."
-        )
+    start_heartbeat()  # peers judge this rank by it (idempotent)
+    entered_exchange(group)
+    wait_for_work(work, group, what, bounds)
 
 
 def all_gather_blocks(
-    block: torch.Tensor, group, timeout_s: float | None = None, what="dispatch", out: torch.Tensor | None = None
+    block: torch.Tensor, group, bounds: WaitBounds | None = None, what="dispatch", out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """[C, ...] on each of W ranks -> [W*C, ...] on every rank (rank r's block at rows [r*C, (r+1)*C)), into ``out``
     (contiguous) when given."""
@@ -56,15 +48,15 @@ def all_gather_blocks(
         out = block.new_empty((world * block.shape[0], *block.shape[1:]))
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     work = gather(_wire(out), _wire(block.contiguous()), group=group, async_op=True)
-    _finish(work, group, what, timeout_s)
+    _finish(work, group, what, bounds)
     return out
 
 
-def exchange_blocks(blocks: torch.Tensor, group, timeout_s: float | None = None, what="combine") -> torch.Tensor:
+def exchange_blocks(blocks: torch.Tensor, group, bounds: WaitBounds | None = None, what="combine") -> torch.Tensor:
     """[W*C, ...]: block s goes to rank s. Returns [W*C, ...] whose block s came from rank s."""
     out = torch.empty_like(blocks)
     work = dist.all_to_all_single(_wire(out), _wire(blocks.contiguous()), group=group, async_op=True)
-    _finish(work, group, what, timeout_s)
+    _finish(work, group, what, bounds)
     return out
 
 

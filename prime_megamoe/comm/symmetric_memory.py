@@ -14,6 +14,8 @@ and row results of width H:
     pair_res   [W, C, k]    fp32   top-k weight gradients for this rank's tokens (backward); slot q by rank q
     flags      [2, W]       int32  channel 0: "rank q pushed its round-n block here",
                                    channel 1: "rank q wrote its slot, round n"
+    heartbeat  [2, W]       int32  slot q: rank q's heartbeat (``comm.liveness``), advanced by its heartbeat thread
+                                   (row 0, every 0.2 s) and by its wait kernels while they spin (row 1, every ms)
 
 Per rank: 2 W C (sum of the parts' bytes per row) + W C H (results) + small parts; bf16 tokens at the
 Qwen3-30B-A3B shape (H = 2048), W = 8, C = 16384: 1.5 GiB; fp8 tokens: 1.0 GiB.
@@ -28,7 +30,7 @@ A round on rank r (see ``comm.transport``), with streams `compute` (the caller's
   Copy-engine work and stream memory operations only, so nothing on `comm` waits for an SM while the GEMMs hold
   them all (only a routing no fill wrote takes a small conversion kernel first). The forward pushes right after its
   own first FC1 is queued, the backward after its own first GEMM.
-- the first use of a peer's routing or rows: `compute` waits (a small kernel, bounded by the timeout) for every
+- the first use of a peer's routing or rows: `compute` waits (a small kernel, bounded: see below) for every
   peer's flag of this round; the peers' plans then read their routing in place and the GEMMs read their rows from
   the inbox. A caller that keeps the rows past the round (the forward with autograd) gets a private copy, written on
   `comm` from the inbox and from its own block while the GEMMs run; a caller that reads its own block among the
@@ -36,6 +38,13 @@ A round on rank r (see ``comm.transport``), with streams `compute` (the caller's
 - send(s): results for rank s's tokens go straight into rank r's own slot when s = r; otherwise into a staging
   buffer that `comm` copies into rank s's slot r, then flags channel 1 on rank s.
 - finish: wait (compute) for channel 1 from every peer, then return the slots; the caller sums them in rank order.
+
+Waits are bounded by the peers' liveness, not by their speed. The wait kernel restarts a peer's clock whenever the
+peer's heartbeat changes, and traps once a peer it waits for has been silent for ``comm_timeout_s`` (it is gone) or the
+wait has lasted ``comm_stall_timeout_s`` (a live peer never joined). A rank's heartbeat thread writes row 0 with stream
+write-value operations on a stream of its own; its wait kernels write row 1 themselves, because with few hardware
+queues (``CUDA_DEVICE_MAX_CONNECTIONS=1``) the thread's writes can queue behind a rank's own spinning wait kernel while
+that rank waits for a third, slow one.
 
 Why reuse is safe without extra flags. The inbox alternates between two halves by round parity: rank q pushes
 round n into this rank's half n % 2 only after its own round n started, i.e. after it received this rank's results
@@ -51,12 +60,14 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
 
-from ..kernels.signals import wait_flags_kernel
+from ..kernels.signals import KERNEL_BEAT_NS, wait_flags_kernel
 from ..ops.compiled_launch import launch
+from .liveness import WaitBounds, heartbeat
 from .transport import PAIR_RESULTS, ROW_RESULTS, BlockParts, Transport
 
 log = logging.getLogger("prime_megamoe")
@@ -100,6 +111,7 @@ class SymmetricWorkspace:
             "row_res": ((world, capacity, hidden), dtype),
             "pair_res": ((world, capacity, top_k), torch.float32),
             "flags": ((2, world), torch.int32),
+            "heartbeat": ((2, world), torch.int32),
         }
         offsets, total = {}, 0  # in elements of each region's dtype, regions aligned to _ALIGN bytes
         for name, (shape, dt) in regions.items():
@@ -127,6 +139,7 @@ class SymmetricWorkspace:
         self.gathered = [tuple(self.local[name][p].view(world * capacity, -1) for name in inboxes) for p in range(2)]
         self.outbox = [{q: tuple(self.views[q][name][p][rank] for name in inboxes) for q in peers} for p in range(2)]
         self.round = 0
+        self._start_heartbeat(device)
         # High priority: the one kernel this stream may run (the routing's conversion when no fill wrote it) gets an
         # SM as soon as one frees up, instead of queueing behind a GEMM's blocks; the rest is copies and flags.
         self.comm_stream = torch.cuda.Stream(device=device, priority=-1)
@@ -150,18 +163,53 @@ class SymmetricWorkspace:
         never queues behind the GEMMs' blocks as a kernel would."""
         torch.ops.symm_mem.stream_write_value32_(self.flag_words[peer], channel * self.world + self.rank, value)
 
-    def wait(self, channel: int, value: int, timeout_s: float) -> None:
-        """Hold this stream until every peer has set its flag on ``channel`` to ``value`` or more."""
+    def _start_heartbeat(self, device: torch.device) -> None:
+        """Every peer is zeroed and rendezvoused: from now on the heartbeat thread writes this rank's heartbeat (row
+        0, slot ``rank``) into every peer's workspace, and the wait kernels find each peer's row 1 in ``peer_beats``."""
+        self.device = device
+        self.peer_beats = torch.tensor(
+            [self.views[q]["heartbeat"].data_ptr() for q in range(self.world)], dtype=torch.int64, device=device
+        )
+        self.beat_words = [self.views[q]["heartbeat"].view(torch.uint32).view(-1) for q in range(self.world)]
+        del self.beat_words[self.rank]
+        self.beat_stream = torch.cuda.Stream(device=device, priority=-1)
+        # Beats while the workspace lives (a released one until the last round holding it is done), not longer: the
+        # thread holds it only weakly.
+        key, method = ("symmetric_memory", id(self)), weakref.WeakMethod(self._beat)
+
+        def beat(count: int) -> None:
+            live = method()
+            if live is None:
+                heartbeat().remove(key)
+            else:
+                live(count)
+
+        heartbeat().add(key, beat)
+
+    def _beat(self, count: int) -> None:
+        """From the heartbeat thread: ``count`` into this rank's slot of every peer's heartbeat, on a stream that
+        holds nothing else (write-value operations: no SM, no wait for the layer's work)."""
+        with torch.cuda.device(self.device), torch.cuda.stream(self.beat_stream):
+            for words in self.beat_words:
+                torch.ops.symm_mem.stream_write_value32_(words, self.rank, count)
+
+    def wait(self, channel: int, value: int, bounds: WaitBounds) -> None:
+        """Hold this stream until every peer has set its flag on ``channel`` to ``value`` or more; trap once a peer
+        waited for is silent for ``bounds.silence_s`` or the wait lasts ``bounds.stall_s``."""
         launch(
             wait_flags_kernel,
             (1,),
             self.local["flags"],
+            self.local["heartbeat"],
+            self.peer_beats,
             value,
             self.rank,
             channel,
-            int(timeout_s * 1e9),
+            int(bounds.silence_s * 1e9),
+            int(bounds.stall_s * 1e9),
             WORLD=self.world,
             WORLD_BLOCK=max(2, 1 << (self.world - 1).bit_length()),
+            BEAT_NS=KERNEL_BEAT_NS,
             num_warps=1,
         )
 
@@ -195,8 +243,8 @@ class SymmetricMemoryTransport(Transport):
     """Transport over the shared workspace of its group and shapes (see the module docstring); one object serves
     every round of its group, one round at a time."""
 
-    def __init__(self, group, capacity: int, device: torch.device, timeout_s: float):
-        super().__init__(group, capacity, device, timeout_s)
+    def __init__(self, group, capacity: int, device: torch.device, bounds: WaitBounds):
+        super().__init__(group, capacity, device, bounds)
         self.workspace: SymmetricWorkspace | None = None
 
     def _workspace(self, parts: BlockParts, results: tuple[int, torch.dtype], top_k: int) -> SymmetricWorkspace:
@@ -312,7 +360,7 @@ class SymmetricMemoryTransport(Transport):
             return
         self._push()
         ws, c = self.workspace, self.capacity
-        ws.wait(PUBLISHED, self.round, self.timeout_s)  # on compute: the GEMMs that read the blocks come next
+        ws.wait(PUBLISHED, self.round, self.bounds)  # on compute: the GEMMs that read the blocks come next
         self._peers_in = True
         if self._kept is not None:
             arrived = torch.Event(self.device)
@@ -381,7 +429,7 @@ class SymmetricMemoryTransport(Transport):
     def finish(self):
         ws = self.workspace
         self._await_peers()  # keeps each round's protocol whole even if no peer block was read
-        ws.wait(RETURNED, self.round, self.timeout_s)
+        ws.wait(RETURNED, self.round, self.bounds)
         comm_done = torch.Event(self.device)  # what compute waits for: staging and the kept copy are written on comm
         comm_done.record(ws.comm_stream)
         comm_done.wait()

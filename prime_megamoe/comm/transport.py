@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_gather_blocks, exchange_blocks, host_max, pad_rows
+from .liveness import WaitBounds
 
 # Result kinds a round returns to the source ranks: "rows" [C, H] (the layer output, or the token gradient, in the
 # ``results`` dtype), "pairs" [C, k] fp32 (the top-k weight gradient, backward only).
@@ -62,14 +63,14 @@ class Transport:
     """Interface of one expert-parallel group's exchange (see the module docstring). ``capacity``: the most rows a
     block may hold (``max_tokens_per_rank``); ``block_rows``: the rows of every block in the current round."""
 
-    def __init__(self, group, capacity: int, device: torch.device, timeout_s: float | None):
+    def __init__(self, group, capacity: int, device: torch.device, bounds: WaitBounds | None):
         self.group = group
         self.device = device
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.capacity = capacity
         self.block_rows = capacity
-        self.timeout_s = timeout_s
+        self.bounds = bounds  # how long a wait may last: a peer's silence, and a stall (``comm.liveness``)
         # Buffers the layer keeps per transport and reuses round after round (``ep_pipeline.lease_forward_plan``)
         self.reused: dict = {}
 
@@ -149,7 +150,7 @@ class CollectiveTransport(Transport):
     """torch.distributed collectives (gloo on CPU, NCCL on GPU): the blocks in one all_gather (at ``start``, or once
     the caller has written its block), the results in one all_to_all at ``finish``. A round's blocks hold the most
     rows any rank sends in it (agreed on the host), not ``capacity``: padding is neither moved nor computed. Waits
-    are bounded by ``timeout_s`` on gloo (see ``collectives``)."""
+    on gloo are bounded by the peers' liveness (see ``collectives`` and ``liveness``)."""
 
     def start(self, block, routing, kinds, top_k, *, results, num_rows=None, keep=False, read_own=False):
         layout = block if isinstance(block, BlockParts) else BlockParts.of(block)
@@ -164,15 +165,13 @@ class CollectiveTransport(Transport):
             self._exchanged = False
         else:
             self._gathered = tuple(
-                all_gather_blocks(pad_rows(t, c), self.group, self.timeout_s, "dispatch of rows") for t in block
+                all_gather_blocks(pad_rows(t, c), self.group, self.bounds, "dispatch of rows") for t in block
             )
             self._exchanged = True
         self._routing = None
         if routing is not None:
             padded = (pad_rows(routing[0].to(torch.int32), c, -1), pad_rows(routing[1].float(), c))
-            self._routing = tuple(
-                all_gather_blocks(t, self.group, self.timeout_s, "dispatch of routing") for t in padded
-            )
+            self._routing = tuple(all_gather_blocks(t, self.group, self.bounds, "dispatch of routing") for t in padded)
         self._staging = {}
         width, dtype = results
         for kind in kinds:
@@ -196,7 +195,7 @@ class CollectiveTransport(Transport):
         c, r = self.block_rows, self.rank
         for g in self._gathered:
             own = g[r * c : (r + 1) * c].clone()  # (the collective's input must not alias its output)
-            all_gather_blocks(own, self.group, self.timeout_s, "dispatch of rows", out=g)
+            all_gather_blocks(own, self.group, self.bounds, "dispatch of rows", out=g)
         self._exchanged = True
 
     def wait_rows(self, source):
@@ -217,6 +216,6 @@ class CollectiveTransport(Transport):
         out = {}
         for kind, buf in self._staging.items():
             flat = buf.view(self.world * self.block_rows, *buf.shape[2:])
-            out[kind] = exchange_blocks(flat, self.group, self.timeout_s, f"return of results ({kind})").view(buf.shape)
+            out[kind] = exchange_blocks(flat, self.group, self.bounds, f"return of results ({kind})").view(buf.shape)
         self._staging, self._gathered = {}, None
         return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..comm.liveness import start_heartbeat
 from ..config import MoEConfig
 from ..functional import fused_experts
 
@@ -19,6 +20,8 @@ class TokenDispatcher:
     def __init__(self, moe: MoEConfig, group: dist.ProcessGroup | None = None):
         self.moe = moe
         self.group = group
+        if group is not None and dist.get_world_size(group) > 1:
+            start_heartbeat()  # the peers' waits judge this rank alive by it, from before its first layer call
 
     @property
     def backend(self) -> str:

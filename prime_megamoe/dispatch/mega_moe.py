@@ -8,6 +8,7 @@ import torch.distributed as dist
 from ..comm.capacity import exchange_capacity
 from ..comm.collectives import check_group_within_node
 from ..comm.factory import make_transport
+from ..comm.liveness import wait_bounds
 from ..config import DispatchConfig
 from ..kernels.tuning import tile_m
 from ..ops.ep_pipeline import expert_parallel_experts
@@ -60,7 +61,8 @@ def mega_moe_experts(
     check_group_within_node(group)
     # Dispatch, expert GEMMs and combine pipelined per source rank (ops/ep_pipeline.py), in every precision.
     capacity = exchange_capacity(options.max_tokens_per_rank, group, hidden_states)
-    transport = make_transport(options.transport, group, capacity, hidden_states.device, options.comm_timeout_s)
+    bounds = wait_bounds(options.comm_timeout_s, options.comm_stall_timeout_s, hidden_states.device)
+    transport = make_transport(options.transport, group, capacity, hidden_states.device, bounds)
     return expert_parallel_experts(
         hidden_states,
         top_k_index,

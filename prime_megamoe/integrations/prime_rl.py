@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..comm.factory import make_transport
+from ..comm.liveness import wait_bounds
 from ..config import DispatchConfig, Precision
 from ..functional import fused_experts
 from ..ops.ep_stages import block_layouts
@@ -155,7 +156,8 @@ class MegaMoETokenDispatcher:
         if capacity is None:
             return  # sized by the first call (prime-rl always passes its seq_len)
         device = torch.device("cuda", torch.cuda.current_device())
-        transport = make_transport(self.options.transport, self.group, capacity, device, self.options.comm_timeout_s)
+        bounds = wait_bounds(self.options.comm_timeout_s, self.options.comm_stall_timeout_s, device)
+        transport = make_transport(self.options.transport, self.group, capacity, device, bounds)
         fmt = None if self.precision == "bf16" else quantized_format(self.precision, self.options.fp8_pow2_scales)
         for parts in block_layouts(self.precision, fmt, self.hidden_size, torch.bfloat16):
             transport.reserve(parts, (self.hidden_size, torch.bfloat16), self.top_k)

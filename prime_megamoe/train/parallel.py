@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..comm.liveness import start_heartbeat
 from ..integrations.transformers import ExpertParallel, experts_modules, init_expert_parallel
 
 
@@ -57,6 +58,8 @@ def init_runtime(device_pref: str, ep: int, data_parallel: str) -> Runtime:
         owns = True
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        start_heartbeat()  # expert-parallel waits judge a rank alive by it (``comm.liveness``), from the start
     # One rank has nothing to shard or reduce: FSDP only with several ranks.
     fsdp = world > 1 and (data_parallel == "fsdp" or (data_parallel == "auto" and use_cuda))
     return Runtime(rank, world, local_rank, device, init_expert_parallel(ep), fsdp, owns)
