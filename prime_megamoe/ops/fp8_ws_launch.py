@@ -206,8 +206,9 @@ def fp8_grouped_gemm_ws(
     from ..kernels.fp8_gemm_ws import fp8_grouped_gemm_ws_kernel
 
     aq_data, aq_scale, bq_data, bq_scale = aq.data, aq.scale, bq.data, bq.scale
-    rows, n, k = plan.num_pairs, bq_data.shape[1], bq_data.shape[2] // segments
-    if rows == 0 or aq_data.shape[0] == 0:  # no rows (a rank that receives nothing): no tiles, no descriptor
+    # The kernel bounds its sorted-row loads by every sorted row of the buffers (a segment's view indexes them all)
+    rows, n, k = plan.sorted_rows, bq_data.shape[1], bq_data.shape[2] // segments
+    if plan.num_pairs == 0 or aq_data.shape[0] == 0:  # no rows (a rank that receives nothing): no tiles
         return
     a_desc, b_desc, c_desc, tma_store = _descriptors(aq_data, weight_descriptor(bq, config.block_n), c, config)
     tiles = plan.max_tiles * (QTILE_M // config.block_m) * cdiv(n, config.block_n)
@@ -363,8 +364,9 @@ def fp8_fc1_swiglu_ws(
     from ..kernels.fp8_fc1_ws import fp8_fc1_swiglu_ws_kernel
 
     clamp_limit, clamp = clamp_kernel_args(activation_clamp)
-    rows, hidden = plan.num_pairs, xq.data.shape[1]
-    if rows == 0 or xq.data.shape[0] == 0:  # no rows (a rank that receives nothing): nothing to compute
+    # The kernel bounds its sorted-row loads by every sorted row of the buffers (a segment's view indexes them all)
+    rows, hidden = plan.sorted_rows, xq.data.shape[1]
+    if plan.num_pairs == 0 or xq.data.shape[0] == 0:  # no rows (a rank that receives nothing): nothing to compute
         return
     if w1q.scale.stride(2) != 1:
         raise ValueError("W1's block scales must be contiguous along K")

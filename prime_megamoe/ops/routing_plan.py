@@ -144,7 +144,10 @@ def allocate_routing_plan(
     if split_expert is not None and not 0 <= split_expert <= num_local_experts:
         raise ValueError(f"split_expert = {split_expert} is outside [0, {num_local_experts}]")
     layout, total = _plan_layout(num_rows, top_k, num_local_experts, tile_m, num_segments, split_expert)
-    storage = torch.empty(total, dtype=torch.int32, device=device)  # every part is a view of this one buffer
+    # Every part is a view of this one buffer, zeroed once: sorted rows no fill places (dropped slots, a segment's
+    # rows past its pairs) keep a valid source row (0), as kernels that load a whole tile's row_src before masking by
+    # the expert's end read them (the warp-specialised fp8 kernels' producers).
+    storage = torch.zeros(total, dtype=torch.int32, device=device)
 
     def part(name):
         first, size = layout[name]
@@ -170,7 +173,6 @@ def allocate_routing_plan(
         plan.split_expert = split_expert
         plan.half_tile_expert, plan.half_tile_row = part("half_tile_expert"), part("half_tile_row")
         plan.half_num_tiles = part("half_num_tiles").view(num_segments, 2)
-    plan.counts.zero_()
     return plan
 
 
