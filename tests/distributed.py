@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .interpreter_speed import install as install_interpreter_speed
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -24,6 +26,7 @@ def _worker(rank, world, port, fn, args, queue):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
+    install_interpreter_speed()
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         result = fn(rank, world, *args)

@@ -17,7 +17,7 @@ from prime_megamoe import MoEConfig, load_config
 from prime_megamoe.integrations.prime_rl import MegaMoEDispatchConfig, MegaMoETokenDispatcher
 
 from .distributed import run_on_ranks
-from .oracle import ragged_routing, rel_err
+from .oracle import bf16_as_stored_by_kernels, clamp_gate_up, ragged_routing, rel_err
 
 HIDDEN, INTER, EXPERTS, TOP_K, SHARED_INTER = 32, 16, 8, 2, 24
 TOL = 2e-2  # bf16 activations and GEMM operands
@@ -106,15 +106,18 @@ def make_problem(tokens_per_rank: list[int], seed: int, clamp: float | None):
 
 def reference(x, index, scores, w1, w2, shared, grad_out, clamp):
     """float64: (out, dx, d scores, dW1, dW2) of the routed experts (a zero score contributes nothing and gets no
-    gradient) plus the shared expert."""
+    gradient) plus the shared expert. The clamp is decided on h as the layer keeps it (from the bf16 weights it
+    computes with, stored in bf16): an h within a bf16 rounding of the limit is clamped on one side of it only."""
     leaves = [t.detach().double().requires_grad_() for t in (x, scores, w1, w2)]
     xd, sd, w1d, w2d = leaves
+    w1_used = w1.bfloat16().double()
     out = torch.zeros_like(xd)
     for e in range(w1.shape[0]):
         rows, slots = ((index == e) & (scores != 0)).nonzero(as_tuple=True)
         g, u = (xd[rows] @ w1d[e].T).chunk(2, dim=-1)
         if clamp is not None:
-            g, u = g.clamp(max=clamp), u.clamp(-clamp, clamp)
+            kept = bf16_as_stored_by_kernels(xd[rows].detach() @ w1_used[e].T)
+            g, u = clamp_gate_up(g, u, clamp, kept.chunk(2, dim=-1))
         out = out.index_add(0, rows, (F.silu(g) * u) @ w2d[e].T * sd[rows, slots, None])
     sg, su, sdn = (t.double() for t in shared)
     out = out + (F.silu(xd @ sg.T) * (xd @ su.T)) @ sdn.T

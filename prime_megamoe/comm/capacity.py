@@ -16,6 +16,7 @@ import torch
 
 from .collectives import host_max
 from .factory import release_transports
+from .liveness import WaitBounds
 
 log = logging.getLogger("prime_megamoe")
 
@@ -23,12 +24,14 @@ ROUND_ROWS = 64
 _GROWN: dict[int, tuple] = {}  # id(group) -> (group, capacity so far)
 
 
-def exchange_capacity(configured: int | None, group, hidden_states: torch.Tensor) -> int:
+def exchange_capacity(
+    configured: int | None, group, hidden_states: torch.Tensor, bounds: WaitBounds | None = None
+) -> int:
     """Rows per rank's block for this call of the group's layer (see the module docstring)."""
     num_tokens = hidden_states.shape[0]
     if configured is not None:
         return configured
-    most = host_max(num_tokens, group)
+    most = host_max(num_tokens, group, bounds, "agreement on max_tokens_per_rank")
     _, current = _GROWN.get(id(group), (group, 0))
     if most <= current:
         return current

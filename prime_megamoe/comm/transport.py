@@ -155,7 +155,8 @@ class CollectiveTransport(Transport):
     def start(self, block, routing, kinds, top_k, *, results, num_rows=None, keep=False, read_own=False):
         layout = block if isinstance(block, BlockParts) else BlockParts.of(block)
         rows = num_rows if isinstance(block, BlockParts) else block[0].shape[0]
-        c = self.block_rows = max(host_max(rows, self.group), 1)
+        agreed = host_max(rows, self.group, self.bounds, "dispatch of rows (its size, agreed first)")
+        c = self.block_rows = max(agreed, 1)
         w, device = self.world, self.device
         self._rows = rows
         if isinstance(block, BlockParts):

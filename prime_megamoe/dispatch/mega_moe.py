@@ -60,8 +60,8 @@ def mega_moe_experts(
         )
     check_group_within_node(group)
     # Dispatch, expert GEMMs and combine pipelined per source rank (ops/ep_pipeline.py), in every precision.
-    capacity = exchange_capacity(options.max_tokens_per_rank, group, hidden_states)
     bounds = wait_bounds(options.comm_timeout_s, options.comm_stall_timeout_s, hidden_states.device)
+    capacity = exchange_capacity(options.max_tokens_per_rank, group, hidden_states, bounds)
     transport = make_transport(options.transport, group, capacity, hidden_states.device, bounds)
     return expert_parallel_experts(
         hidden_states,

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 
 from ..kernels.routing import routing_keys_kernel, routing_place_kernel
+from ..kernels.tuning import interpreting
 from .compiled_launch import launch
 from .sizes import cdiv, next_power_of_2
 
@@ -205,6 +206,15 @@ def _plan_layout(num_rows, top_k, num_local, tile_m, num_segments, split_expert)
 
 
 ROUTING_CHUNK = 1024  # pairs per program of the routing kernels
+# Under the interpreter a program's sort costs Python work per element and stage: small chunks (several per call at
+# the tests' sizes, so the cross-chunk counts are exercised) keep a CPU test's plan cheap.
+INTERPRETED_ROUTING_CHUNK = 64
+
+
+def routing_chunk() -> int:
+    """Pairs per program of the routing kernels: ``ROUTING_CHUNK`` compiled, ``INTERPRETED_ROUTING_CHUNK`` under the
+    interpreter."""
+    return INTERPRETED_ROUTING_CHUNK if interpreting() else ROUTING_CHUNK
 
 
 class RowQuantization(NamedTuple):
@@ -230,7 +240,7 @@ def routing_keys(
     segment_pairs: int,
     expert_base: int,
     num_local_experts: int,
-    chunk: int = ROUTING_CHUNK,
+    chunk: int | None = None,
     scratch=None,
     copy_routing=None,
     quantize: RowQuantization | None = None,
@@ -243,6 +253,7 @@ def routing_keys(
     internal call, unchecked): the same launch also writes the ids and weights there. ``quantize``: the same launch
     also quantises those rows."""
     num_pairs = top_k_index.numel()
+    chunk = chunk or routing_chunk()
     chunks = max(cdiv(num_pairs, chunk), 1)
     num_bins = next_power_of_2(counts.numel() + 2)  # keys 0..n*E_l (the last: elsewhere), one for padding
     size = num_pairs + chunks * num_bins
@@ -310,7 +321,7 @@ def fill_routing_plan(
     *,
     expert_base: int,
     first_segment: int = 0,
-    chunk: int = ROUTING_CHUNK,
+    chunk: int | None = None,
     copy_to: tuple[torch.Tensor, torch.Tensor] | None = None,
     quantize: RowQuantization | None = None,
 ) -> None:
@@ -321,6 +332,7 @@ def fill_routing_plan(
     ``copy_to`` (ids int32, weights fp32, both [n * R_s, k] contiguous): the first launch also copies the routing
     there, converted (a rank's published routing, ``Transport.routing_sink``). ``quantize``: the first launch also
     quantises those rows (``RowQuantization``)."""
+    chunk = chunk or routing_chunk()
     seg_rows = plan.num_rows // plan.num_segments
     rows, top_k = top_k_index.shape
     num_segments = rows // seg_rows if seg_rows else plan.num_segments  # no rows: every segment is empty

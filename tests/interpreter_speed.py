@@ -1,0 +1,57 @@
+"""Less host work per interpreted kernel, for the CPU tests (the semantics of every kernel are untouched).
+
+Triton's interpreter swaps ``triton.language``'s functions for interpreted ones at each launch and again at every
+call of a ``@triton.jit`` helper inside the kernel, although the launch has already swapped them: the repeated swap
+(``inspect.getmembers`` over the language modules) is a fifth of a layer test's time. ``install()`` skips the swap of
+a helper call when the launch around it has already swapped every language module the helper sees; anything else
+goes through the interpreter's own code. Where this Triton has no such internals, nothing is changed.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+_INSTALLED = [False]
+
+
+def install() -> None:
+    if _INSTALLED[0]:
+        return
+    _INSTALLED[0] = True
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch_lang, grid_call = getattr(interpreter, "_patch_lang", None), getattr(interpreter.GridExecutor, "__call__")
+    if patch_lang is None:
+        return
+    state = {"depth": 0, "patched": set()}
+
+    class _Nothing:
+        def restore(self):
+            pass
+
+    def lang_modules(fn) -> set[int]:
+        return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and (v is tl or v is tl.core)}
+
+    def patch_once_per_launch(fn):
+        langs = lang_modules(fn)
+        if state["depth"] and langs and langs <= state["patched"]:
+            return _Nothing()
+        scope = patch_lang(fn)
+        if state["depth"]:
+            state["patched"] |= langs
+        return scope
+
+    def launch(self, *args, **kwargs):
+        state["depth"] += 1
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            state["depth"] -= 1
+            if not state["depth"]:
+                state["patched"].clear()
+
+    interpreter._patch_lang = patch_once_per_launch
+    interpreter.GridExecutor.__call__ = launch
