@@ -23,9 +23,11 @@ def install() -> None:
         from triton.runtime import interpreter
     except ImportError:
         return
-    patch_lang, grid_call = getattr(interpreter, "_patch_lang", None), getattr(interpreter.GridExecutor, "__call__")
-    if patch_lang is None:
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    executor = getattr(interpreter, "GridExecutor", None)
+    if patch_lang is None or executor is None:
         return
+    grid_call = executor.__call__
     state = {"depth": 0, "patched": set()}
 
     class _Nothing:
@@ -54,4 +56,4 @@ def install() -> None:
                 state["patched"].clear()
 
     interpreter._patch_lang = patch_once_per_launch
-    interpreter.GridExecutor.__call__ = launch
+    executor.__call__ = launch
