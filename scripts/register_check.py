@@ -1,5 +1,6 @@
 """Usage: python scripts/register_check.py MODULE:KERNEL [--constexprs JSON] [--config BM,BN,BK,WARPS,STAGES ...]
         [--ones NAME ...] [--types JSON] [--sass] [--listing FILE]
+       python scripts/register_check.py --serve
 
 Compile a package kernel for Hopper (sm_90) on a machine without a GPU and print its registers, spills and shared
 memory, per config: a register-pressure check before spending GPU time. For example:
@@ -16,7 +17,9 @@ typed by name: ``*_ptr`` are pointers (int32 for index-like names, fp32 for weig
 "tensordesc<bf16[64, 256]>"; a descriptor the config leaves unused: null in --constexprs). --sass adds the kernel's
 static SASS instruction count by opcode (loops counted once: for unrolled kernels it is what a program issues) and
 each loop body's instruction count (a trip's, for kernels with loops); --listing FILE writes the SASS listing there.
-Uses Triton's own ptxas and cuobjdump; needs TRITON_INTERPRET unset.
+Uses Triton's own ptxas and cuobjdump; needs TRITON_INTERPRET unset. --serve answers many checks in one process
+(the CPU tests' compile checks): one JSON list of the arguments above a line on stdin, one JSON line back,
+{"ok": true, "out": the printed table} or {"ok": false, "out": the error}.
 
 Gluon kernels (``@gluon.jit``) compile the same way; a descriptor type without a layout gets the default NVMMA shared
 layout of its block, ``num_warps`` comes from --warps and --maxnreg caps the launch-time registers (warp-specialised
@@ -32,7 +35,9 @@ import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
+import traceback
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -203,7 +208,8 @@ def wgmma_serialised(ptx: str) -> bool:
     return "wgmma.mma_async instructions are serialized" in out.stdout + out.stderr
 
 
-def main():
+def report(argv: list[str]) -> str:
+    """The table this script prints for the arguments ``argv``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("kernel", help="module:name, e.g. prime_megamoe.kernels.grouped_gemm:grouped_gemm_kernel")
     p.add_argument("--constexprs", default="{}", help="JSON object of constexpr values")
@@ -216,9 +222,7 @@ def main():
     p.add_argument("--maxnreg", type=int, default=None, help="launch-time register cap (warp-specialised kernels)")
     p.add_argument("--sass", action="store_true", help="also print static SASS instruction counts by opcode")
     p.add_argument("--listing", default=None, help="with --sass: write the SASS listing to this file")
-    args = p.parse_args()
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        raise SystemExit("unset TRITON_INTERPRET: the interpreter has no compiled kernels")
+    args = p.parse_args(argv)
     module, name = args.kernel.split(":")
     kernel = getattr(importlib.import_module(module), name)
     base = json.loads(args.constexprs)
@@ -229,7 +233,7 @@ def main():
             continue
         bm, bn, bk, warps, stages = (int(v) for v in config.split(","))
         runs.append((config, {**base, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, warps, stages))
-    print(f"{'config':22s} {'registers':>9s} {'spill B':>8s} {'smem B':>8s} {'partition':>15s} wgmma")
+    lines = [f"{'config':22s} {'registers':>9s} {'spill B':>8s} {'smem B':>8s} {'partition':>15s} wgmma"]
     for label, constexprs, warps, stages in runs:
         use = resource_usage(
             kernel,
@@ -244,17 +248,39 @@ def main():
         )
         parts = ",".join(str(r) for r in use["partition_registers"]) or "-"
         wgmma = "serialised" if use["wgmma_serialised"] else "ok"
-        print(
+        lines.append(
             f"{label:22s} {use['registers']:9d} {use['spill_bytes']:8d} {use['shared_bytes']:8d} {parts:>15s} {wgmma}"
         )
         if args.sass:
             counts = use["sass_counts"]
-            print(f"  SASS: {sum(counts.values())} instructions; " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+            lines.append(
+                f"  SASS: {sum(counts.values())} instructions; " + ", ".join(f"{k} {v}" for k, v in counts.items())
+            )
             loops = ", ".join(f"{n} at {first:#x}" for first, n in use["sass_loops"]) or "none"
-            print(f"  loops (instructions a trip, first address): {loops}")
+            lines.append(f"  loops (instructions a trip, first address): {loops}")
             if args.listing:
                 with open(args.listing, "w") as f:
                     f.write(use["sass_listing"])
+    return "\n".join(lines) + "\n"
+
+
+def serve() -> None:
+    """--serve: a report per JSON argument list read from stdin, one JSON line each (see the module docstring)."""
+    for line in sys.stdin:
+        try:
+            reply = {"ok": True, "out": report(json.loads(line))}
+        except BaseException:  # noqa: BLE001 - argparse's exit and compile errors alike go back to the caller
+            reply = {"ok": False, "out": traceback.format_exc()}
+        print(json.dumps(reply), flush=True)
+
+
+def main():
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("unset TRITON_INTERPRET: the interpreter has no compiled kernels")
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        print(report(sys.argv[1:]), end="")
 
 
 if __name__ == "__main__":

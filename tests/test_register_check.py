@@ -5,9 +5,11 @@ rest of the CPU suite uses."""
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import json
 import os
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -46,20 +48,44 @@ CASES = [
 ]
 
 
+class _CompileServer:
+    """One ``register_check.py --serve`` process for every compile check of this process: Python, torch and Triton
+    are imported once, not once per kernel."""
+
+    def __init__(self):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent.parent), env.get("PYTHONPATH", "")])
+        self.proc = subprocess.Popen(
+            [sys.executable, str(SCRIPT), "--serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
+        atexit.register(self.proc.kill)
+
+    def ask(self, argv: list[str], timeout: float = 300.0) -> dict:
+        self.proc.stdin.write(json.dumps(argv) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        assert ready, f"register_check.py --serve gave no answer within {timeout:g} s for {argv}"
+        line = self.proc.stdout.readline()
+        assert line, f"register_check.py --serve exited ({self.proc.poll()}) on {argv}"
+        return json.loads(line)
+
+
+_SERVER: list[_CompileServer] = []
+
+
 def compile_for_hopper(kernel: str, constexprs: dict, extra: list[str]) -> list[list[str]]:
     """The script's rows (config, registers, spill bytes, shared bytes) for ``kernel``; fails on a compile error."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent.parent), env.get("PYTHONPATH", "")])
-    out = subprocess.run(
-        [sys.executable, str(SCRIPT), kernel, "--constexprs", json.dumps(constexprs), *extra],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = [line.split() for line in out.stdout.splitlines()[1:] if line.strip()]
-    assert rows, out.stdout
+    if not _SERVER or _SERVER[0].proc.poll() is not None:
+        _SERVER[:] = [_CompileServer()]
+    reply = _SERVER[0].ask([kernel, "--constexprs", json.dumps(constexprs), *extra])
+    assert reply["ok"], reply["out"][-2000:]
+    rows = [line.split() for line in reply["out"].splitlines()[1:] if line.strip()]
+    assert rows, reply["out"]
     return rows
 
 
