@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     # Must be set before Triton compiles anything (the package reads it when kernels are defined).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from .interpreter_speed import install as _install_interpreter_speed  # noqa: E402
+from prime_megamoe.kernels.interpreter_speed import install as _install_interpreter_speed  # noqa: E402
 
 _install_interpreter_speed()
 

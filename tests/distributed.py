@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .interpreter_speed import install as install_interpreter_speed
+from prime_megamoe.kernels.interpreter_speed import install as install_interpreter_speed
 
 
 def _free_port() -> int:

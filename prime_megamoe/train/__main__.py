@@ -24,6 +24,11 @@ def _use_triton_interpreter() -> None:
 
 _use_triton_interpreter()
 
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    from prime_megamoe.kernels.interpreter_speed import install
+
+    install()
+
 from prime_megamoe.train.cli import main  # noqa: E402
 
 if __name__ == "__main__":

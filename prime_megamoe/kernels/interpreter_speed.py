@@ -1,10 +1,12 @@
-"""Less host work per interpreted kernel, for the CPU tests (the semantics of every kernel are untouched).
+"""Less host work per kernel under Triton's interpreter (CPU runs: the tests, the trainer without a GPU); what every
+kernel computes is untouched.
 
-Triton's interpreter swaps ``triton.language``'s functions for interpreted ones at each launch and again at every
-call of a ``@triton.jit`` helper inside the kernel, although the launch has already swapped them: the repeated swap
-(``inspect.getmembers`` over the language modules) is a fifth of a layer test's time. ``install()`` skips the swap of
-a helper call when the launch around it has already swapped every language module the helper sees; anything else
-goes through the interpreter's own code. Where this Triton has no such internals, nothing is changed.
+The interpreter swaps ``triton.language``'s functions for interpreted ones at each launch and again at every call of
+a ``@triton.jit`` helper inside the kernel, although the launch has already swapped them: the repeated swap
+(``inspect.getmembers`` over the language modules) is about half of an interpreted layer's host time. ``install()``
+skips the swap of a helper call when the launch around it has already swapped every language module the helper sees;
+anything else goes through the interpreter's own code. Where Triton has no such internals, nothing is changed. Only
+entry points call it (the trainer's CLI, the test setup): importing the package changes nothing in Triton.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ _INSTALLED = [False]
 
 
 def install() -> None:
+    """Install the skip (idempotent)."""
     if _INSTALLED[0]:
         return
     _INSTALLED[0] = True
