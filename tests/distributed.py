@@ -42,7 +42,7 @@ def _worker(rank, world, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_on_ranks(fn, world: int, *args, timeout: float = 600.0, may_exit: tuple[int, ...] = ()) -> list:
+def run_on_ranks(fn, world: int, *args, timeout: float = 240.0, may_exit: tuple[int, ...] = ()) -> list:
     """Call ``fn(rank, world, *args)`` on ``world`` gloo processes; return the per-rank results in rank order.
 
     ``fn`` must be a module-level function (it is pickled); results must be picklable (CPU tensors are). A rank in

@@ -91,7 +91,9 @@ def autotune_configs(kind: str) -> list[triton.Config]:
         }
         if kind not in extra:
             raise ValueError(f"unknown kernel family {kind!r}")
-        return [_cfg(16, 16, 16, 1, 1, **extra[kind])]
+        # Rows in tiles of tile_m() (several per expert at the tests' sizes); wider columns and K steps cut the
+        # interpreter's per-program Python work and still leave ragged column and K edges at those sizes.
+        return [_cfg(16, 32, 32, 1, 1, **extra[kind])]
     m = tile_m()
     h = m // 2  # half-tile programs (grouped_gemm.tile_rows): fewer accumulator registers, wider column blocks
     if kind == "fc1":  # gate and up per tile: two accumulators, or one twice as wide (ONE_DOT; at Qwen3-30B-A3B,
