@@ -101,7 +101,12 @@ def _plain_loop(x, index, weights, w1, w2, grad_out, precision, tokens):
     return summed
 
 
-def _ep_body(rank, world, precision, tokens, seed):
+def _ep_body(rank, world, runs):
+    """Every run of one world size in the same processes (one spawn): [(precision, tokens, seed)] -> results."""
+    return [_ep_run(rank, world, *run) for run in runs]
+
+
+def _ep_run(rank, world, precision, tokens, seed):
     x, index, weights, w1, w2, grad_out = _problem(tokens, seed)
     rows, experts = _slices(rank, tokens, world)
     args = (x[rows], index[rows], weights[rows], w1[experts], w2[experts], grad_out[rows], precision)
@@ -134,10 +139,26 @@ RUNS = [
 ]
 
 
+_RESULTS: dict[int, list] = {}
+
+
+def _seed(world: int) -> int:
+    return 31 + world
+
+
+def results_for(world: int, precision: str) -> list[dict]:
+    """Per rank, the results of ``precision``'s run at ``world``: the runs of one world size share one spawn."""
+    if world not in _RESULTS:
+        runs = [(p, tokens, _seed(world)) for w, p, tokens in RUNS if w == world]
+        per_rank = run_on_ranks(_ep_body, world, runs)
+        _RESULTS[world] = {run[0]: [r[i] for r in per_rank] for i, run in enumerate(runs)}
+    return _RESULTS[world][precision]
+
+
 @pytest.mark.parametrize("world,precision,tokens", RUNS, ids=[f"ep{w}-{p}" for w, p, _ in RUNS])
 def test_quantized_pipeline(world, precision, tokens):
-    seed = 31 + world
-    per = run_on_ranks(_ep_body, world, precision, tokens, seed)
+    seed = _seed(world)
+    per = results_for(world, precision)
     x, index, weights, w1, w2, grad_out = _problem(tokens, seed)
     ref = oracle_with_grads(x, index, weights, w1, w2, grad_out)
     names = ("out", "dx", "dweights", "dW1", "dW2")

@@ -254,10 +254,12 @@ def test_a_slow_peer_is_not_an_error():
         torch.testing.assert_close(out, reference[4 * rank : 4 * rank + 4], rtol=1e-4, atol=1e-4)
 
 
-def _stalled_peer_body(rank, world):
-    if rank == 1:  # alive (its heartbeat runs) but never joins the exchange
+def _stalled_peer_body(rank, world, done_file):
+    if rank == 1:  # alive (its heartbeat runs) but never joins the exchange, until rank 0 has failed (or 30 s)
         start_heartbeat()
-        time.sleep(6.0)
+        deadline = time.monotonic() + 30.0
+        while not os.path.exists(done_file) and time.monotonic() < deadline:
+            time.sleep(0.05)
         return None
     x = torch.randn(4, 32)
     index = torch.tensor([[0, 1]] * 4)
@@ -269,14 +271,17 @@ def _stalled_peer_body(rank, world):
         fused_experts(x, index, weights, w1, w2, dispatch=opts, group=dist.group.WORLD)
     except RuntimeError as err:
         return time.monotonic() - start, str(err)
+    finally:
+        with open(done_file, "w") as f:
+            f.write("done")
     return None
 
 
-def test_a_live_peer_that_never_joins_is_an_error_not_a_hang():
+def test_a_live_peer_that_never_joins_is_an_error_not_a_hang(tmp_path):
     # Rank 1 lives but never calls the layer (mismatched call counts): its heartbeat advances, so the silence bound
     # (1 s) never trips; the stall bound (3 s) does, naming the peer that entered fewer exchanges.
-    elapsed, message = run_on_ranks(_stalled_peer_body, 2)[0]
-    assert 3.0 <= elapsed < 5.5, elapsed
+    elapsed, message = run_on_ranks(_stalled_peer_body, 2, str(tmp_path / "rank0_done"))[0]
+    assert 3.0 <= elapsed < 10.0, elapsed
     assert "rank 0" in message and "[1]" in message and "comm_stall_timeout_s" in message, message
 
 
