@@ -8,6 +8,7 @@ import queue
 import socket
 import time
 import traceback
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, fn, args, queue):
+def _worker(rank, world, port, fn, args, queue, leave_together):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -35,6 +36,8 @@ def _worker(rank, world, port, fn, args, queue):
         buf = io.BytesIO()
         torch.save(result, buf)
         queue.put((rank, "ok", buf.getvalue()))
+        if leave_together:
+            _leave_together()
     except BaseException:  # noqa: BLE001 - the parent re-raises with the traceback
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -42,17 +45,36 @@ def _worker(rank, world, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_on_ranks(fn, world: int, *args, timeout: float = 240.0, may_exit: tuple[int, ...] = ()) -> list:
+def _leave_together() -> None:
+    """Wait for the other ranks before tearing the process group down: a rank that closes its connections while a
+    peer is still setting up a group with it (the peer inside ``new_group``) fails that peer. Bounded: a peer that is
+    gone ends the wait (tests in which a rank may exit skip it: the parent has their results already)."""
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=60))
+    except RuntimeError:
+        pass  # a peer that ended first: the parent judges the ranks by their results
+
+
+def run_on_ranks(
+    fn, world: int, *args, timeout: float = 240.0, may_exit: tuple[int, ...] = (), leave_together: bool | None = None
+) -> list:
     """Call ``fn(rank, world, *args)`` on ``world`` gloo processes; return the per-rank results in rank order.
 
     ``fn`` must be a module-level function (it is pickled); results must be picklable (CPU tensors are). A rank in
     ``may_exit`` may end its process without a result (a test that kills it, or freezes it): its result is None, and
     once every other rank has its result it is killed if still running. Any other rank that exits without a result
-    fails the test as soon as that is seen, instead of after ``timeout``."""
+    fails the test as soon as that is seen, instead of after ``timeout``. ``leave_together`` (default: no rank may
+    exit): the ranks wait for each other before tearing the process group down; False for a test that leaves a
+    collective of the group unfinished."""
+    if leave_together is None:
+        leave_together = not may_exit
     ctx = mp.get_context("spawn")
     results_queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results_queue)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, port, fn, args, results_queue, leave_together))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, object] = {}
