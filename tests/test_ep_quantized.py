@@ -130,12 +130,15 @@ def _ep_run(rank, world, precision, tokens, seed):
     }
 
 
-# (world, precision, tokens per rank): a rank that sends nothing at EP = 4, unequal counts everywhere
+# (world, precision, tokens per rank): every precision at EP = 2 and 4, a rank that sends nothing at EP = 4 (a
+# different one per precision), unequal counts everywhere; the runs of one world size share one spawn
 RUNS = [
     (2, "fp8", [14, 9]),
     (2, "fp8_bwd", [14, 9]),
     (2, "mxfp8", [9, 14]),
     (4, "fp8", [7, 0, 9, 5]),
+    (4, "fp8_bwd", [6, 4, 8, 0]),
+    (4, "mxfp8", [0, 5, 3, 7]),
 ]
 
 
