@@ -3,7 +3,7 @@ kernel computes is untouched.
 
 The interpreter swaps ``triton.language``'s functions for interpreted ones at each launch and again at every call of
 a ``@triton.jit`` helper inside the kernel, although the launch has already swapped them: the repeated swap
-(``inspect.getmembers`` over the language modules) is about half of an interpreted layer's host time. ``install()``
+(``inspect.getmembers`` over the language modules) is about a third of an interpreted layer's time. ``install()``
 skips the swap of a helper call when the launch around it has already swapped every language module the helper sees;
 anything else goes through the interpreter's own code. Where Triton has no such internals, nothing is changed. Only
 entry points call it (the trainer's CLI, the test setup): importing the package changes nothing in Triton.
