@@ -325,6 +325,29 @@ def test_refuses_what_it_cannot_compute():
     assert _dispatcher().synchronize() is None
 
 
+def test_compiled_block_around_the_dispatcher():
+    """The block around the dispatcher under torch.compile (AOTAutograd's eager backend: no C++ compiler needed),
+    as prime-rl compiles its decoder blocks: the op runs at its graph break, and output and every gradient are the
+    eager block's bits."""
+    x, index, scores, w1, w2, _, grad_out = make_problem([12], 13, None)
+    experts = GroupedExperts(w1, w2, True, None)
+    dispatcher = _dispatcher(max_tokens_per_rank=12)
+
+    def block(x_in, scores_in):
+        return dispatcher.run(x_in, scores_in.reshape(-1), index.reshape(-1), experts) * 1.0
+
+    def grads_of(fn):
+        leaves = [x.clone().requires_grad_(), scores.clone().requires_grad_()]
+        experts.zero_grad(set_to_none=True)
+        out = fn(*leaves)
+        out.backward(grad_out)
+        return (out.detach(), *(t.grad for t in leaves), experts.gate_up_proj.grad, experts.down_proj.grad)
+
+    eager = grads_of(block)
+    compiled = grads_of(torch.compile(block, backend="aot_eager"))
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled)), "the compiled block differs from the eager one"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # On a GPU: the stand-in at the Qwen3-30B-A3B layer shape, and the op inside a compiled block
 
