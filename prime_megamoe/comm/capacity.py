@@ -24,9 +24,7 @@ ROUND_ROWS = 64
 _GROWN: dict[int, tuple] = {}  # id(group) -> (group, capacity so far)
 
 
-def exchange_capacity(
-    configured: int | None, group, hidden_states: torch.Tensor, bounds: WaitBounds | None = None
-) -> int:
+def exchange_capacity(configured: int | None, group, hidden_states: torch.Tensor, bounds: WaitBounds) -> int:
     """Rows per rank's block for this call of the group's layer (see the module docstring)."""
     num_tokens = hidden_states.shape[0]
     if configured is not None:

@@ -63,11 +63,11 @@ def exchange_blocks(blocks: torch.Tensor, group, bounds: WaitBounds | None = Non
 _HOST_GROUPS: dict[int, tuple] = {}
 
 
-def host_max(value: int, group, bounds: WaitBounds | None = None, what: str = "agreement on block rows") -> int:
+def host_max(value: int, group, bounds: WaitBounds | None, what: str) -> int:
     """The largest ``value`` over the ranks of ``group``, known on the host of every rank. A gloo group reduces it
     itself; for another backend (NCCL) a gloo group of the same ranks is made once (only its members take part), so
     the answer needs no device sync. With ``bounds`` the wait is bounded by the peers' liveness like every exchange
-    (a peer gone before it joins is an error naming it, not a hang)."""
+    (a peer gone before it joins is an error naming it and ``what`` was waited for, not a hang)."""
     host_group = group
     if dist.get_backend(group) != "gloo":
         found = _HOST_GROUPS.get(id(group))

@@ -13,19 +13,19 @@ from __future__ import annotations
 
 import inspect
 
+from .tuning import interpreting
+
 _INSTALLED = [False]
 
 
 def install() -> None:
-    """Install the skip (idempotent)."""
-    if _INSTALLED[0]:
+    """Install the skip (idempotent); nothing to do unless kernels run in the interpreter."""
+    if _INSTALLED[0] or not interpreting():
         return
     _INSTALLED[0] = True
-    try:
-        import triton.language as tl
-        from triton.runtime import interpreter
-    except ImportError:
-        return
+    import triton.language as tl
+    from triton.runtime import interpreter
+
     patch_lang = getattr(interpreter, "_patch_lang", None)
     executor = getattr(interpreter, "GridExecutor", None)
     if patch_lang is None or executor is None:

@@ -24,10 +24,9 @@ def _use_triton_interpreter() -> None:
 
 _use_triton_interpreter()
 
-if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-    from prime_megamoe.kernels.interpreter_speed import install
+from prime_megamoe.kernels.interpreter_speed import install  # noqa: E402
 
-    install()
+install()  # (under the interpreter only)
 
 from prime_megamoe.train.cli import main  # noqa: E402
 
