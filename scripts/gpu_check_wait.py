@@ -142,12 +142,14 @@ def case_thread():
 
     from prime_megamoe.comm.liveness import WaitBounds
     from prime_megamoe.comm.symmetric_memory import SymmetricWorkspace
+    from prime_megamoe.comm.transport import BlockParts
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
-    ws = SymmetricWorkspace(dist.group.WORLD, 8, 64, 2, torch.bfloat16, torch.device("cuda", 0))
+    parts = BlockParts((64,), (torch.bfloat16,))  # one bf16 part of 64 columns
+    ws = SymmetricWorkspace(dist.group.WORLD, 8, parts, (64, torch.bfloat16), 2, torch.device("cuda", 0))
     time.sleep(1.0)  # the heartbeat thread beats (into no peer: one rank)
     ws.wait(0, 0, WaitBounds(1.0, 5.0))  # no peer to wait for: returns at once
     torch.cuda.synchronize()
