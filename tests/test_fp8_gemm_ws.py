@@ -1,4 +1,4 @@
-"""The warp-specialised Hopper fp8 grouped GEMM (``kernels/fp8_gemm_ws.py``, ``ops/fp8_ws_launch.py``).
+"""The warp-specialised Hopper fp8 grouped GEMM (``kernels/gemm_ws.py``, ``ops/fp8_ws_launch.py``).
 
 Gluon kernels have no interpreter: on the CPU the kernel is compiled for sm_90 (registers, no spill, the producer /
 MMA register split) and the launcher's applicability rules are checked; on a Hopper GPU its output is checked against
@@ -83,7 +83,7 @@ def test_ws_kernel_compiles_for_hopper_with_its_register_split(cfg, scale_rows, 
     # these variants with Triton 3.9), one local load a step in the main loop. The config was measured faster
     # with them (scripts/fp8_probe.py --ws-only); a real spill of the accumulators would be hundreds of bytes.
     _assert_compiles_with_register_split(
-        "prime_megamoe.kernels.fp8_gemm_ws:fp8_grouped_gemm_ws_kernel",
+        "prime_megamoe.kernels.gemm_ws:grouped_gemm_ws_kernel",
         cfg,
         {
             "SEGS": 1 if gather else 2,
@@ -96,6 +96,8 @@ def test_ws_kernel_compiles_for_hopper_with_its_register_split(cfg, scale_rows, 
             "GATHER": gather,
             "SCALES_FIRST": cfg.scales_first,
             "SUBS": cfg.subs,
+            "SCALED": True,
+            "B_KMAJOR": True,
             "LOAD_WARPS": load_warps,
             "LOAD_REGS": load_regs,
             "MMA_REGS": mma_regs,

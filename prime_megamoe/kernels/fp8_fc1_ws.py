@@ -1,5 +1,5 @@
 """FC1 + SwiGLU of ``fp8_gemm.py`` (``fp8_fc1_swiglu_kernel`` with MX = False) as a warp-specialised, persistent
-Hopper kernel (Gluon), built from the parts of ``fp8_gemm_ws.py``.
+Hopper kernel (Gluon), built from the parts of ``gemm_ws.py``.
 
 ``h = x[src] @ W1[e]^T`` (fp8 operands, fp32 accumulation promoted every 128 products, the Triton kernel's
 expression), ``a = silu(h[:, :I]) * h[:, I:]``; h is stored in its dtype (when the backward needs it) and a in fp8
@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .fp8_gemm_ws import _cp_async, _partition_barrier, _stage_barriers, _tile_of, _tile_with_end, _tma_load
+from .gemm_ws import _cp_async, _partition_barrier, _stage_barriers, _tile_of, _tile_with_end, _tma_load
 
 FP8_MAX = gl.constexpr(448.0)
 SMALLEST_NORMAL = gl.constexpr(1.1754943508222875e-38)

@@ -1,5 +1,5 @@
 """The fp8 weight gradient of ``fp8_gemm.py`` (``fp8_grouped_wgrad_kernel`` with MX = False) as a warp-specialised,
-persistent Hopper kernel (Gluon), built like ``fp8_gemm_ws.py``.
+persistent Hopper kernel (Gluon), built like ``gemm_ws.py``.
 
 ``C[e] = A_t[:, tiles of e] @ B_t[:, tiles of e]^T``: both operands in the cols_t layout (K-major, [M, T128] and
 [N, T128], fp8), the reduction over expert e's 128-column row tiles ``[expert_tiles[e], expert_tiles[e + 1])``, each
@@ -36,7 +36,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .fp8_gemm_ws import _allocate_stages, _cp_async, _store_by_tma, _tma_load
+from .gemm_ws import _allocate_stages, _cp_async, _store_by_tma, _tma_load
 
 
 @gluon.jit

@@ -37,7 +37,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from .fp8_fc1_ws import _clamp_gate_up, _scale_from_amax
-from .fp8_gemm_ws import _partition_barrier as _barrier
+from .gemm_ws import _partition_barrier as _barrier
 
 
 @gluon.jit

@@ -39,10 +39,11 @@ from .fp8_ws_launch import (
     ws_gemm_unavailable,
     ws_wgrad_unavailable,
 )
-from .launch import _num_sms, tma_descriptor, tma_readable
+from .launch import _num_sms
 from .qtensor import FP8_DTYPE, MX_FORMAT, QFormat, QTensor, fp8_format
 from .routing_plan import RoutingPlan, RowQuantization
 from .sizes import cdiv, next_power_of_2
+from .tma import tma_descriptor, tma_readable
 
 # The quantising SwiGLU backward pass in two launches: the row-scaled outputs from 32 x 128 blocks (4 warps), then the
 # column-scaled ones from 128 x 16 blocks (2 warps). One launch over 128 x 128 blocks (8 warps) holds too many fp32
@@ -558,7 +559,7 @@ def fp8_grouped_gemm(
 ) -> torch.Tensor:
     """C[r] = scale[r] * A[src[r] if gather else r] @ B[e]^T with B the K-major operand [E, N, segments * K], into
     ``out`` (every sorted row of the plan a segment's view ``plan`` belongs to) when given.
-    ``use_ws=True``: run the warp-specialised Hopper kernel (``kernels/fp8_gemm_ws.py``, same bits); where it does
+    ``use_ws=True``: run the warp-specialised Hopper kernel (``kernels/gemm_ws.py``, same bits); where it does
     not apply (``fp8_ws_launch.ws_gemm_unavailable``) that is an error. ``use_ws=None``: that kernel where it
     applies, else the Triton one (the layer's FC2 and FC1 dgrad ask for that: scripts/fp8_probe.py). Otherwise the
     Triton kernel, with ``use_tma``: read B by TMA, and A too where it is not gathered and each segment's K is a

@@ -1,4 +1,4 @@
-"""Host side of the warp-specialised Hopper fp8 kernels: the row-tiled grouped GEMM (``kernels/fp8_gemm_ws.py``) and
+"""Host side of the warp-specialised Hopper fp8 kernels: the row-tiled grouped GEMM (``kernels/gemm_ws.py``) and
 the weight gradient (``kernels/fp8_wgrad_ws.py``): when they apply, their TMA descriptors, their persistent grids.
 
 ``ws_gemm_unavailable`` says why a row-tiled fp8 GEMM cannot run there, or None where it can: it needs a Hopper GPU
@@ -29,9 +29,11 @@ import torch
 from ..kernels.fp8_gemm import QTILE_M
 from .activation import clamp_kernel_args
 from .compiled_launch import launch
-from .launch import _cuda_properties, _num_sms, tma_readable
 from .routing_plan import RoutingPlan
 from .sizes import cdiv
+from .sm_budget import available_sms as _num_sms
+from .sm_budget import cuda_properties as _cuda_properties
+from .tma import tma_readable
 
 if TYPE_CHECKING:
     from .qtensor import QTensor
@@ -182,7 +184,7 @@ def _descriptors(a_2d: torch.Tensor, b_desc, c_2d: torch.Tensor | None, config: 
 
 def _grid(per_sm: int, device: torch.device, tiles: int, programs: int | None) -> tuple[int]:
     """Persistent programs: as many as the SMs hold (``per_sm`` each; the SMs within the budget in effect:
-    ``launch._num_sms``), at most one a tile and at most ``programs``."""
+    ``sm_budget.available_sms``), at most one a tile and at most ``programs``."""
     return (max(1, min(per_sm * _num_sms(device), tiles, programs or tiles)),)
 
 
@@ -203,7 +205,7 @@ def fp8_grouped_gemm_ws(
     K-major weights [E, N, segments * K] in fp8 blocks; ``gather``: A's rows are the plan's source rows (copied by
     cp.async: the layer's FC2 dgrad). ``programs``: at most that many persistent programs (tests give small problems
     several tiles a program this way)."""
-    from ..kernels.fp8_gemm_ws import fp8_grouped_gemm_ws_kernel
+    from ..kernels.gemm_ws import grouped_gemm_ws_kernel
 
     aq_data, aq_scale, bq_data, bq_scale = aq.data, aq.scale, bq.data, bq.scale
     # The kernel bounds its sorted-row loads by every sorted row of the buffers (a segment's view indexes them all)
@@ -217,7 +219,7 @@ def fp8_grouped_gemm_ws(
         (WS_GATHER_LOAD_WARPS, WS_GATHER_LOAD_REGS, WS_GATHER_MMA_REGS) if gather else (1, WS_LOAD_REGS, WS_MMA_REGS)
     )
     launch(
-        fp8_grouped_gemm_ws_kernel,
+        grouped_gemm_ws_kernel,
         grid,
         a_desc,
         b_desc,
@@ -251,6 +253,8 @@ def fp8_grouped_gemm_ws(
         GATHER=gather,
         SCALES_FIRST=config.scales_first,
         SUBS=config.subs,
+        SCALED=True,
+        B_KMAJOR=True,
         LOAD_WARPS=load_warps,
         LOAD_REGS=load_regs,
         MMA_REGS=mma_regs,

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import torch
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernels import tuning
 from ..kernels.combine import combine_rows_kernel, sum_blocks_kernel
 from ..kernels.grouped_gemm import fc1_swiglu_kernel, grouped_gemm_kernel, grouped_wgrad_kernel
 from ..kernels.swiglu_grad import swiglu_backward_rows_kernel
 from .activation import clamp_kernel_args
+from .bf16_ws_launch import bf16_grouped_gemm_ws, bf16_ws_unavailable
 from .compiled_launch import launch
 from .routing_plan import RoutingPlan
 from .sizes import cdiv, next_power_of_2
 from .sm_budget import available_sms, cuda_properties
+from .tma import tma_descriptor, tma_readable
 
 # Every persistent grid's size (here, ``fp8_ws_launch._grid``, the one-pass SwiGLU backward): the device's SMs within
 # the SM budget in effect (``sm_budget``: ``[model.moe.dispatch] num_sms``).
@@ -104,12 +105,23 @@ def grouped_gemm(
     out: torch.Tensor | None = None,
     row_base: int = 0,
     use_tma: bool | None = None,
+    use_ws: bool | None = False,
 ) -> torch.Tensor:
     """C[r] = scale[r] * A[src[r] - row_base if gather else r] @ op(B[e]); op(B) = B[e]^T if transpose_b else B[e].
     ``row_base`` (gather only): A holds source rows [row_base, row_base + len(A)), as in ``fc1_swiglu``.
-    ``use_tma``: read B, and A when it is not gathered, by TMA (default: where ``tma_readable``)."""
+    ``use_tma``: read B, and A when it is not gathered, by TMA (default: where ``tma_readable``).
+    ``use_ws``: True runs the warp-specialised Hopper kernel (``bf16_ws_launch``; an error says why where it cannot),
+    None runs it where it applies, False the Triton kernel."""
     if row_base and not gather:
         raise ValueError("grouped_gemm: row_base applies to gathered rows only (gather=True)")
+    if use_ws is not False:
+        why_not = bf16_ws_unavailable(a, b, transpose_b=transpose_b, gather=gather, row_base=row_base)
+        if why_not is None:
+            c = a.new_empty(plan.sorted_rows, b.shape[1] if transpose_b else b.shape[2]) if out is None else out
+            bf16_grouped_gemm_ws(a, b, plan, c, transpose_b=transpose_b, gather=gather, row_scale=row_scale)
+            return c
+        if use_ws:
+            raise ValueError(f"grouped_gemm(use_ws=True): the warp-specialised kernel cannot run this GEMM: {why_not}")
     if transpose_b:  # B[e] is [N, K]
         n, k = b.shape[1], b.shape[2]
         stride_bk, stride_bn = b.stride(2), b.stride(1)
@@ -161,11 +173,6 @@ def grouped_gemm(
     return c
 
 
-def tma_descriptor(t: torch.Tensor) -> TensorDescriptor:
-    """A TMA descriptor over 2D ``t``; its box is set by the chosen config's pre-launch hook."""
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [16, 16])
-
-
 def dswiglu_buffers(dy: torch.Tensor, w2: torch.Tensor, plan: RoutingPlan):
     """(g_a, dh, aw, dw_row) sized for every sorted row of ``plan``, for ``fc2_dgrad_dswiglu(out=...)``."""
     inter, rows = w2.shape[2], plan.sorted_rows
@@ -194,6 +201,8 @@ def fc2_dgrad_dswiglu(
     the clamped SwiGLU's (the forward's) limit: a is the clamped one and dh is zero where g or u was clamped."""
     clamp_limit, clamp = clamp_kernel_args(activation_clamp)
     g_a, dh, aw, dw_row = dswiglu_buffers(dy, w2, plan) if out is None else out
+    # The Triton kernel: the warp-specialised one's gathering producer is slower here (0.833 against 0.730 ms,
+    # scripts/bf16_ws_probe.py)
     grouped_gemm(dy, w2, plan, transpose_b=False, gather=True, out=g_a, row_base=row_base)
     inter = w2.shape[2]
     block_r = plan.tile_m if tuning.interpreting() else 16
@@ -221,17 +230,6 @@ def fc2_dgrad_dswiglu(
         num_warps=4,
     )
     return dh, aw, dw_row
-
-
-def tma_readable(t: torch.Tensor) -> bool:
-    """Whether ``t`` can be read through a TMA tensor descriptor: a GPU with TMA (compute capability 9 or later), a
-    contiguous last dim, and a 16-byte aligned base and row stride. Under the interpreter descriptors are emulated, so
-    the layer runs the pointer path there and tests choose either."""
-    if t.device.type != "cuda" or tuning.interpreting() or t.dim() != 2 or t.stride(1) != 1:
-        return False
-    return (
-        _cuda_properties(t.device).major >= 9 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-    )
 
 
 def grouped_wgrad(

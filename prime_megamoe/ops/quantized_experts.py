@@ -23,7 +23,7 @@ What each GEMM quantises, and the scale layout its operands need (scales always 
   backward) and a = silu(g) * u in fp8 with 1x128 / 1x32 row scales.
 - FC2 + top-k weight epilogue (reduction I): A = a [P, I] from FC1's epilogue (no extra pass); B = W2 [E, H, I] in
   128x128 blocks / 1x32 along I. Output in the input dtype, then the deterministic combine. On Hopper (fp8) it runs
-  the warp-specialised kernel of ``kernels/fp8_gemm_ws.py``.
+  the warp-specialised kernel of ``kernels/gemm_ws.py``.
 - FC2 dgrad (reduction H): A = dy [T, H] row-scaled along H, gathered; B = the transposed copy W2^T [E, I, H]
   (K-major, as Hopper's fp8 wgmma wants), blocks / groups along H. Output g_a [P, I] in the input dtype. Then the
   SwiGLU backward pass (``kernels.swiglu_grad``) reads g_a and h and emits dh = [dg | du] twice in fp8:
@@ -32,7 +32,7 @@ What each GEMM quantises, and the scale layout its operands need (scales always 
   column launch (on GPUs in Gluon, ``kernels/swiglu_grad_cols.py``, the same bits). (In the GEMM's epilogue these
   outputs made that kernel take 2.56 ms at the shape below; the GEMM and the pass now take 0.48 + 0.20 + 0.36 ms.)
 - FC1 dgrad (reduction 2I, two halves): A = dh [P, 2I] row-scaled per half; B = the copy W1^T [E, H, 2I]. On
-  Hopper (fp8, each half a multiple of 128) it runs the warp-specialised kernel of ``kernels/fp8_gemm_ws.py``.
+  Hopper (fp8, each half a multiple of 128) it runs the warp-specialised kernel of ``kernels/gemm_ws.py``.
 - W1 wgrad, dW1[e] = dh^T x (reduction over the expert's rows): A = dh^T from that pass; B = x^T: the source rows
   gathered in sorted order and quantised per tile and column by one pass (``fl.quantize_sorted_cols_t``), written
   once and read by every output tile of the expert.

@@ -1,4 +1,5 @@
-"""The row-tiled fp8 grouped GEMM of ``fp8_gemm.py`` as a warp-specialised, persistent Hopper kernel (Gluon).
+"""The row-tiled fp8 grouped GEMM of ``fp8_gemm.py`` as a warp-specialised, persistent Hopper kernel (Gluon), and
+the same kernel on bf16 operands (SCALED = False, below).
 
 Same math and operands as ``fp8_grouped_gemm_kernel`` with MX = False: ``C[r] = scale[r] * A[r] @ B[e]^T``, A the
 expert-sorted rows [P, SEGS * K] (fp8, one fp32 scale per row and 128 columns), B the K-major weights viewed as
@@ -41,6 +42,11 @@ p + programs, ...; all partitions walk that sequence. Requirements (the launcher
 scale group, column parts of 128 (one weight scale per part and step), and with SEGS = 2 each segment's K a multiple
 of 128 (a box must not run into the next segment). Gluon kernels have no interpreter: this one is tested on the GPU
 against the Triton kernel and compiled for sm_90 on the CPU.
+
+SCALED = False (bf16 operands, ``ops/bf16_ws_launch.py``): no scales are staged or read, the products accumulate in
+the wgmma's own fp32 accumulators (``_plain_tile``: step j issued before step j - 1's stage is freed), K steps of 64
+(128 bytes, the boxes' swizzle width), and B may be read N-major (B_KMAJOR = False: boxes [BLOCK_K, BLOCK_N] of the
+weights viewed as [E * K, N], one segment, K a whole number of steps) as the bf16 dgrads read W1 and W2.
 
 Measured (Qwen3-30B-A3B, T = 16384, one H200, ``scripts/fp8_probe.py --ws-only``, the same bits as the Triton
 kernel; ``scripts/fp8_probe.py --ws-only``), the layer's config (two 4-warp MMA partitions on the halves of
@@ -146,21 +152,26 @@ def _load_partition(
     HALVES: gl.constexpr,
     GATHER: gl.constexpr,
     SUBS: gl.constexpr,
+    SCALED: gl.constexpr,
+    B_KMAJOR: gl.constexpr,
 ):
     """Fills each stage: A (HALVES boxes of rows: TMA copies, or with GATHER the rows row_src[r] of A copied by
     cp.async in 16-byte pieces, as TMA cannot gather on Hopper), B by TMA, and the step's scales (A's, one per row
     of the tile, and B's block scale, copied for every row) by cp.async. The stage's ready barrier waits for all of
-    it; the producer never waits for a load itself, except each tile's source row indices (GATHER)."""
+    it; the producer never waits for a load itself, except each tile's source row indices (GATHER). Unscaled
+    (bf16) operands have no scales to copy; B_KMAJOR False: B's boxes are [BLOCK_K, BLOCK_N] of weights viewed as
+    [E * K, N]."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]  # rows of one MMA partition's A box
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]  # the tile's columns: SUBS parts of SUB_N
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0 if B_KMAJOR else 1]  # the tile's columns: SUBS parts of SUB_N
     SUB_N: gl.constexpr = BLOCK_N // SUBS
     STAGES: gl.constexpr = b_bufs.type.shape[0]
     TILE_ROWS: gl.constexpr = HALVES * BLOCK_M
     row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    # A gathered: 16 bytes a thread, a row's 128 bytes over 8 threads.
+    # A gathered: 16 bytes (VEC elements) a thread, a row's 128 bytes over 8 threads.
+    VEC: gl.constexpr = 128 // a_desc.dtype.primitive_bitwidth
     chunk_layout: gl.constexpr = gl.BlockedLayout(
-        [1, 16], [32 * 16 // BLOCK_K, BLOCK_K // 16], [gl.num_warps(), 1], [1, 0]
+        [1, VEC], [32 * VEC // BLOCK_K, BLOCK_K // VEC], [gl.num_warps(), 1], [1, 0]
     )
     chunk_rows: gl.constexpr = gl.SliceLayout(1, chunk_layout)
     n_col_tiles = gl.cdiv(N, BLOCK_N)
@@ -191,14 +202,15 @@ def _load_partition(
             # A buffer is free once the MMA that read it is done; a fresh mbarrier counts as phase 1 done.
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             bar = ready.index(s)
-            kg = (j // k_steps) * NKG + j % k_steps  # the step's scale group (segment j // k_steps)
-            _cp_async(sa_bufs.index(s), sa_ptrs + kg, mask=in_rows)
-            for p in gl.static_range(SUBS):  # each column part's block scale (a part past N reads none: unused)
-                _cp_async(
-                    sb_bufs.index(s).slice(p * TILE_ROWS, TILE_ROWS),
-                    sb_ptrs + (p * SUB_N // B_GROUP_N) * stride_bsn + kg,
-                    mask=rows * 0 + col0 + p * SUB_N < N,
-                )
+            if SCALED:
+                kg = (j // k_steps) * NKG + j % k_steps  # the step's scale group (segment j // k_steps)
+                _cp_async(sa_bufs.index(s), sa_ptrs + kg, mask=in_rows)
+                for p in gl.static_range(SUBS):  # each column part's block scale (a part past N reads none: unused)
+                    _cp_async(
+                        sb_bufs.index(s).slice(p * TILE_ROWS, TILE_ROWS),
+                        sb_ptrs + (p * SUB_N // B_GROUP_N) * stride_bsn + kg,
+                        mask=rows * 0 + col0 + p * SUB_N < N,
+                    )
             k = (j // k_steps) * K + (j % k_steps) * BLOCK_K
             if GATHER:
                 cols = k + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, chunk_layout))
@@ -218,7 +230,10 @@ def _load_partition(
                 mbarrier.expect(bar, HALVES * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
                 for h in gl.static_range(HALVES):
                     _tma_load(a_desc, [row0 + h * BLOCK_M, k], bar, a_bufs.index(HALVES * s + h))
-            _tma_load(b_desc, [expert * N + col0, k], bar, b_bufs.index(s))
+            if B_KMAJOR:
+                _tma_load(b_desc, [expert * N + col0, k], bar, b_bufs.index(s))
+            else:  # one segment (the launcher checks): K rows of each expert, a whole number of steps
+                _tma_load(b_desc, [expert * K + k, col0], bar, b_bufs.index(s))
             it += 1
 
 
@@ -334,6 +349,60 @@ def _mma_step2(
 
 
 @gluon.jit
+def _plain_part(acc, a_buf, b_buf, PART: gl.constexpr, B_KMAJOR: gl.constexpr):
+    """Issue (not wait for) the wgmma adding A @ column part PART of B to ``acc`` (unscaled operands)."""
+    SUB_N: gl.constexpr = acc.type.shape[1]
+    if B_KMAJOR:
+        b_part = b_buf.slice(PART * SUB_N, SUB_N).permute((1, 0))
+    else:
+        b_part = b_buf.slice(PART * SUB_N, SUB_N, dim=1)
+    return warpgroup_mma(a_buf, b_part, acc, is_async=True)
+
+
+@gluon.jit
+def _plain_tile(
+    acc0,
+    acc1,
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    it,
+    n_steps,
+    HALF: gl.constexpr,
+    HALVES: gl.constexpr,
+    GATHER: gl.constexpr,
+    SUBS: gl.constexpr,
+    B_KMAJOR: gl.constexpr,
+):
+    """The main loop of one tile on unscaled (bf16) operands: the products accumulate in fp32 in the wgmma's own
+    accumulators (no promotion), and step j's wgmma is issued before step j - 1's stage is freed, so the tensor
+    cores never wait for this warp group between steps. ``acc1`` is only used with SUBS = 2."""
+    STAGES: gl.constexpr = b_bufs.type.shape[0]
+    for j in range(n_steps):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        if GATHER:  # A was written by cp.async (the generic proxy); the wgmma reads it through the async proxy
+            fence_async_shared()
+        a_buf = a_bufs.index(HALVES * s + HALF)
+        acc0 = _plain_part(acc0, a_buf, b_bufs.index(s), 0, B_KMAJOR)
+        if SUBS == 2:
+            acc1 = _plain_part(acc1, a_buf, b_bufs.index(s), 1, B_KMAJOR)
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
+        else:
+            acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0,))
+        if j > 0:  # step j - 1's wgmma is done: its stage is free
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+        it += 1
+    if SUBS == 2:
+        acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+    else:
+        acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
+    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+    return acc0, acc1, it
+
+
+@gluon.jit
 def _store_by_tma(out, c_desc, c_smem, row, col):
     """``out`` to ``c_desc`` at [row, col] through shared memory and a TMA store, which runs while the partition
     goes on to its next tile (the previous tile's store has long left the buffer; waited for anyway)."""
@@ -393,6 +462,8 @@ def _mma_partition(
     GATHER: gl.constexpr,
     SCALES_FIRST: gl.constexpr,
     SUBS: gl.constexpr,
+    SCALED: gl.constexpr,
+    B_KMAJOR: gl.constexpr,
 ):
     """Rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of every tile of this program (HALVES partitions split a tile),
     in SUBS column parts."""
@@ -400,11 +471,12 @@ def _mma_partition(
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     TILE_ROWS: gl.constexpr = HALVES * BLOCK_M
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]  # the tile's columns
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1 if B_KMAJOR else 2]  # the tile's columns
     SUB_N: gl.constexpr = BLOCK_N // SUBS
-    # One warp group per 64 rows; fp8 wgmma takes K = 32 per instruction.
+    # One warp group per 64 rows; a wgmma instruction takes 32 bytes of K (fp8: 32, bf16: 16).
+    MMA_K: gl.constexpr = 256 // a_bufs.dtype.primitive_bitwidth
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, SUB_N, 32]
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, SUB_N, MMA_K]
     )
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     n_col_tiles = gl.cdiv(N, BLOCK_N)
@@ -438,7 +510,33 @@ def _mma_partition(
         # Each step's MMA into a fresh fp32 tile, waited for, then scaled and added. (Waiting for the previous step's
         # only, with the next in flight, makes ptxas serialise every wgmma of the kernel: a wgmma's accumulator
         # registers must not be written while another wgmma runs, and each fresh tile is.)
-        if SUBS == 1:
+        if not SCALED:
+            acc0 = gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout)
+            acc1 = gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout) if SUBS == 2 else acc0
+            acc0, acc1, it = _plain_tile(
+                acc0, acc1, a_bufs, b_bufs, ready, empty, it, n_steps, HALF, HALVES, GATHER, SUBS, B_KMAJOR
+            )
+            if SCALE_ROWS:
+                acc0 = acc0 * rs_next[:, None]
+            _store_part(
+                acc0.to(c_ptr.dtype.element_ty), c_desc, c_smem, c_ptr, row_s0, col0, row_end, N, stride_cm, TMA_STORE
+            )
+            if SUBS == 2:
+                if SCALE_ROWS:
+                    acc1 = acc1 * rs_next[:, None]
+                _store_part(
+                    acc1.to(c_ptr.dtype.element_ty),
+                    c_desc,
+                    c_smem,
+                    c_ptr,
+                    row_s0,
+                    col0 + SUB_N,
+                    row_end,
+                    N,
+                    stride_cm,
+                    TMA_STORE,
+                )
+        elif SUBS == 1:
             acc = gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout)
             for _j in range(n_steps):
                 acc = _mma_step(
@@ -544,7 +642,7 @@ def _allocate_stages(
 
 
 @gluon.jit
-def fp8_grouped_gemm_ws_kernel(
+def grouped_gemm_ws_kernel(
     a_desc,
     b_desc,
     c_desc,
@@ -577,6 +675,8 @@ def fp8_grouped_gemm_ws_kernel(
     GATHER: gl.constexpr,
     SCALES_FIRST: gl.constexpr,
     SUBS: gl.constexpr,
+    SCALED: gl.constexpr,
+    B_KMAJOR: gl.constexpr,
     LOAD_WARPS: gl.constexpr,
     LOAD_REGS: gl.constexpr,
     MMA_REGS: gl.constexpr,
@@ -628,6 +728,8 @@ def fp8_grouped_gemm_ws_kernel(
                         GATHER,
                         SCALES_FIRST,
                         SUBS,
+                        SCALED,
+                        B_KMAJOR,
                     ),
                 ),
                 (
@@ -662,6 +764,8 @@ def fp8_grouped_gemm_ws_kernel(
                         HALVES,
                         GATHER,
                         SUBS,
+                        SCALED,
+                        B_KMAJOR,
                     ),
                 ),
             ],
@@ -701,6 +805,8 @@ def fp8_grouped_gemm_ws_kernel(
                         GATHER,
                         SCALES_FIRST,
                         SUBS,
+                        SCALED,
+                        B_KMAJOR,
                     ),
                 ),
                 (
@@ -733,6 +839,8 @@ def fp8_grouped_gemm_ws_kernel(
                         GATHER,
                         SCALES_FIRST,
                         SUBS,
+                        SCALED,
+                        B_KMAJOR,
                     ),
                 ),
                 (
@@ -767,6 +875,8 @@ def fp8_grouped_gemm_ws_kernel(
                         HALVES,
                         GATHER,
                         SUBS,
+                        SCALED,
+                        B_KMAJOR,
                     ),
                 ),
             ],

@@ -1,0 +1,162 @@
+"""Host side of the warp-specialised Hopper grouped GEMM (``kernels/gemm_ws.py``) on bf16 operands.
+
+The kernel is the fp8 one with its scales compiled out (``SCALED = False``): a producer warp feeds TMA copies of A
+and B (or, gathering, cp.async copies of A's source rows) to two 4-warp MMA partitions, each taking a 64-row half of
+every 128-row tile; the products accumulate in the wgmma's fp32 accumulators (no per-step promotion), and step j's
+wgmma is issued before step j - 1's stage is freed. K steps of 64 (128 bytes of a row, as fp8's 128).
+
+``bf16_ws_unavailable`` says why a GEMM cannot run on it (None where it can); ``launch.grouped_gemm(use_ws=True)``
+runs it and makes asking for it where it does not apply an error that says why; ``use_ws=None`` runs it where it
+applies. The layer asks for it (None) for the FC1 dgrad only, the one GEMM where it was faster: Qwen3-30B-A3B,
+T = 16384, one H200, ``scripts/bf16_ws_probe.py``, ms (Triton kernel / this kernel's 256-column and 128-column
+configs): FC2 0.816 / 0.823 / 0.894, FC1 dgrad 1.437 / 1.388 / 1.420, FC2 dgrad (gathered dy) 0.730 / 0.833 /
+0.923, FC1's GEMM alone (gathered x) 1.459 / 1.572 / 1.741; the outputs were the same bits.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..kernels.fp8_gemm import QTILE_M
+from .compiled_launch import launch
+from .fp8_ws_launch import (
+    WS_GATHER_LOAD_REGS,
+    WS_GATHER_LOAD_WARPS,
+    WS_GATHER_MMA_REGS,
+    WS_LOAD_REGS,
+    WS_MMA_REGS,
+    WSConfig,
+    _grid,
+    tma_store_applies,
+)
+from .routing_plan import RoutingPlan
+from .sizes import cdiv
+from .sm_budget import cuda_properties
+from .tma import tma_readable
+
+BF16_WS_BLOCK_K = 64  # 128 bytes of a bf16 row: the operand boxes' swizzle width
+# 256-column tiles, 3 stages (a stage: two 64 x 64 A boxes and a 256 x 64 B box, 48 KiB); 128 columns, 4 stages.
+BF16_WS_CONFIGS = (
+    WSConfig(128, 3, halves=2, tma_store=True, subs=2),
+    WSConfig(128, 4, halves=2, tma_store=True),
+)
+BF16_WS_DEFAULT = BF16_WS_CONFIGS[0]
+
+
+def bf16_ws_unavailable(
+    a: torch.Tensor, b: torch.Tensor, *, transpose_b: bool, gather: bool, row_base: int = 0
+) -> str | None:
+    """Why the warp-specialised kernel cannot compute ``launch.grouped_gemm(a, b, ..., transpose_b, gather)``, or
+    None when it can."""
+    if a.device.type != "cuda":
+        return "it runs on a CUDA GPU only (Gluon kernels have no interpreter)"
+    if cuda_properties(a.device).major != 9:
+        return "it is Hopper (sm_90) wgmma code"
+    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+        return f"it takes bf16 operands (got {a.dtype} and {b.dtype})"
+    k = b.shape[2] if transpose_b else b.shape[1]
+    if not transpose_b and k % BF16_WS_BLOCK_K:
+        return f"weights read N-major (B[e] as [K, N]) need K a multiple of {BF16_WS_BLOCK_K} (got {k})"
+    if gather and row_base:
+        return "gathered rows with a row_base (a segment of the source rows) are not implemented"
+    if not b.is_contiguous() or not tma_readable(b.view(-1, b.shape[-1])):
+        return "the weights must be contiguous and TMA-readable (16-byte aligned rows)"
+    if gather and (a.stride(1) != 1 or (a.stride(0) * 2) % 16 or a.data_ptr() % 16):
+        return "gathering A's rows in 16-byte pieces needs contiguous, 16-byte aligned rows"
+    if not gather and not tma_readable(a):
+        return "A must be TMA-readable (contiguous rows, 16-byte aligned)"
+    return None
+
+
+@functools.cache
+def _box_layout(rows: int, cols: int):
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
+
+
+def _descriptor(t: torch.Tensor, rows: int, cols: int):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, [rows, cols], _box_layout(rows, cols))
+
+
+def bf16_grouped_gemm_ws(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    plan: RoutingPlan,
+    c: torch.Tensor,
+    *,
+    transpose_b: bool,
+    gather: bool = False,
+    row_scale: torch.Tensor | None = None,
+    config: WSConfig = BF16_WS_DEFAULT,
+    programs: int | None = None,
+) -> None:
+    """c[r] = row_scale[r] * A[src[r] if gather else r] @ op(B[e]) (callers check ``bf16_ws_unavailable`` first),
+    as ``launch.grouped_gemm``: A [P or R, K] bf16; B [E, N, K] read K-major (op = transpose, ``transpose_b``) or
+    [E, K, N] read N-major; c [P, N]. ``programs``: at most that many persistent programs (tests give
+    small problems several tiles a program this way)."""
+    from ..kernels.gemm_ws import grouped_gemm_ws_kernel
+
+    if plan.tile_m != QTILE_M:
+        raise ValueError(f"bf16_grouped_gemm_ws: the plan's row tile must be {QTILE_M} rows (got {plan.tile_m})")
+    n, k = (b.shape[1], b.shape[2]) if transpose_b else (b.shape[2], b.shape[1])
+    if plan.num_pairs == 0 or a.shape[0] == 0:  # no rows (a rank that receives nothing): no tiles
+        return
+    a_desc = _descriptor(a, config.a_rows, BF16_WS_BLOCK_K)
+    if transpose_b:  # boxes of block_n weight rows, K-major
+        b_desc = _descriptor(b.view(-1, k), config.block_n, BF16_WS_BLOCK_K)
+    else:  # boxes of BLOCK_K rows of [E * K, N]: whole steps of one expert (K a multiple of the step)
+        b_desc = _descriptor(b.view(-1, n), BF16_WS_BLOCK_K, config.block_n)
+    tma_store = config.tma_store and tma_store_applies(c)
+    c_desc = _descriptor(c, config.a_rows, 128) if tma_store else a_desc
+    tiles = plan.max_tiles * (QTILE_M // config.block_m) * cdiv(n, config.block_n)
+    load_warps, load_regs, mma_regs = (
+        (WS_GATHER_LOAD_WARPS, WS_GATHER_LOAD_REGS, WS_GATHER_MMA_REGS) if gather else (1, WS_LOAD_REGS, WS_MMA_REGS)
+    )
+    launch(
+        grouped_gemm_ws_kernel,
+        _grid(config.programs_per_sm, c.device, tiles, programs),
+        a_desc,
+        b_desc,
+        c_desc,
+        a,
+        plan.row_src,
+        a,  # no scales: A stands in for the scale pointers (not read)
+        a,
+        c,
+        row_scale if row_scale is not None else plan.row_weight,
+        plan.tile_expert,
+        plan.tile_row,
+        plan.num_tiles,
+        plan.expert_offsets,
+        plan.sorted_rows,  # the kernel bounds its sorted-row loads by every sorted row of the buffers
+        n,
+        k,
+        1,
+        a.stride(0),
+        0,
+        0,
+        0,
+        c.stride(0),
+        SEGS=1,
+        SCALE_ROWS=row_scale is not None,
+        B_GROUP_N=128,
+        STAGES=config.stages,
+        TILE_M=QTILE_M,
+        HALVES=config.halves,
+        TMA_STORE=tma_store,
+        GATHER=gather,
+        SCALES_FIRST=False,
+        SUBS=config.subs,
+        SCALED=False,
+        B_KMAJOR=transpose_b,
+        LOAD_WARPS=load_warps,
+        LOAD_REGS=load_regs,
+        MMA_REGS=mma_regs,
+        num_warps=config.num_warps,
+        maxnreg=config.maxnreg,
+    )

@@ -1,0 +1,82 @@
+"""Usage: python scripts/bf16_ws_probe.py [--shape qwen3-30b-a3b] [--tokens 16384] [--iters 20]
+
+Times each bf16 grouped GEMM of a layer's shape (FC2 with the top-k weights, the FC1 dgrad, the FC2 dgrad gathering
+dy, FC1's GEMM gathering x) on the Triton kernel and on the warp-specialised kernel in each of its configs
+(``ops/bf16_ws_launch.py``), on random top-k routing; prints ms, TFLOP/s and each config's relative difference from
+the Triton kernel's output. One Hopper GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from prime_megamoe.bench import SHAPES
+from prime_megamoe.kernels.fp8_gemm import QTILE_M
+from prime_megamoe.ops import launch
+from prime_megamoe.ops.bf16_ws_launch import BF16_WS_CONFIGS, bf16_grouped_gemm_ws
+from prime_megamoe.ops.routing_plan import build_routing_plan
+
+
+def median_ms(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--iters", type=int, default=20)
+    args = p.parse_args()
+    hidden, inter, experts, top_k = SHAPES[args.shape]
+    tokens = args.tokens
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    probs = torch.softmax(torch.randn(tokens, experts, device="cuda", generator=gen), -1)
+    weights, index = probs.topk(top_k, -1)
+    plan = build_routing_plan(
+        index.int(), weights / weights.sum(-1, keepdim=True), expert_base=0, num_local_experts=experts, tile_m=QTILE_M
+    )
+
+    def rand(*size, scale=1.0):
+        return (torch.randn(*size, device="cuda", generator=gen) * scale).to(torch.bfloat16)
+
+    x, dy = rand(tokens, hidden), rand(tokens, hidden)
+    act, dh = rand(plan.sorted_rows, inter), rand(plan.sorted_rows, 2 * inter)
+    w1, w2 = rand(experts, 2 * inter, hidden, scale=hidden**-0.5), rand(experts, hidden, inter, scale=inter**-0.5)
+    # (name, A, B, transpose_b, gather, row scale)
+    cases = [
+        ("FC2", act, w2, True, False, plan.row_weight),
+        ("FC1 dgrad", dh, w1, False, False, None),
+        ("FC2 dgrad", dy, w2, False, True, None),
+        ("FC1 GEMM (no SwiGLU)", x, w1, True, True, None),
+    ]
+    pairs = plan.num_pairs
+    for name, a, b, transpose_b, gather, row_scale in cases:
+        n, k = (b.shape[1], b.shape[2]) if transpose_b else (b.shape[2], b.shape[1])
+        flop = 2 * pairs * n * k
+        kw = dict(transpose_b=transpose_b, gather=gather, row_scale=row_scale)
+        ref = launch.grouped_gemm(a, b, plan, **kw)[:pairs].float()
+        ms = median_ms(lambda: launch.grouped_gemm(a, b, plan, **kw), args.iters)
+        line = f"{name}: triton {ms:.4f} ms ({flop / ms / 1e9:.0f} TFLOP/s)"
+        for cfg in BF16_WS_CONFIGS:
+            c = torch.empty(plan.sorted_rows, n, device="cuda", dtype=torch.bfloat16)
+            ms = median_ms(lambda: bf16_grouped_gemm_ws(a, b, plan, c, config=cfg, **kw), args.iters)  # noqa: B023
+            diff = ((c[:pairs].float() - ref).norm() / ref.norm()).item()
+            line += f" | ws n{cfg.block_n} s{cfg.stages} {ms:.4f} ms ({flop / ms / 1e9:.0f} TFLOP/s, diff {diff:.1e})"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
