@@ -7,10 +7,14 @@ wgmma is issued before step j - 1's stage is freed. K steps of 64 (128 bytes of 
 
 ``bf16_ws_unavailable`` says why a GEMM cannot run on it (None where it can); ``launch.grouped_gemm(use_ws=True)``
 runs it and makes asking for it where it does not apply an error that says why; ``use_ws=None`` runs it where it
-applies. The layer asks for it (None) for the FC1 dgrad only, the one GEMM where it was faster: Qwen3-30B-A3B,
-T = 16384, one H200, ``scripts/bf16_ws_probe.py``, ms (Triton kernel / this kernel's 256-column and 128-column
-configs): FC2 0.816 / 0.823 / 0.894, FC1 dgrad 1.437 / 1.388 / 1.420, FC2 dgrad (gathered dy) 0.730 / 0.833 /
-0.923, FC1's GEMM alone (gathered x) 1.459 / 1.572 / 1.741; the outputs were the same bits.
+applies. The layer does not ask for it yet: it is no faster than the Triton kernels. Qwen3-30B-A3B, T = 16384, one
+H200, ``scripts/bf16_ws_probe.py``, two runs on two machines, ms (Triton kernel / this kernel's 256-column 3-stage
+and 128-column 4-stage configs): FC2 0.816 / 0.823 / 0.894 and 0.814 / 0.840 / 0.798; FC1 dgrad 1.437 / 1.388 /
+1.420 and 1.398 / 1.420 / 1.358; FC2 dgrad (gathering dy) 0.730 / 0.833 / 0.923 and 0.848 / 0.936 / 0.906; FC1's
+GEMM alone (gathering x) 1.459 / 1.572 / 1.741 and 1.514 / 1.608 / 1.759. Its outputs were the Triton kernels' bits.
+What it lacks against them (a wider lead is the point of this kernel): the two MMA partitions run in step on the
+halves of one tile, so the tensor cores idle while both store a tile; the gathering producer's cp.async copies are
+slower than the Triton kernel's gathered loads.
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ def unquantized_forward(rows, w1, w2, plan: RoutingPlan, save_h: bool, activatio
     None)."""
     h, act = launch.fc1_swiglu(rows, w1, plan, save_h=save_h, activation_clamp=activation_clamp)
     # FC2 reads by pointer: TMA reads measured no faster here (0.731 against 0.738 ms at Qwen3-30B-A3B, T = 16384,
-    # one H200) and cost host time per launch, which single forwards wait on. The warp-specialised kernel was no
-    # faster either (0.823 against 0.816 ms, scripts/bf16_ws_probe.py).
+    # one H200) and cost host time per launch, which single forwards wait on. (The warp-specialised kernel is no
+    # faster yet: ops/bf16_ws_launch.py.)
     out_sorted = launch.grouped_gemm(act, w2, plan, transpose_b=True, row_scale=plan.row_weight, use_tma=False)
     return launch.combine_rows(out_sorted, plan.pair_pos, rows.dtype), h
 
@@ -100,8 +100,7 @@ class RoutedExperts(torch.autograd.Function):
 
         grad_rows = grad_weights = grad_w1 = grad_w2 = None
         if ctx.needs_input_grad[0]:
-            # the warp-specialised kernel where it applies: 1.388 against 1.437 ms (scripts/bf16_ws_probe.py)
-            dx_sorted = launch.grouped_gemm(dh, w1, plan, transpose_b=False, use_ws=None)
+            dx_sorted = launch.grouped_gemm(dh, w1, plan, transpose_b=False)
             grad_rows, grad_weights = combine_with_pair_values(
                 dx_sorted, dw_row, plan, rows.dtype, ctx.weights_dtype if ctx.needs_input_grad[2] else None
             )

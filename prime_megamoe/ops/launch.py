@@ -201,8 +201,7 @@ def fc2_dgrad_dswiglu(
     the clamped SwiGLU's (the forward's) limit: a is the clamped one and dh is zero where g or u was clamped."""
     clamp_limit, clamp = clamp_kernel_args(activation_clamp)
     g_a, dh, aw, dw_row = dswiglu_buffers(dy, w2, plan) if out is None else out
-    # The Triton kernel: the warp-specialised one's gathering producer is slower here (0.833 against 0.730 ms,
-    # scripts/bf16_ws_probe.py)
+    # The Triton kernel: the warp-specialised one's gathering producer is slower here (ops/bf16_ws_launch.py)
     grouped_gemm(dy, w2, plan, transpose_b=False, gather=True, out=g_a, row_base=row_base)
     inter = w2.shape[2]
     block_r = plan.tile_m if tuning.interpreting() else 16
