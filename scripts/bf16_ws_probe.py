@@ -1,4 +1,4 @@
-"""Usage: python scripts/bf16_ws_probe.py [--shape qwen3-30b-a3b] [--tokens 16384] [--iters 20]
+"""Usage: python scripts/bf16_ws_probe.py [--shape qwen3-30b-a3b] [--tokens 16384] [--iters 20] [--gemms fc2 ...]
 
 Times each bf16 grouped GEMM of a layer's shape (FC2 with the top-k weights, the FC1 dgrad, the FC2 dgrad gathering
 dy, FC1's GEMM gathering x) on the Triton kernel and on the warp-specialised kernel in each of its configs
@@ -18,6 +18,8 @@ from prime_megamoe.kernels.fp8_gemm import QTILE_M
 from prime_megamoe.ops import launch
 from prime_megamoe.ops.bf16_ws_launch import BF16_WS_CONFIGS, bf16_grouped_gemm_ws
 from prime_megamoe.ops.routing_plan import build_routing_plan
+
+GEMMS = ("fc2", "fc1_dgrad", "fc2_dgrad", "fc1")
 
 
 def median_ms(fn, iters: int) -> float:
@@ -39,6 +41,7 @@ def main():
     p.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--gemms", nargs="+", default=list(GEMMS), choices=list(GEMMS), help="the GEMMs to time")
     args = p.parse_args()
     hidden, inter, experts, top_k = SHAPES[args.shape]
     tokens = args.tokens
@@ -56,12 +59,13 @@ def main():
     act, dh = rand(plan.sorted_rows, inter), rand(plan.sorted_rows, 2 * inter)
     w1, w2 = rand(experts, 2 * inter, hidden, scale=hidden**-0.5), rand(experts, hidden, inter, scale=inter**-0.5)
     # (name, A, B, transpose_b, gather, row scale)
-    cases = [
-        ("FC2", act, w2, True, False, plan.row_weight),
-        ("FC1 dgrad", dh, w1, False, False, None),
-        ("FC2 dgrad", dy, w2, False, True, None),
-        ("FC1 GEMM (no SwiGLU)", x, w1, True, True, None),
-    ]
+    cases = {
+        "fc2": ("FC2", act, w2, True, False, plan.row_weight),
+        "fc1_dgrad": ("FC1 dgrad", dh, w1, False, False, None),
+        "fc2_dgrad": ("FC2 dgrad", dy, w2, False, True, None),
+        "fc1": ("FC1 GEMM (no SwiGLU)", x, w1, True, True, None),
+    }
+    cases = [cases[g] for g in args.gemms]
     pairs = plan.num_pairs
     for name, a, b, transpose_b, gather, row_scale in cases:
         n, k = (b.shape[1], b.shape[2]) if transpose_b else (b.shape[2], b.shape[1])
@@ -74,7 +78,8 @@ def main():
             c = torch.empty(plan.sorted_rows, n, device="cuda", dtype=torch.bfloat16)
             ms = median_ms(lambda: bf16_grouped_gemm_ws(a, b, plan, c, config=cfg, **kw), args.iters)  # noqa: B023
             diff = ((c[:pairs].float() - ref).norm() / ref.norm()).item()
-            line += f" | ws n{cfg.block_n} s{cfg.stages} {ms:.4f} ms ({flop / ms / 1e9:.0f} TFLOP/s, diff {diff:.1e})"
+            tag = f"n{cfg.block_n} s{cfg.stages}{' tma' if cfg.tma_store else ''}"
+            line += f" | ws {tag} {ms:.4f} ms ({flop / ms / 1e9:.0f} TFLOP/s, diff {diff:.1e})"
         print(line, flush=True)
 
 

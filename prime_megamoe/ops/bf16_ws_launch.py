@@ -7,14 +7,17 @@ wgmma is issued before step j - 1's stage is freed. K steps of 64 (128 bytes of 
 
 ``bf16_ws_unavailable`` says why a GEMM cannot run on it (None where it can); ``launch.grouped_gemm(use_ws=True)``
 runs it and makes asking for it where it does not apply an error that says why; ``use_ws=None`` runs it where it
-applies. The layer does not ask for it yet: it is no faster than the Triton kernels. Qwen3-30B-A3B, T = 16384, one
-H200, ``scripts/bf16_ws_probe.py``, two runs on two machines, ms (Triton kernel / this kernel's 256-column 3-stage
-and 128-column 4-stage configs): FC2 0.816 / 0.823 / 0.894 and 0.814 / 0.840 / 0.798; FC1 dgrad 1.437 / 1.388 /
-1.420 and 1.398 / 1.420 / 1.358; FC2 dgrad (gathering dy) 0.730 / 0.833 / 0.923 and 0.848 / 0.936 / 0.906; FC1's
-GEMM alone (gathering x) 1.459 / 1.572 / 1.741 and 1.514 / 1.608 / 1.759. Its outputs were the Triton kernels' bits.
-What it lacks against them (a wider lead is the point of this kernel): the two MMA partitions run in step on the
-halves of one tile, so the tensor cores idle while both store a tile; the gathering producer's cp.async copies are
-slower than the Triton kernel's gathered loads.
+applies. The layer does not ask for it yet. Alone, Qwen3-30B-A3B, T = 16384, one H200, ``scripts/bf16_ws_probe.py
+--gemms fc1_dgrad fc2``, ms, Triton kernel / the default config (256 columns, 4 stages, outputs stored from
+registers): FC2 0.854 / 0.752, FC1 dgrad 1.553 / 1.336 (3 stages with TMA stores: 0.825 and 1.348; 128 columns:
+0.849-0.928 and 1.369-1.414), the Triton kernel's bits. But the layer with both on this kernel was no faster:
+``python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --backends mega_moe --precisions bf16
+--repeat 5``, forward / backward ms, two runs each, alternating: 2.452 / 5.782 and 2.432 / 5.830 against 2.470 /
+5.780 and 2.386 / 5.720 on the Triton kernels. The 3-stage config was at parity alone too in two earlier runs (ms,
+Triton / it: FC2 0.816 / 0.823 and 0.814 / 0.840, FC1 dgrad 1.437 / 1.388 and 1.398 / 1.420): a partition holds a
+stage until its next wgmma is issued, so the ring's depth counts. The gathering GEMMs are slower on it (3-stage
+config, ms: FC2 dgrad 0.730 / 0.833, FC1's GEMM alone 1.459 / 1.572): the producer's cp.async copies are slower than
+the Triton kernel's gathered loads.
 """
 
 from __future__ import annotations
@@ -41,12 +44,17 @@ from .sm_budget import cuda_properties
 from .tma import tma_readable
 
 BF16_WS_BLOCK_K = 64  # 128 bytes of a bf16 row: the operand boxes' swizzle width
-# 256-column tiles, 3 stages (a stage: two 64 x 64 A boxes and a 256 x 64 B box, 48 KiB); 128 columns, 4 stages.
+# A stage: two 64 x 64 A boxes and a B box of 256 x 64 (48 KiB) or 128 x 64 (32 KiB); TMA stores take two 16 KiB
+# output boxes. A partition holds a stage until its next step's wgmma is issued, so the producer runs at most
+# STAGES - 1 steps ahead: the deeper rings trade the TMA stores' buffers for stages.
 BF16_WS_CONFIGS = (
+    WSConfig(128, 4, halves=2, subs=2),
     WSConfig(128, 3, halves=2, tma_store=True, subs=2),
     WSConfig(128, 4, halves=2, tma_store=True),
+    WSConfig(128, 5, halves=2, tma_store=True),
+    WSConfig(128, 6, halves=2),
 )
-BF16_WS_DEFAULT = BF16_WS_CONFIGS[0]
+BF16_WS_DEFAULT = BF16_WS_CONFIGS[0]  # 256 columns, 4 stages, outputs stored from registers
 
 
 def bf16_ws_unavailable(
