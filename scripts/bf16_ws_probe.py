@@ -1,7 +1,8 @@
 """Usage: python scripts/bf16_ws_probe.py [--shape qwen3-30b-a3b] [--tokens 16384] [--iters 20] [--gemms fc2 ...]
 
 Times each bf16 grouped GEMM of a layer's shape (FC2 with the top-k weights, the FC1 dgrad, the FC2 dgrad gathering
-dy, FC1's GEMM gathering x) on the Triton kernel and on the warp-specialised kernel in each of its configs
+dy, FC1's GEMM gathering x) on the Triton kernel, launched as the layer launches it (FC2 by pointer reads), and on
+the warp-specialised kernel in each of its configs
 (``ops/bf16_ws_launch.py``), on random top-k routing; prints ms, TFLOP/s and each config's relative difference from
 the Triton kernel's output. One Hopper GPU.
 """
@@ -58,21 +59,21 @@ def main():
     x, dy = rand(tokens, hidden), rand(tokens, hidden)
     act, dh = rand(plan.sorted_rows, inter), rand(plan.sorted_rows, 2 * inter)
     w1, w2 = rand(experts, 2 * inter, hidden, scale=hidden**-0.5), rand(experts, hidden, inter, scale=inter**-0.5)
-    # (name, A, B, transpose_b, gather, row scale)
+    # (name, A, B, transpose_b, gather, row scale, the Triton kernel's use_tma as the layer calls it: FC2 by pointer)
     cases = {
-        "fc2": ("FC2", act, w2, True, False, plan.row_weight),
-        "fc1_dgrad": ("FC1 dgrad", dh, w1, False, False, None),
-        "fc2_dgrad": ("FC2 dgrad", dy, w2, False, True, None),
-        "fc1": ("FC1 GEMM (no SwiGLU)", x, w1, True, True, None),
+        "fc2": ("FC2", act, w2, True, False, plan.row_weight, False),
+        "fc1_dgrad": ("FC1 dgrad", dh, w1, False, False, None, None),
+        "fc2_dgrad": ("FC2 dgrad", dy, w2, False, True, None, None),
+        "fc1": ("FC1 GEMM (no SwiGLU)", x, w1, True, True, None, None),
     }
     cases = [cases[g] for g in args.gemms]
     pairs = plan.num_pairs
-    for name, a, b, transpose_b, gather, row_scale in cases:
+    for name, a, b, transpose_b, gather, row_scale, use_tma in cases:
         n, k = (b.shape[1], b.shape[2]) if transpose_b else (b.shape[2], b.shape[1])
         flop = 2 * pairs * n * k
         kw = dict(transpose_b=transpose_b, gather=gather, row_scale=row_scale)
-        ref = launch.grouped_gemm(a, b, plan, **kw)[:pairs].float()
-        ms = median_ms(lambda: launch.grouped_gemm(a, b, plan, **kw), args.iters)
+        ref = launch.grouped_gemm(a, b, plan, use_tma=use_tma, **kw)[:pairs].float()
+        ms = median_ms(lambda: launch.grouped_gemm(a, b, plan, use_tma=use_tma, **kw), args.iters)  # noqa: B023
         line = f"{name}: triton {ms:.4f} ms ({flop / ms / 1e9:.0f} TFLOP/s)"
         for cfg in BF16_WS_CONFIGS:
             c = torch.empty(plan.sorted_rows, n, device="cuda", dtype=torch.bfloat16)
