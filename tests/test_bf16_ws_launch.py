@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from prime_megamoe.kernels.fp8_gemm import QTILE_M
+from prime_megamoe.kernels.tuning import tile_m
 from prime_megamoe.ops import launch
 from prime_megamoe.ops.bf16_ws_launch import BF16_WS_CONFIGS, bf16_grouped_gemm_ws, bf16_ws_unavailable
 from prime_megamoe.ops.fp8_ws_launch import (
@@ -178,3 +179,17 @@ def test_bf16_ws_gemm_on_a_rank_that_receives_nothing():
     bf16_grouped_gemm_ws(a, b, plan, c, transpose_b=True)
     torch.cuda.synchronize()
     assert torch.equal(c, torch.full_like(c, 7.0))
+
+
+def test_grouped_gemm_asks_for_the_kernel_only_where_it_applies():
+    """use_ws=True where the kernel cannot run is an error naming why; use_ws=None runs the Triton kernel there, the
+    same values as use_ws=False."""
+    index, weights = ragged_routing(40, 4, 2, seed=11)
+    plan = build_routing_plan(index, weights, expert_base=0, num_local_experts=4, tile_m=tile_m())
+    gen = torch.Generator().manual_seed(11)
+    a = torch.randn(plan.sorted_rows, 32, generator=gen).to(torch.bfloat16)
+    b = torch.randn(4, 48, 32, generator=gen).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="warp-specialised kernel cannot run this GEMM: it runs on a CUDA GPU only"):
+        launch.grouped_gemm(a, b, plan, transpose_b=True, use_ws=True)
+    chosen = launch.grouped_gemm(a, b, plan, transpose_b=True, use_ws=None)
+    assert torch.equal(chosen, launch.grouped_gemm(a, b, plan, transpose_b=True, use_ws=False))
