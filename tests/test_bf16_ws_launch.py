@@ -18,13 +18,7 @@ from prime_megamoe.kernels.fp8_gemm import QTILE_M
 from prime_megamoe.kernels.tuning import tile_m
 from prime_megamoe.ops import launch
 from prime_megamoe.ops.bf16_ws_launch import BF16_WS_CONFIGS, bf16_grouped_gemm_ws, bf16_ws_unavailable
-from prime_megamoe.ops.fp8_ws_launch import (
-    WS_GATHER_LOAD_REGS,
-    WS_GATHER_LOAD_WARPS,
-    WS_GATHER_MMA_REGS,
-    WS_LOAD_REGS,
-    WS_MMA_REGS,
-)
+from prime_megamoe.ops.fp8_ws_launch import producer_split
 from prime_megamoe.ops.routing_plan import build_routing_plan
 from tests.oracle import ragged_routing, rel_err
 from tests.test_register_check import compile_for_hopper
@@ -40,9 +34,7 @@ needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90 
     ids=["k", "k_gather", "n", "n_gather"],
 )
 def test_bf16_ws_kernel_compiles_for_hopper_with_its_register_split(cfg, kmajor, gather):
-    load_warps, load_regs, mma_regs = (
-        (WS_GATHER_LOAD_WARPS, WS_GATHER_LOAD_REGS, WS_GATHER_MMA_REGS) if gather else (1, WS_LOAD_REGS, WS_MMA_REGS)
-    )
+    load_warps, load_regs, mma_regs = producer_split(gather)
     b_box = f"bf16[{cfg.block_n}, 64]" if kmajor else f"bf16[64, {cfg.block_n}]"
     types = {
         "a_desc": f"tensordesc<bf16[{cfg.a_rows}, 64]>",

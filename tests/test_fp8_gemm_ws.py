@@ -27,6 +27,7 @@ from prime_megamoe.ops.fp8_ws_launch import (
     fp8_fc1_swiglu_ws,
     fp8_grouped_gemm_ws,
     fp8_grouped_wgrad_ws,
+    producer_split,
     weight_descriptor,
     ws_fc1_unavailable,
     ws_gemm_unavailable,
@@ -76,9 +77,7 @@ def _assert_compiles_with_register_split(kernel: str, cfg, constexprs: dict, typ
 def test_ws_kernel_compiles_for_hopper_with_its_register_split(cfg, scale_rows, gather):
     """As the launcher launches it: a bf16 output (stored by TMA where the config says so); gathered A with four
     producer warps and their registers."""
-    load_warps, load_regs, mma_regs = (
-        (WS_GATHER_LOAD_WARPS, WS_GATHER_LOAD_REGS, WS_GATHER_MMA_REGS) if gather else (1, WS_LOAD_REGS, WS_MMA_REGS)
-    )
+    load_warps, load_regs, mma_regs = producer_split(gather)
     # With two accumulators (subs = 2) ptxas keeps a few of the tile loop's scalars on the stack (24-40 bytes for
     # these variants with Triton 3.9), one local load a step in the main loop. The config was measured faster
     # with them (scripts/fp8_probe.py --ws-only); a real spill of the accumulators would be hundreds of bytes.

@@ -30,16 +30,7 @@ import torch
 
 from ..kernels.fp8_gemm import QTILE_M
 from .compiled_launch import launch
-from .fp8_ws_launch import (
-    WS_GATHER_LOAD_REGS,
-    WS_GATHER_LOAD_WARPS,
-    WS_GATHER_MMA_REGS,
-    WS_LOAD_REGS,
-    WS_MMA_REGS,
-    WSConfig,
-    _grid,
-    tma_store_applies,
-)
+from .fp8_ws_launch import WSConfig, _grid, output_descriptor, producer_split
 from .routing_plan import RoutingPlan
 from .sizes import cdiv
 from .sm_budget import cuda_properties
@@ -77,10 +68,9 @@ def bf16_ws_unavailable(
         return "gathered rows with a row_base (a segment of the source rows) are not implemented"
     if not b.is_contiguous() or not tma_readable(b.view(-1, b.shape[-1])):
         return "the weights must be contiguous and TMA-readable (16-byte aligned rows)"
-    if gather and (a.stride(1) != 1 or (a.stride(0) * 2) % 16 or a.data_ptr() % 16):
-        return "gathering A's rows in 16-byte pieces needs contiguous, 16-byte aligned rows"
-    if not gather and not tma_readable(a):
-        return "A must be TMA-readable (contiguous rows, 16-byte aligned)"
+    if not tma_readable(a):  # gathered rows are copied in 16-byte pieces, which needs the same
+        how = "gathering A's rows in 16-byte pieces" if gather else "reading A by TMA"
+        return f"{how} needs contiguous, 16-byte aligned rows"
     return None
 
 
@@ -92,6 +82,7 @@ def _box_layout(rows: int, cols: int):
 
 
 def _descriptor(t: torch.Tensor, rows: int, cols: int):
+    """A TMA descriptor of bf16 ``t`` in [rows, cols] boxes (the operands; the output's: ``output_descriptor``)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     return TensorDescriptor.from_tensor(t, [rows, cols], _box_layout(rows, cols))
@@ -125,12 +116,9 @@ def bf16_grouped_gemm_ws(
         b_desc = _descriptor(b.view(-1, k), config.block_n, BF16_WS_BLOCK_K)
     else:  # boxes of BLOCK_K rows of [E * K, N]: whole steps of one expert (K a multiple of the step)
         b_desc = _descriptor(b.view(-1, n), BF16_WS_BLOCK_K, config.block_n)
-    tma_store = config.tma_store and tma_store_applies(c)
-    c_desc = _descriptor(c, config.a_rows, 128) if tma_store else a_desc
+    c_desc, tma_store = output_descriptor(c, a_desc, config)
     tiles = plan.max_tiles * (QTILE_M // config.block_m) * cdiv(n, config.block_n)
-    load_warps, load_regs, mma_regs = (
-        (WS_GATHER_LOAD_WARPS, WS_GATHER_LOAD_REGS, WS_GATHER_MMA_REGS) if gather else (1, WS_LOAD_REGS, WS_MMA_REGS)
-    )
+    load_warps, load_regs, mma_regs = producer_split(gather)
     launch(
         grouped_gemm_ws_kernel,
         _grid(config.programs_per_sm, c.device, tiles, programs),

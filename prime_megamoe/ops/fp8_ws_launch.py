@@ -165,20 +165,34 @@ def weight_descriptor(bq: QTensor, rows: int = WS_BLOCK_N):
     return desc
 
 
+def output_descriptor(c_2d: torch.Tensor | None, a_desc, config: WSConfig):
+    """(the output's TMA descriptor, whether the output is stored by TMA): boxes of one MMA partition's rows where the
+    config stores by TMA and ``c_2d`` (None: it cannot be viewed so) can take it; else A's descriptor stands in (the
+    kernel does not read it)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    tma_store = config.tma_store and c_2d is not None and tma_store_applies(c_2d)
+    if not tma_store:
+        return a_desc, False
+    layout = _out_layout(config.a_rows, c_2d.dtype)
+    return TensorDescriptor.from_tensor(c_2d, [config.a_rows, WS_BLOCK_N], layout), True
+
+
+def producer_split(gather: bool) -> tuple[int, int, int]:
+    """(producer warps, producer registers, second MMA partition's registers) of the row-tiled kernel: gathering A
+    takes four producer warps with more registers."""
+    if gather:
+        return WS_GATHER_LOAD_WARPS, WS_GATHER_LOAD_REGS, WS_GATHER_MMA_REGS
+    return 1, WS_LOAD_REGS, WS_MMA_REGS
+
+
 def _descriptors(a_2d: torch.Tensor, b_desc, c_2d: torch.Tensor | None, config: WSConfig):
-    """TMA descriptors of A (boxes of one MMA partition's rows) and, where the config stores by TMA and ``c_2d``
-    (None: it cannot be viewed so) can take it, the output; A's stands in for an output not stored by TMA (the kernel
-    does not read it). Returns them with ``b_desc`` (``weight_descriptor``) and whether the output is stored by
-    TMA."""
+    """TMA descriptors of A (boxes of one MMA partition's rows) and the output (``output_descriptor``). Returns them
+    with ``b_desc`` (``weight_descriptor``) and whether the output is stored by TMA."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     a_desc = TensorDescriptor.from_tensor(a_2d, [config.a_rows, WS_BLOCK_K], box_layout(config.a_rows))
-    tma_store = config.tma_store and c_2d is not None and tma_store_applies(c_2d)
-    c_desc = (
-        TensorDescriptor.from_tensor(c_2d, [config.a_rows, WS_BLOCK_N], _out_layout(config.a_rows, c_2d.dtype))
-        if tma_store
-        else a_desc
-    )
+    c_desc, tma_store = output_descriptor(c_2d, a_desc, config)
     return a_desc, b_desc, c_desc, tma_store
 
 
@@ -215,9 +229,7 @@ def fp8_grouped_gemm_ws(
     a_desc, b_desc, c_desc, tma_store = _descriptors(aq_data, weight_descriptor(bq, config.block_n), c, config)
     tiles = plan.max_tiles * (QTILE_M // config.block_m) * cdiv(n, config.block_n)
     grid = _grid(config.programs_per_sm, c.device, tiles, programs)
-    load_warps, load_regs, mma_regs = (
-        (WS_GATHER_LOAD_WARPS, WS_GATHER_LOAD_REGS, WS_GATHER_MMA_REGS) if gather else (1, WS_LOAD_REGS, WS_MMA_REGS)
-    )
+    load_warps, load_regs, mma_regs = producer_split(gather)
     launch(
         grouped_gemm_ws_kernel,
         grid,

@@ -114,20 +114,20 @@ def grouped_gemm(
     None runs it where it applies, False the Triton kernel."""
     if row_base and not gather:
         raise ValueError("grouped_gemm: row_base applies to gathered rows only (gather=True)")
-    if use_ws is not False:
-        why_not = bf16_ws_unavailable(a, b, transpose_b=transpose_b, gather=gather, row_base=row_base)
-        if why_not is None:
-            c = a.new_empty(plan.sorted_rows, b.shape[1] if transpose_b else b.shape[2]) if out is None else out
-            bf16_grouped_gemm_ws(a, b, plan, c, transpose_b=transpose_b, gather=gather, row_scale=row_scale)
-            return c
-        if use_ws:
-            raise ValueError(f"grouped_gemm(use_ws=True): the warp-specialised kernel cannot run this GEMM: {why_not}")
     if transpose_b:  # B[e] is [N, K]
         n, k = b.shape[1], b.shape[2]
         stride_bk, stride_bn = b.stride(2), b.stride(1)
     else:  # B[e] is [K, N]
         k, n = b.shape[1], b.shape[2]
         stride_bk, stride_bn = b.stride(1), b.stride(2)
+    if use_ws is not False:
+        why_not = bf16_ws_unavailable(a, b, transpose_b=transpose_b, gather=gather, row_base=row_base)
+        if why_not is None:
+            c = a.new_empty(plan.sorted_rows, n) if out is None else out
+            bf16_grouped_gemm_ws(a, b, plan, c, transpose_b=transpose_b, gather=gather, row_scale=row_scale)
+            return c
+        if use_ws:
+            raise ValueError(f"grouped_gemm(use_ws=True): the warp-specialised kernel cannot run this GEMM: {why_not}")
     # The weights as one 2D tensor, [E * N, K] (transpose_b) or [E * K, N], where TMA may read them
     b_2d = b.view(-1, b.shape[2]) if use_tma is not False and b.is_contiguous() else None
     if use_tma is None:
