@@ -14,7 +14,7 @@ import statistics
 
 import torch
 
-from prime_megamoe.bench import SHAPES
+from prime_megamoe.bench import SHAPES, make_inputs
 from prime_megamoe.kernels.fp8_gemm import QTILE_M
 from prime_megamoe.ops import launch
 from prime_megamoe.ops.bf16_ws_launch import BF16_WS_CONFIGS, bf16_grouped_gemm_ws
@@ -44,21 +44,16 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--gemms", nargs="+", default=list(GEMMS), choices=list(GEMMS), help="the GEMMs to time")
     args = p.parse_args()
-    hidden, inter, experts, top_k = SHAPES[args.shape]
-    tokens = args.tokens
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    probs = torch.softmax(torch.randn(tokens, experts, device="cuda", generator=gen), -1)
-    weights, index = probs.topk(top_k, -1)
-    plan = build_routing_plan(
-        index.int(), weights / weights.sum(-1, keepdim=True), expert_base=0, num_local_experts=experts, tile_m=QTILE_M
-    )
+    # The benchmark's inputs (one rank): tokens, routing and weights
+    x, index, weights, w1, w2 = make_inputs(args.shape, args.tokens, rank=0, world=1, seed=0)
+    plan = build_routing_plan(index, weights, expert_base=0, num_local_experts=w1.shape[0], tile_m=QTILE_M)
+    gen = torch.Generator(device="cuda").manual_seed(1)
 
-    def rand(*size, scale=1.0):
-        return (torch.randn(*size, device="cuda", generator=gen) * scale).to(torch.bfloat16)
+    def rand(*size):
+        return torch.randn(*size, device="cuda", generator=gen).to(torch.bfloat16)
 
-    x, dy = rand(tokens, hidden), rand(tokens, hidden)
-    act, dh = rand(plan.sorted_rows, inter), rand(plan.sorted_rows, 2 * inter)
-    w1, w2 = rand(experts, 2 * inter, hidden, scale=hidden**-0.5), rand(experts, hidden, inter, scale=inter**-0.5)
+    inter = w2.shape[2]
+    dy, act, dh = rand(*x.shape), rand(plan.sorted_rows, inter), rand(plan.sorted_rows, 2 * inter)
     # (name, A, B, transpose_b, gather, row scale, the Triton kernel's use_tma as the layer calls it: FC2 by pointer)
     cases = {
         "fc2": ("FC2", act, w2, True, False, plan.row_weight, False),
