@@ -5,21 +5,20 @@ and B (or, gathering, cp.async copies of A's source rows) to two 4-warp MMA part
 every 128-row tile; the products accumulate in the wgmma's fp32 accumulators (no per-step promotion), and step j's
 wgmma is issued before step j - 1's stage is freed. K steps of 64 (128 bytes of a row, as fp8's 128).
 
-``bf16_ws_unavailable`` says why a GEMM cannot run on it (None where it can); ``launch.grouped_gemm(use_ws=True)``
-runs it and makes asking for it where it does not apply an error that says why; ``use_ws=None`` runs it where it
-applies. The layer does not ask for it yet. Alone, Qwen3-30B-A3B, T = 16384, one H200, ``scripts/bf16_ws_probe.py
---gemms fc1_dgrad fc2``, ms, Triton kernel / the default config (256 columns, 4 stages, outputs stored from
-registers): FC2 0.854 / 0.752, FC1 dgrad 1.553 / 1.336 (3 stages with TMA stores: 0.825 and 1.348; 128 columns:
-0.849-0.928 and 1.369-1.414), the Triton kernel's bits. That run timed the Triton FC2 with TMA reads; the layer's
-reads by pointer, measured at 0.731 ms, and its FC1 dgrad took 1.398-1.437 ms in the other runs. So the layer with
-both on this kernel was no faster:
-``python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens 16384 --backends mega_moe --precisions bf16
---repeat 5``, forward / backward ms, two runs each, alternating: 2.452 / 5.782 and 2.432 / 5.830 against 2.470 /
-5.780 and 2.386 / 5.720 on the Triton kernels. The 3-stage config was at parity alone too in two earlier runs (ms,
-Triton / it: FC2 0.816 / 0.823 and 0.814 / 0.840, FC1 dgrad 1.437 / 1.388 and 1.398 / 1.420): a partition holds a
-stage until its next wgmma is issued, so the ring's depth counts. The gathering GEMMs are slower on it (3-stage
-config, ms: FC2 dgrad 0.730 / 0.833, FC1's GEMM alone 1.459 / 1.572): the producer's cp.async copies are slower than
-the Triton kernel's gathered loads.
+``bf16_ws_unavailable`` says why a GEMM cannot run on it (None where it can); ``launch.grouped_gemm(use_ws=True)`` runs
+it and makes asking for it where it does not apply an error that says why; ``use_ws=None`` runs it where it applies. The
+layer does not ask for it yet (the figures below: ``benchmarks/results/bf16_ws_t16384.txt``). Alone, Qwen3-30B-A3B, T =
+16384, one H200, ``scripts/bf16_ws_probe.py --gemms fc1_dgrad fc2``, ms, Triton kernel / the default config (256
+columns, 4 stages, outputs stored from registers): FC2 0.854 / 0.752, FC1 dgrad 1.553 / 1.336 (3 stages with TMA stores:
+0.825 and 1.348; 128 columns: 0.849-0.928 and 1.369-1.414), the Triton kernel's bits. That run timed the Triton FC2 with
+TMA reads; the layer's reads by pointer, measured at 0.731 ms, and its FC1 dgrad took 1.398-1.437 ms in the other runs.
+So the layer with both on this kernel was no faster: ``python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens
+16384 --backends mega_moe --precisions bf16 --repeat 5``, forward / backward ms, two runs each, alternating: 2.452 /
+5.782 and 2.432 / 5.830 against 2.470 / 5.780 and 2.386 / 5.720 on the Triton kernels. The 3-stage config was at parity
+alone too in two earlier runs (ms, Triton / it: FC2 0.816 / 0.823 and 0.814 / 0.840, FC1 dgrad 1.437 / 1.388 and 1.398 /
+1.420): a partition holds a stage until its next wgmma is issued, so the ring's depth counts. The gathering GEMMs are
+slower on it (3-stage config, ms: FC2 dgrad 0.730 / 0.833, FC1's GEMM alone 1.459 / 1.572): the producer's cp.async
+copies are slower than the Triton kernel's gathered loads.
 """
 
 from __future__ import annotations
