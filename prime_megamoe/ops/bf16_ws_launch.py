@@ -24,12 +24,13 @@ copies are slower than the Triton kernel's gathered loads.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
 from ..kernels.fp8_gemm import QTILE_M
 from .compiled_launch import launch
-from .fp8_ws_launch import WSConfig, _grid, output_descriptor, producer_split
+from .fp8_ws_launch import WS_BLOCK_N, WSConfig, _grid, output_descriptor, producer_split
 from .routing_plan import RoutingPlan
 from .sizes import cdiv
 from .sm_budget import cuda_properties
@@ -160,4 +161,109 @@ def bf16_grouped_gemm_ws(
         MMA_REGS=mma_regs,
         num_warps=config.num_warps,
         maxnreg=config.maxnreg,
+    )
+
+
+@dataclass(frozen=True)
+class WgradWSConfig:
+    """The bf16 weight-gradient kernel's config (``kernels/wgrad_ws.py``): 128-row output tiles (two 64-row MMA
+    partitions) of ``block_n`` columns (parts of 128, one accumulator each), ``stages`` ring stages (A: 16 KiB, B:
+    ``block_n`` x 64 bf16), TMA stores (two 16 KiB output boxes) where the output allows them."""
+
+    block_n: int = 256
+    stages: int = 4
+    tma_store: bool = True
+
+    @property
+    def subs(self) -> int:
+        return self.block_n // WS_BLOCK_N
+
+
+# Four stages of 48 KiB and the two output boxes fill 224 KiB of the 227 the SM gives a program.
+BF16_WGRAD_WS_CONFIGS = (
+    WgradWSConfig(256, 4),
+    WgradWSConfig(256, 3),
+    WgradWSConfig(128, 4),
+    WgradWSConfig(256, 4, tma_store=False),
+)
+BF16_WGRAD_WS_DEFAULT = BF16_WGRAD_WS_CONFIGS[0]
+# Producer warps and registers (every step's rows are gathered: its source row ids, then 16-byte copies of them), and
+# the second MMA partition's registers; ``tests/test_bf16_wgrad_ws.py`` checks the split compiles without spills.
+WGRAD_WS_LOAD_WARPS, WGRAD_WS_LOAD_REGS, WGRAD_WS_MMA_REGS = 4, 88, 208
+
+
+def bf16_wgrad_ws_unavailable(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, gather_a: bool) -> str | None:
+    """Why the warp-specialised kernel cannot compute ``launch.grouped_wgrad(a, b, plan, out, gather_a=...)``, or
+    None when it can."""
+    if a.device.type != "cuda":
+        return "it runs on a CUDA GPU only (Gluon kernels have no interpreter)"
+    if cuda_properties(a.device).major != 9:
+        return "it is Hopper (sm_90) wgmma code"
+    if {a.dtype, b.dtype, out.dtype} != {torch.bfloat16}:
+        return f"it takes bf16 operands and output (got {a.dtype}, {b.dtype} and {out.dtype})"
+    if not out.is_contiguous():
+        return "the output must be contiguous"
+    dense, gathered = (b, a) if gather_a else (a, b)
+    if not tma_readable(dense):
+        return "the sorted operand is read by TMA: contiguous, 16-byte aligned rows"
+    if not tma_readable(gathered) or gathered.shape[1] % 8:
+        return "the gathered operand is copied in 16-byte pieces: contiguous, 16-byte aligned rows of whole pieces"
+    return None
+
+
+def bf16_grouped_wgrad_ws(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    plan: RoutingPlan,
+    out: torch.Tensor,
+    *,
+    gather_a: bool,
+    config: WgradWSConfig = BF16_WGRAD_WS_DEFAULT,
+    programs: int | None = None,
+) -> None:
+    """out[e] = A[rows of e]^T @ B[rows of e] (callers check ``bf16_wgrad_ws_unavailable`` first), as
+    ``launch.grouped_wgrad`` with ``gather_a`` (A gathered, B sorted) or not (A sorted, B gathered): A [*, M], B
+    [*, N], out [E, M, N]. ``programs``: at most that many persistent programs."""
+    from ..kernels.wgrad_ws import bf16_grouped_wgrad_ws_kernel
+
+    dense, gathered = (b, a) if gather_a else (a, b)
+    m, n, experts = a.shape[1], b.shape[1], plan.num_local_experts
+    if dense.shape[0] == 0:  # no rows at all (a rank that receives nothing): every expert's gradient is zero
+        out.zero_()
+        return
+    d_desc = _descriptor(dense, BF16_WS_BLOCK_K, config.block_n if gather_a else 64)
+    # Output boxes of one MMA partition's 64 rows and 128 columns, as the row-tiled kernel's; a box must not reach
+    # the next expert's rows, so M must be a whole number of them.
+    box = WSConfig(128, halves=2, tma_store=config.tma_store)
+    c_desc, tma_store = output_descriptor(out.view(-1, n) if m % box.a_rows == 0 else None, d_desc, box)
+    tiles = experts * cdiv(m, 128) * cdiv(n, config.block_n)
+    launch(
+        bf16_grouped_wgrad_ws_kernel,
+        _grid(1, out.device, tiles, programs),
+        d_desc,
+        c_desc,
+        dense,
+        gathered,
+        plan.row_src,
+        out,
+        plan.expert_offsets,
+        m,
+        n,
+        experts,
+        plan.num_segments,
+        dense.stride(0),
+        gathered.stride(0),
+        out.stride(0),
+        out.stride(1),
+        DENSE_A=not gather_a,
+        BLOCK_N=config.block_n,
+        BLOCK_K=BF16_WS_BLOCK_K,
+        STAGES=config.stages,
+        SUBS=config.subs,
+        TMA_STORE=tma_store,
+        LOAD_WARPS=WGRAD_WS_LOAD_WARPS,
+        LOAD_REGS=WGRAD_WS_LOAD_REGS,
+        MMA_REGS=WGRAD_WS_MMA_REGS,
+        num_warps=4,
+        maxnreg=168,
     )

@@ -9,7 +9,12 @@ from ..kernels.combine import combine_rows_kernel, sum_blocks_kernel
 from ..kernels.grouped_gemm import fc1_swiglu_kernel, grouped_gemm_kernel, grouped_wgrad_kernel
 from ..kernels.swiglu_grad import swiglu_backward_rows_kernel
 from .activation import clamp_kernel_args
-from .bf16_ws_launch import bf16_grouped_gemm_ws, bf16_ws_unavailable
+from .bf16_ws_launch import (
+    bf16_grouped_gemm_ws,
+    bf16_grouped_wgrad_ws,
+    bf16_wgrad_ws_unavailable,
+    bf16_ws_unavailable,
+)
 from .compiled_launch import launch
 from .routing_plan import RoutingPlan
 from .sizes import cdiv, next_power_of_2
@@ -240,12 +245,22 @@ def grouped_wgrad(
     gather_a: bool,
     gather_b: bool,
     use_tma: bool | None = None,
+    use_ws: bool | None = False,
 ) -> torch.Tensor:
     """out[e] = A[rows of e]^T @ B[rows of e] with A [*, M], B [*, N], out [E, M, N]; exactly one operand is gathered
     (indexed by the source row of each sorted row), the other is in sorted row order. Expert e's rows of every segment
-    are reduced, in segment order. ``use_tma``: read the sorted operand by TMA (default: where ``tma_readable``)."""
+    are reduced, in segment order. ``use_tma``: read the sorted operand by TMA (default: where ``tma_readable``).
+    ``use_ws``: True runs the warp-specialised Hopper kernel (``bf16_ws_launch.bf16_grouped_wgrad_ws``; an error says
+    why where it cannot), None runs it where it applies, False the Triton kernel."""
     if gather_a == gather_b:
         raise ValueError("grouped_wgrad: exactly one of gather_a / gather_b must be set (one operand is gathered)")
+    if use_ws is not False:
+        why_not = bf16_wgrad_ws_unavailable(a, b, out, gather_a=gather_a)
+        if why_not is None:
+            bf16_grouped_wgrad_ws(a, b, plan, out, gather_a=gather_a)
+            return out
+        if use_ws:
+            raise ValueError(f"grouped_wgrad(use_ws=True): the warp-specialised kernel cannot run here: {why_not}")
     dense, gathered = (b, a) if gather_a else (a, b)
     if use_tma is None:
         use_tma = tma_readable(dense)

@@ -1,0 +1,348 @@
+"""The bf16 weight gradient of ``grouped_gemm.grouped_wgrad_kernel`` as a warp-specialised, persistent Hopper kernel
+(Gluon), built like ``gemm_ws.py``.
+
+``C[e] = A[rows of e]^T @ B[rows of e]`` with A [*, M] and B [*, N] bf16, C [E, M, N]: the reduction runs over expert
+e's sorted rows of every segment, in segment order. One operand is dense (in sorted row order, read by TMA), the
+other gathered (sorted row r reads source row ``row_src[r]``): DENSE_A says which. The layer's two weight gradients:
+dW1 = dh^T x[src] (A dense) and dW2 = dy[src]^T aw (B dense).
+
+Why a second kernel: at a few hundred rows per expert each output tile is a few K steps, and the Triton kernel's
+program then spends as long storing its tile as computing it, with nothing else on the SM to fill that time (dW1 at
+Qwen3-235B-A22B, T = 4096, 256 rows an expert: 2.29 ms, 360 TFLOP/s; its 3.2 GB of output alone take ~0.7 ms to
+write). Here the stores are TMA copies that run while the next tile's steps do:
+
+- the producer partition (4 warps) walks the program's output tiles (expert major, then row block, then column block,
+  as ``fp8_wgrad_ws``) and, for each tile, its expert's rows of every segment in steps of BLOCK_K rows: the dense
+  operand's chunk by TMA (boxes [BLOCK_K, columns]), the gathered one's rows by cp.async in 16-byte pieces (TMA
+  cannot gather on Hopper), both into one stage of a ring guarded by ready / empty mbarriers;
+- two 4-warp MMA partitions take the two 64-row halves of each 128-row output tile: both operands sit in shared
+  memory row-major (M- and N-major), which bf16 wgmma reads as they are (A through a transposed view), so no operand
+  is transposed in memory first; step j's wgmma is issued before step j - 1's stage is freed, the products
+  accumulate in the wgmma's fp32 accumulators, and the finished tile is stored by TMA (or from registers, with
+  masks, where a box could not hold it).
+
+Rows of a step: a step past the expert's end is moved back to end there (the rows it shares with the step before
+read zeros on the gathered side), so the dense operand's box stays inside the expert's rows, as in the Triton kernel;
+an expert with fewer than BLOCK_K rows in a segment has both operands copied by cp.async with a row mask (a box
+there would reach rows no plan wrote). An expert without rows gets zeros.
+
+Gluon kernels have no interpreter: ``tests/test_bf16_wgrad_ws.py`` compiles it for sm_90 on the CPU and checks it
+against float64 and the Triton kernel on a Hopper GPU.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .fp8_wgrad_ws import _wgrad_store, _wgrad_tile_of
+from .gemm_ws import _cp_async, _partition_barrier, _stage_barriers, _tma_load
+
+
+@gluon.jit
+def _step_rows(row_ids_ptr, row, k0, end, BLOCK_K: gl.constexpr, COLS: gl.constexpr, GATHERED: gl.constexpr):
+    """(the rows that a step's copies read, which of them are the step's: [k0, end)) for a [BLOCK_K, COLS] buffer:
+    rows [row, row + BLOCK_K), with GATHERED their source rows ``row_ids[r]``."""
+    # 16 bytes (8 bf16) a thread, a row over COLS / 8 threads (``_copy_rows`` has the same layout)
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // COLS, COLS // 8], [gl.num_warps(), 1], [1, 0])
+    r = row + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, layout))
+    ok = (r >= k0) & (r < end)
+    if GATHERED:
+        src = gl.load(row_ids_ptr + r, mask=ok, other=0).to(gl.int64)
+    else:
+        src = r.to(gl.int64)
+    return src, ok
+
+
+@gluon.jit
+def _copy_rows(buf, base_ptr, src, ok, col0, ncols, stride):
+    """cp.async of rows ``src`` (``_step_rows``), columns [col0, col0 + the buffer's width), into ``buf``; rows not
+    ``ok`` and columns past ``ncols`` read zeros."""
+    COLS: gl.constexpr = buf.type.shape[1]
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // COLS, COLS // 8], [gl.num_warps(), 1], [1, 0])
+    cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    _cp_async(buf, base_ptr + src[:, None] * stride + cols[None, :], mask=ok[:, None] & (cols < ncols)[None, :])
+
+
+@gluon.jit
+def _wgrad_load_partition(
+    d_desc,
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    d_ptr,
+    g_ptr,
+    row_src_ptr,
+    expert_offsets_ptr,
+    M,
+    N,
+    E,
+    num_segments,
+    stride_d,
+    stride_g,
+    DENSE_A: gl.constexpr,
+):
+    BLOCK_K: gl.constexpr = b_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
+    HALF_M: gl.constexpr = a_bufs.type.shape[2]  # one MMA partition's columns of A
+    STAGES: gl.constexpr = b_bufs.type.shape[0]
+    TILE_ROWS: gl.constexpr = 2 * HALF_M
+    m_tiles = gl.cdiv(M, TILE_ROWS)
+    n_tiles = gl.cdiv(N, BLOCK_N)
+    total = E * m_tiles * n_tiles
+    it = 0
+    for t in range(gl.program_id(0), total, gl.num_programs(0)):
+        expert, m0, n0 = _wgrad_tile_of(t, m_tiles, n_tiles, TILE_ROWS, BLOCK_N)
+        for seg in range(num_segments):
+            start = gl.load(expert_offsets_ptr + seg * (E + 1) + expert)
+            end = gl.load(expert_offsets_ptr + seg * (E + 1) + expert + 1)
+            short = end - start < BLOCK_K  # both operands by cp.async, rows masked
+            for k0 in range(start, end, BLOCK_K):
+                # The last step moved back to end at the expert's end (not before its start)
+                row = gl.maximum(gl.minimum(k0, end - BLOCK_K), start)
+                # The gathered rows' ids are loaded before the stage is waited for, so that their latency overlaps.
+                src, ok = _step_rows(row_src_ptr, row, k0, end, BLOCK_K, 64 if not DENSE_A else BLOCK_N, True)
+                s = it % STAGES
+                # A buffer is free once the MMAs that read it are done; a fresh mbarrier counts as phase 1 done.
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                bar = ready.index(s)
+                if DENSE_A:
+                    _copy_rows(b_bufs.index(s), g_ptr, src, ok, n0, N, stride_g)
+                    if short:
+                        d_src, d_ok = _step_rows(row_src_ptr, row, k0, end, BLOCK_K, HALF_M, False)
+                        for h in gl.static_range(2):
+                            _copy_rows(a_bufs.index(2 * s + h), d_ptr, d_src, d_ok, m0 + h * HALF_M, M, stride_d)
+                else:
+                    for h in gl.static_range(2):
+                        _copy_rows(a_bufs.index(2 * s + h), g_ptr, src, ok, m0 + h * HALF_M, M, stride_g)
+                    if short:
+                        d_src, d_ok = _step_rows(row_src_ptr, row, k0, end, BLOCK_K, BLOCK_N, False)
+                        _copy_rows(b_bufs.index(s), d_ptr, d_src, d_ok, n0, N, stride_d)
+                async_copy.mbarrier_arrive(bar)  # the barrier's phase also waits for this lane's copies
+                # Every producer warp has counted its copies on the barrier before one thread arms it: else the
+                # phase could complete with another warp's copies not yet counted.
+                _partition_barrier()
+                if short:
+                    mbarrier.arrive(bar, count=1)
+                elif DENSE_A:
+                    mbarrier.expect(bar, 2 * d_desc.block_type.nbytes)
+                    for h in gl.static_range(2):
+                        _tma_load(d_desc, [row, m0 + h * HALF_M], bar, a_bufs.index(2 * s + h))
+                else:
+                    mbarrier.expect(bar, d_desc.block_type.nbytes)
+                    _tma_load(d_desc, [row, n0], bar, b_bufs.index(s))
+                it += 1
+
+
+@gluon.jit
+def _tile_steps(expert_offsets_ptr, expert, E, num_segments, BLOCK_K: gl.constexpr, valid=True):
+    """K steps of one output tile: each segment's rows of its expert, BLOCK_K a step."""
+    steps = 0
+    for seg in range(num_segments):
+        start = gl.load(expert_offsets_ptr + seg * (E + 1) + expert, mask=valid, other=0)
+        end = gl.load(expert_offsets_ptr + seg * (E + 1) + expert + 1, mask=valid, other=0)
+        steps += gl.cdiv(end - start, BLOCK_K)
+    return steps
+
+
+@gluon.jit
+def _wgrad_mma_partition(
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    c_desc,
+    c_smem,
+    c_ptr,
+    expert_offsets_ptr,
+    M,
+    N,
+    E,
+    num_segments,
+    stride_ce,
+    stride_cm,
+    HALF: gl.constexpr,
+    SUBS: gl.constexpr,
+    TMA_STORE: gl.constexpr,
+):
+    """Rows [HALF * 64, (HALF + 1) * 64) of every output tile of this program, in SUBS column parts."""
+    num_warps: gl.constexpr = gl.num_warps()
+    BLOCK_K: gl.constexpr = b_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
+    HALF_M: gl.constexpr = a_bufs.type.shape[2]
+    STAGES: gl.constexpr = b_bufs.type.shape[0]
+    SUB_N: gl.constexpr = BLOCK_N // SUBS
+    TILE_ROWS: gl.constexpr = 2 * HALF_M
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, SUB_N, 16]
+    )
+    m_tiles = gl.cdiv(M, TILE_ROWS)
+    n_tiles = gl.cdiv(N, BLOCK_N)
+    total = E * m_tiles * n_tiles
+    programs = gl.num_programs(0)
+    # The first tile's step count; each later tile's is loaded while the tile before it runs. (With no tiles at all
+    # nothing is loaded and the loop does not run.)
+    expert, m0, n0 = _wgrad_tile_of(gl.minimum(gl.program_id(0), total - 1), m_tiles, n_tiles, TILE_ROWS, BLOCK_N)
+    steps = _tile_steps(expert_offsets_ptr, expert, E, num_segments, BLOCK_K, valid=total > 0)
+    it = 0
+    for t in range(gl.program_id(0), total, programs):
+        expert_n, m0_n, n0_n = _wgrad_tile_of(gl.minimum(t + programs, total - 1), m_tiles, n_tiles, TILE_ROWS, BLOCK_N)
+        steps_n = _tile_steps(expert_offsets_ptr, expert_n, E, num_segments, BLOCK_K)
+        acc0 = gl.zeros([HALF_M, SUB_N], gl.float32, mma_layout)
+        acc1 = gl.zeros([HALF_M, SUB_N], gl.float32, mma_layout)
+        # A while loop, not ``for _ in range(steps)``: Triton 3.6's Gluon inliner replaces a loop-carried value that
+        # is only an inner for loop's bound by its first value (``fp8_wgrad_ws``).
+        j = 0
+        while j < steps:
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            fence_async_shared()  # the cp.async copies (generic proxy) are read by the wgmma (async proxy)
+            a_op = a_bufs.index(2 * s + HALF).permute((1, 0))  # [64, BLOCK_K]: A^T's rows, M-major in memory
+            b_buf = b_bufs.index(s)
+            acc0 = warpgroup_mma(a_op, b_buf.slice(0, SUB_N, dim=1), acc0, is_async=True)
+            if SUBS == 2:
+                acc1 = warpgroup_mma(a_op, b_buf.slice(SUB_N, SUB_N, dim=1), acc1, is_async=True)
+                acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
+            else:
+                acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0,))
+            if j > 0:  # step j - 1's wgmma is done: its stage is free
+                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+            it += 1
+            j += 1
+        if SUBS == 2:
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+        else:
+            acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
+        if steps > 0:
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+        row_s0 = m0 + HALF * HALF_M
+        _wgrad_store(acc0, c_desc, c_smem, c_ptr, expert, row_s0, n0, M, N, stride_ce, stride_cm, 1, TMA_STORE)
+        if SUBS == 2:
+            _wgrad_store(
+                acc1, c_desc, c_smem, c_ptr, expert, row_s0, n0 + SUB_N, M, N, stride_ce, stride_cm, 1, TMA_STORE
+            )
+        expert, m0, n0, steps = expert_n, m0_n, n0_n, steps_n
+    if TMA_STORE:
+        tma.store_wait(0)
+
+
+@gluon.jit
+def bf16_grouped_wgrad_ws_kernel(
+    d_desc,
+    c_desc,
+    d_ptr,
+    g_ptr,
+    row_src_ptr,
+    c_ptr,
+    expert_offsets_ptr,
+    M,
+    N,
+    E,
+    num_segments,
+    stride_d,
+    stride_g,
+    stride_ce,
+    stride_cm,
+    DENSE_A: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    STAGES: gl.constexpr,
+    SUBS: gl.constexpr,
+    TMA_STORE: gl.constexpr,
+    LOAD_WARPS: gl.constexpr,
+    LOAD_REGS: gl.constexpr,
+    MMA_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """Two 4-warp MMA partitions (the default one and a worker with MMA_REGS registers) and a LOAD_WARPS producer.
+    A's stage holds two [BLOCK_K, 64] boxes (one per MMA partition), B's one [BLOCK_K, BLOCK_N], both in the dense
+    operand's descriptor's layout (a bf16 box of 64 or more columns has the same one whatever its width).
+    TMA_STORE: tiles are stored by TMA through ``c_desc`` (boxes [64, BLOCK_N / SUBS] of C viewed as [E * M, N]);
+    without it ``c_desc`` is not read (any descriptor will do)."""
+    a_bufs = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BLOCK_K, 64], d_desc.layout)
+    b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_N], d_desc.layout)
+    ready, empty = _stage_barriers(STAGES, 2)
+    if TMA_STORE:
+        c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+    else:
+        c_bufs = a_bufs
+    gl.warp_specialize(
+        [
+            (
+                _wgrad_mma_partition,
+                (
+                    a_bufs,
+                    b_bufs,
+                    ready,
+                    empty,
+                    c_desc,
+                    c_bufs.index(0),
+                    c_ptr,
+                    expert_offsets_ptr,
+                    M,
+                    N,
+                    E,
+                    num_segments,
+                    stride_ce,
+                    stride_cm,
+                    0,
+                    SUBS,
+                    TMA_STORE,
+                ),
+            ),
+            (
+                _wgrad_mma_partition,
+                (
+                    a_bufs,
+                    b_bufs,
+                    ready,
+                    empty,
+                    c_desc,
+                    c_bufs.index(1),
+                    c_ptr,
+                    expert_offsets_ptr,
+                    M,
+                    N,
+                    E,
+                    num_segments,
+                    stride_ce,
+                    stride_cm,
+                    1,
+                    SUBS,
+                    TMA_STORE,
+                ),
+            ),
+            (
+                _wgrad_load_partition,
+                (
+                    d_desc,
+                    a_bufs,
+                    b_bufs,
+                    ready,
+                    empty,
+                    d_ptr,
+                    g_ptr,
+                    row_src_ptr,
+                    expert_offsets_ptr,
+                    M,
+                    N,
+                    E,
+                    num_segments,
+                    stride_d,
+                    stride_g,
+                    DENSE_A,
+                ),
+            ),
+        ],
+        [4, LOAD_WARPS],
+        [MMA_REGS, LOAD_REGS],
+    )
