@@ -1,10 +1,13 @@
 """The bf16 weight gradient of ``grouped_gemm.grouped_wgrad_kernel`` as a warp-specialised, persistent Hopper kernel
 (Gluon), built like ``gemm_ws.py``.
 
-``C[e] = A[rows of e]^T @ B[rows of e]`` with A [*, M] and B [*, N] bf16, C [E, M, N]: the reduction runs over expert
-e's sorted rows of every segment, in segment order. One operand is dense (in sorted row order, read by TMA), the
-other gathered (sorted row r reads source row ``row_src[r]``): DENSE_A says which. The layer's two weight gradients:
-dW1 = dh^T x[src] (A dense) and dW2 = dy[src]^T aw (B dense).
+``C[e] = A[src of rows of e]^T @ B[rows of e]`` with A [R, M] gathered (sorted row r reads source row ``row_src[r]``)
+and B [*, N] in sorted row order, bf16, C [E, M, N] (TRANSPOSE_C: C^T, [E, N, M]): the reduction runs over expert e's
+sorted rows of every segment, in segment order. The layer's two weight gradients: dW2 = dy[src]^T aw as it is, and
+dW1 = dh^T x[src] as (x[src]^T dh)^T, TRANSPOSE_C (``ops/bf16_ws_launch.bf16_grouped_wgrad_ws``): the gathered
+operand always takes the tile's 128-row side and the sorted one its 256-column side, the shape where the gathered
+copies keep up with the tensor cores (the other way, 32 KiB of gathered rows a step, dW1 ran 2.74 ms against 1.79
+for the Triton kernel at Qwen3-30B-A3B, T = 16384).
 
 Why a second kernel: at a few hundred rows per expert each output tile is a few K steps, and the Triton kernel's
 program then spends as long storing its tile as computing it, with nothing else on the SM to fill that time (dW1 at
@@ -12,9 +15,9 @@ Qwen3-235B-A22B, T = 4096, 256 rows an expert: 2.29 ms, 360 TFLOP/s; its 3.2 GB 
 write). Here the stores are TMA copies that run while the next tile's steps do:
 
 - the producer partition (4 warps) walks the program's output tiles (expert major, then row block, then column block,
-  as ``fp8_wgrad_ws``) and, for each tile, its expert's rows of every segment in steps of BLOCK_K rows: the dense
-  operand's chunk by TMA (boxes [BLOCK_K, columns]), the gathered one's rows by cp.async in 16-byte pieces (TMA
-  cannot gather on Hopper), both into one stage of a ring guarded by ready / empty mbarriers;
+  as ``fp8_wgrad_ws``) and, for each tile, its expert's rows of every segment in steps of BLOCK_K rows: B's chunk by
+  TMA (a box [BLOCK_K, BLOCK_N]), A's gathered rows by cp.async in 16-byte pieces (TMA cannot gather on Hopper),
+  both into one stage of a ring guarded by ready / empty mbarriers;
 - two 4-warp MMA partitions take the two 64-row halves of each 128-row output tile: both operands sit in shared
   memory row-major (M- and N-major), which bf16 wgmma reads as they are (A through a transposed view), so no operand
   is transposed in memory first; step j's wgmma is issued before step j - 1's stage is freed, the products
@@ -22,9 +25,9 @@ write). Here the stores are TMA copies that run while the next tile's steps do:
   masks, where a box could not hold it).
 
 Rows of a step: a step past the expert's end is moved back to end there (the rows it shares with the step before
-read zeros on the gathered side), so the dense operand's box stays inside the expert's rows, as in the Triton kernel;
-an expert with fewer than BLOCK_K rows in a segment has both operands copied by cp.async with a row mask (a box
-there would reach rows no plan wrote). An expert without rows gets zeros.
+read zeros on the gathered side), so B's box stays inside the expert's rows, as in the Triton kernel; an expert with
+fewer than BLOCK_K rows in a segment has B copied by cp.async too, with a row mask (a box there could reach rows no
+plan wrote). An expert without rows gets zeros.
 
 Gluon kernels have no interpreter: ``tests/test_bf16_wgrad_ws.py`` compiles it for sm_90 on the CPU and checks it
 against float64 and the Triton kernel on a Hopper GPU.
@@ -44,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .fp8_wgrad_ws import _wgrad_store, _wgrad_tile_of
-from .gemm_ws import _cp_async, _partition_barrier, _stage_barriers, _tma_load
+from .gemm_ws import _cp_async, _partition_barrier, _stage_barriers, _tma_load, _tma_store
 
 
 @gluon.jit
@@ -89,7 +92,6 @@ def _wgrad_load_partition(
     num_segments,
     stride_d,
     stride_g,
-    DENSE_A: gl.constexpr,
 ):
     BLOCK_K: gl.constexpr = b_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
@@ -105,42 +107,61 @@ def _wgrad_load_partition(
         for seg in range(num_segments):
             start = gl.load(expert_offsets_ptr + seg * (E + 1) + expert)
             end = gl.load(expert_offsets_ptr + seg * (E + 1) + expert + 1)
-            short = end - start < BLOCK_K  # both operands by cp.async, rows masked
+            short = end - start < BLOCK_K  # B by cp.async too, rows masked
             for k0 in range(start, end, BLOCK_K):
                 # The last step moved back to end at the expert's end (not before its start)
                 row = gl.maximum(gl.minimum(k0, end - BLOCK_K), start)
                 # The gathered rows' ids are loaded before the stage is waited for, so that their latency overlaps.
-                src, ok = _step_rows(row_src_ptr, row, k0, end, BLOCK_K, 64 if not DENSE_A else BLOCK_N, True)
+                src, ok = _step_rows(row_src_ptr, row, k0, end, BLOCK_K, HALF_M, True)
                 s = it % STAGES
                 # A buffer is free once the MMAs that read it are done; a fresh mbarrier counts as phase 1 done.
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
                 bar = ready.index(s)
-                if DENSE_A:
-                    _copy_rows(b_bufs.index(s), g_ptr, src, ok, n0, N, stride_g)
-                    if short:
-                        d_src, d_ok = _step_rows(row_src_ptr, row, k0, end, BLOCK_K, HALF_M, False)
-                        for h in gl.static_range(2):
-                            _copy_rows(a_bufs.index(2 * s + h), d_ptr, d_src, d_ok, m0 + h * HALF_M, M, stride_d)
-                else:
-                    for h in gl.static_range(2):
-                        _copy_rows(a_bufs.index(2 * s + h), g_ptr, src, ok, m0 + h * HALF_M, M, stride_g)
-                    if short:
-                        d_src, d_ok = _step_rows(row_src_ptr, row, k0, end, BLOCK_K, BLOCK_N, False)
-                        _copy_rows(b_bufs.index(s), d_ptr, d_src, d_ok, n0, N, stride_d)
+                for h in gl.static_range(2):
+                    _copy_rows(a_bufs.index(2 * s + h), g_ptr, src, ok, m0 + h * HALF_M, M, stride_g)
+                if short:
+                    d_src, d_ok = _step_rows(row_src_ptr, row, k0, end, BLOCK_K, BLOCK_N, False)
+                    _copy_rows(b_bufs.index(s), d_ptr, d_src, d_ok, n0, N, stride_d)
                 async_copy.mbarrier_arrive(bar)  # the barrier's phase also waits for this lane's copies
                 # Every producer warp has counted its copies on the barrier before one thread arms it: else the
                 # phase could complete with another warp's copies not yet counted.
                 _partition_barrier()
                 if short:
                     mbarrier.arrive(bar, count=1)
-                elif DENSE_A:
-                    mbarrier.expect(bar, 2 * d_desc.block_type.nbytes)
-                    for h in gl.static_range(2):
-                        _tma_load(d_desc, [row, m0 + h * HALF_M], bar, a_bufs.index(2 * s + h))
                 else:
                     mbarrier.expect(bar, d_desc.block_type.nbytes)
                     _tma_load(d_desc, [row, n0], bar, b_bufs.index(s))
                 it += 1
+
+
+@gluon.jit
+def _store_part(
+    acc,
+    c_desc,
+    c_smem,
+    c_ptr,
+    expert,
+    row_s0,
+    col0,
+    M,
+    N,
+    stride_ce,
+    stride_cm,
+    stride_cn,
+    TMA_STORE: gl.constexpr,
+    TRANSPOSE_C: gl.constexpr,
+):
+    """One partition's rows of one column part of an output tile. TRANSPOSE_C: the part is written transposed (the
+    output is C^T), by TMA from a transposed view of the output box [SUB_N, 64] of C^T viewed as [E * N, M]; else
+    as ``fp8_wgrad_ws._wgrad_store`` (the pointer path takes either orientation through its strides)."""
+    if TRANSPOSE_C and TMA_STORE:
+        if (row_s0 < M) & (col0 < N):  # (N is a multiple of SUB_N here: a box never reaches the next expert's)
+            tma.store_wait(0)
+            c_smem.permute((1, 0)).store(acc.to(c_ptr.dtype.element_ty))
+            fence_async_shared()
+            _tma_store(c_desc, [expert * N + col0, row_s0], c_smem)
+    else:
+        _wgrad_store(acc, c_desc, c_smem, c_ptr, expert, row_s0, col0, M, N, stride_ce, stride_cm, stride_cn, TMA_STORE)
 
 
 @gluon.jit
@@ -170,9 +191,11 @@ def _wgrad_mma_partition(
     num_segments,
     stride_ce,
     stride_cm,
+    stride_cn,
     HALF: gl.constexpr,
     SUBS: gl.constexpr,
     TMA_STORE: gl.constexpr,
+    TRANSPOSE_C: gl.constexpr,
 ):
     """Rows [HALF * 64, (HALF + 1) * 64) of every output tile of this program, in SUBS column parts."""
     num_warps: gl.constexpr = gl.num_warps()
@@ -225,11 +248,15 @@ def _wgrad_mma_partition(
         if steps > 0:
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
         row_s0 = m0 + HALF * HALF_M
-        _wgrad_store(acc0, c_desc, c_smem, c_ptr, expert, row_s0, n0, M, N, stride_ce, stride_cm, 1, TMA_STORE)
+        _store_part(
+            acc0, c_desc, c_smem, c_ptr, expert, row_s0, n0, M, N, stride_ce, stride_cm, stride_cn, TMA_STORE,
+            TRANSPOSE_C,
+        )  # fmt: skip
         if SUBS == 2:
-            _wgrad_store(
-                acc1, c_desc, c_smem, c_ptr, expert, row_s0, n0 + SUB_N, M, N, stride_ce, stride_cm, 1, TMA_STORE
-            )
+            _store_part(
+                acc1, c_desc, c_smem, c_ptr, expert, row_s0, n0 + SUB_N, M, N, stride_ce, stride_cm, stride_cn,
+                TMA_STORE, TRANSPOSE_C,
+            )  # fmt: skip
         expert, m0, n0, steps = expert_n, m0_n, n0_n, steps_n
     if TMA_STORE:
         tma.store_wait(0)
@@ -252,22 +279,24 @@ def bf16_grouped_wgrad_ws_kernel(
     stride_g,
     stride_ce,
     stride_cm,
-    DENSE_A: gl.constexpr,
+    stride_cn,
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,
     STAGES: gl.constexpr,
     SUBS: gl.constexpr,
     TMA_STORE: gl.constexpr,
+    TRANSPOSE_C: gl.constexpr,
     LOAD_WARPS: gl.constexpr,
     LOAD_REGS: gl.constexpr,
     MMA_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """Two 4-warp MMA partitions (the default one and a worker with MMA_REGS registers) and a LOAD_WARPS producer.
-    A's stage holds two [BLOCK_K, 64] boxes (one per MMA partition), B's one [BLOCK_K, BLOCK_N], both in the dense
-    operand's descriptor's layout (a bf16 box of 64 or more columns has the same one whatever its width).
-    TMA_STORE: tiles are stored by TMA through ``c_desc`` (boxes [64, BLOCK_N / SUBS] of C viewed as [E * M, N]);
-    without it ``c_desc`` is not read (any descriptor will do)."""
+    A's stage holds two [BLOCK_K, 64] boxes (one per MMA partition), B's one [BLOCK_K, BLOCK_N], both in B's
+    descriptor's layout (a bf16 box of 64 or more columns has the same one whatever its width). TMA_STORE: tiles are
+    stored by TMA through ``c_desc``, boxes [64, BLOCK_N / SUBS] of C viewed as [E * M, N] (TRANSPOSE_C: [BLOCK_N /
+    SUBS, 64] of C^T viewed as [E * N, M]); without it ``c_desc`` is not read (any descriptor will do) and the
+    strides say where C's elements go."""
     a_bufs = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BLOCK_K, 64], d_desc.layout)
     b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_N], d_desc.layout)
     ready, empty = _stage_barriers(STAGES, 2)
@@ -294,9 +323,11 @@ def bf16_grouped_wgrad_ws_kernel(
                     num_segments,
                     stride_ce,
                     stride_cm,
+                    stride_cn,
                     0,
                     SUBS,
                     TMA_STORE,
+                    TRANSPOSE_C,
                 ),
             ),
             (
@@ -316,9 +347,11 @@ def bf16_grouped_wgrad_ws_kernel(
                     num_segments,
                     stride_ce,
                     stride_cm,
+                    stride_cn,
                     1,
                     SUBS,
                     TMA_STORE,
+                    TRANSPOSE_C,
                 ),
             ),
             (
@@ -339,7 +372,6 @@ def bf16_grouped_wgrad_ws_kernel(
                     num_segments,
                     stride_d,
                     stride_g,
-                    DENSE_A,
                 ),
             ),
         ],

@@ -166,9 +166,10 @@ def bf16_grouped_gemm_ws(
 
 @dataclass(frozen=True)
 class WgradWSConfig:
-    """The bf16 weight-gradient kernel's config (``kernels/wgrad_ws.py``): 128-row output tiles (two 64-row MMA
-    partitions) of ``block_n`` columns (parts of 128, one accumulator each), ``stages`` ring stages (A: 16 KiB, B:
-    ``block_n`` x 64 bf16), TMA stores (two 16 KiB output boxes) where the output allows them."""
+    """The bf16 weight-gradient kernel's config (``kernels/wgrad_ws.py``): 128-row output tiles of the gathered
+    operand's side (two 64-row MMA partitions) and ``block_n`` columns of the sorted operand's (parts of 128, one
+    accumulator each), ``stages`` ring stages (A: 16 KiB, B: ``block_n`` x 64 bf16), TMA stores (two 16 KiB output
+    boxes) where the output allows them."""
 
     block_n: int = 256
     stages: int = 4
@@ -223,19 +224,30 @@ def bf16_grouped_wgrad_ws(
 ) -> None:
     """out[e] = A[rows of e]^T @ B[rows of e] (callers check ``bf16_wgrad_ws_unavailable`` first), as
     ``launch.grouped_wgrad`` with ``gather_a`` (A gathered, B sorted) or not (A sorted, B gathered): A [*, M], B
-    [*, N], out [E, M, N]. ``programs``: at most that many persistent programs."""
+    [*, N], out [E, M, N]. The kernel takes the gathered operand as its A: with B gathered it computes out^T =
+    B[rows]^T @ A[rows] and writes it transposed. ``programs``: at most that many persistent programs."""
     from ..kernels.wgrad_ws import bf16_grouped_wgrad_ws_kernel
 
     dense, gathered = (b, a) if gather_a else (a, b)
-    m, n, experts = a.shape[1], b.shape[1], plan.num_local_experts
+    transpose = not gather_a
+    experts = plan.num_local_experts
+    m, n = gathered.shape[1], dense.shape[1]  # the kernel's: rows of C (gathered side), columns (sorted side)
     if dense.shape[0] == 0:  # no rows at all (a rank that receives nothing): every expert's gradient is zero
         out.zero_()
         return
-    d_desc = _descriptor(dense, BF16_WS_BLOCK_K, config.block_n if gather_a else 64)
-    # Output boxes of one MMA partition's 64 rows and 128 columns, as the row-tiled kernel's; a box must not reach
-    # the next expert's rows, so M must be a whole number of them.
-    box = WSConfig(128, halves=2, tma_store=config.tma_store)
-    c_desc, tma_store = output_descriptor(out.view(-1, n) if m % box.a_rows == 0 else None, d_desc, box)
+    d_desc = _descriptor(dense, BF16_WS_BLOCK_K, config.block_n)
+    sub_n = config.block_n // config.subs
+    # Output boxes of one MMA partition's 64 rows and one column part, [64, sub_n] of out viewed as [E * M, N], or
+    # transposed, [sub_n, 64] of out viewed as [E * N, M]: a box must not reach the next expert's rows, so their
+    # count must be a whole number of boxes.
+    if transpose:
+        tma_store = config.tma_store and n % sub_n == 0
+        c_desc = _descriptor(out.view(-1, m), sub_n, 64) if tma_store else d_desc
+        stride_cm, stride_cn = out.stride(2), out.stride(1)
+    else:
+        tma_store = config.tma_store and m % 64 == 0
+        c_desc = _descriptor(out.view(-1, n), 64, sub_n) if tma_store else d_desc
+        stride_cm, stride_cn = out.stride(1), out.stride(2)
     tiles = experts * cdiv(m, 128) * cdiv(n, config.block_n)
     launch(
         bf16_grouped_wgrad_ws_kernel,
@@ -254,13 +266,14 @@ def bf16_grouped_wgrad_ws(
         dense.stride(0),
         gathered.stride(0),
         out.stride(0),
-        out.stride(1),
-        DENSE_A=not gather_a,
+        stride_cm,
+        stride_cn,
         BLOCK_N=config.block_n,
         BLOCK_K=BF16_WS_BLOCK_K,
         STAGES=config.stages,
         SUBS=config.subs,
         TMA_STORE=tma_store,
+        TRANSPOSE_C=transpose,
         LOAD_WARPS=WGRAD_WS_LOAD_WARPS,
         LOAD_REGS=WGRAD_WS_LOAD_REGS,
         MMA_REGS=WGRAD_WS_MMA_REGS,

@@ -187,12 +187,12 @@ class Bf16Backward:
         grad_w1 = grad_w2 = None
         if need_w1:
             grad_w1 = launch.grouped_wgrad(
-                dh, kept[0], self.plan, torch.empty_like(self.w1), gather_a=False, gather_b=True
+                dh, kept[0], self.plan, torch.empty_like(self.w1), gather_a=False, gather_b=True, use_ws=None
             )
         if need_w2:
             gathered = transport.wait_rows(transport.rank)  # this weight gradient reads every block, the own one too
             grad_w2 = launch.grouped_wgrad(
-                gathered[0], aw, self.plan, torch.empty_like(self.w2), gather_a=True, gather_b=False
+                gathered[0], aw, self.plan, torch.empty_like(self.w2), gather_a=True, gather_b=False, use_ws=None
             )
         return grad_w1, grad_w2
 

@@ -106,10 +106,16 @@ class RoutedExperts(torch.autograd.Function):
             )
         elif ctx.needs_input_grad[2]:
             grad_weights = plan.pair_values(dw_row, ctx.weights_dtype)
+        # The weight gradients on the warp-specialised Hopper kernel where it applies (bf16 on sm_90:
+        # ``bf16_ws_launch.bf16_grouped_wgrad_ws``), else the Triton kernel.
         if ctx.needs_input_grad[3]:
-            grad_w1 = launch.grouped_wgrad(dh, rows, plan, torch.empty_like(w1), gather_a=False, gather_b=True)
+            grad_w1 = launch.grouped_wgrad(
+                dh, rows, plan, torch.empty_like(w1), gather_a=False, gather_b=True, use_ws=None
+            )
         if ctx.needs_input_grad[4]:
-            grad_w2 = launch.grouped_wgrad(grad_out, aw, plan, torch.empty_like(w2), gather_a=True, gather_b=False)
+            grad_w2 = launch.grouped_wgrad(
+                grad_out, aw, plan, torch.empty_like(w2), gather_a=True, gather_b=False, use_ws=None
+            )
         return grad_rows, None, grad_weights, grad_w1, grad_w2, None, None, None, None
 
 
