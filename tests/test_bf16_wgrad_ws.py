@@ -167,6 +167,15 @@ def test_bf16_wgrad_ws_matches_float64_and_the_triton_kernel(hidden, inter, segm
                 assert not got.isnan().any(), (name, cfg, programs, "NaN: unwritten output or unwritten rows read")
                 assert torch.equal(got[0], torch.zeros_like(got[0])), (name, cfg, programs)
                 assert rel_err(got, want) < 4e-3, (name, cfg, programs, rel_err(got, want))
+        why_not = bf16_wgrad_ws_unavailable(a, b, triton_out, gather_a=gather_a)
+        if not gather_a and m % 128:  # the transposed output's boxes would reach the next expert's rows
+            assert "multiple of 128" in why_not, name
+            with pytest.raises(ValueError, match="multiple of 128"):
+                launch.grouped_wgrad(
+                    a, b, plan, torch.empty_like(triton_out), gather_a=False, gather_b=True, use_ws=True
+                )
+            continue
+        assert why_not is None, (name, why_not)
         chosen = launch.grouped_wgrad(
             a, b, plan, torch.empty(experts, m, n, device=device, dtype=torch.bfloat16), gather_a=gather_a,
             gather_b=not gather_a, use_ws=True,

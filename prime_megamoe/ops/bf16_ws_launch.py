@@ -209,6 +209,11 @@ def bf16_wgrad_ws_unavailable(a: torch.Tensor, b: torch.Tensor, out: torch.Tenso
         return "the sorted operand is read by TMA: contiguous, 16-byte aligned rows"
     if not tma_readable(gathered) or gathered.shape[1] % 8:
         return "the gathered operand is copied in 16-byte pieces: contiguous, 16-byte aligned rows of whole pieces"
+    if not gather_a and dense.shape[1] % WS_BLOCK_N:
+        # The output is written transposed, by TMA in boxes of 128 of its rows that must not reach the next
+        # expert's; stored from registers it ran 2-5x slower than the Triton kernel (scripts/wgrad_probe.py --ws).
+        cols = dense.shape[1]
+        return f"with B gathered, A's columns (the output's rows) must be a multiple of {WS_BLOCK_N} (got {cols})"
     return None
 
 
