@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 S30, S235 = "qwen3-30b-a3b", "qwen3-235b-a22b"
 CASES = [
     (S30, "EP=1 bf16\nT=4096", "qwen3-30b_ep1_bf16.json", 4096, 1, "bf16", ""),
-    (S30, "EP=1 bf16\nT=16384", "qwen3-30b_ep1_t16384_all.json", 16384, 1, "bf16", ""),
+    (S30, "EP=1 bf16\nT=16384", "qwen3-30b_ep1_bf16.json", 16384, 1, "bf16", ""),
     (S30, "EP=1 fp8\nT=16384 (vs torch fp8)", "qwen3-30b_ep1_t16384_all.json", 16384, 1, "fp8", ""),
     (S30, "EP=2 bf16\nT=4096", "qwen3-30b_ep2_bf16_s10_final.json", 4096, 2, "bf16", "symmetric_memory"),
     (S30, "EP=2 bf16\nT=16384", "qwen3-30b_ep2_bf16_s10_final.json", 16384, 2, "bf16", "symmetric_memory"),
