@@ -511,3 +511,49 @@ def test_half_tile_programs_compute_the_same(monkeypatch, precision):
         else:
             assert rel_err(a, b) < 1e-5, f"{precision} {name} differs with 64-row programs"
     qe.invalidate_weight_cache()
+
+
+def test_fp8_backward_runs_the_bf16_kernels_only_where_that_was_measured_faster(monkeypatch):
+    """fp8 and fp8_bwd on Hopper with fewer than FP8_BACKWARD_MIN_ROWS_PER_EXPERT rows an expert run the bf16
+    backward; mxfp8, other GPUs, the interpreter and larger problems run the fp8 one."""
+    monkeypatch.setattr(qe, "FP8_BACKWARD_MIN_ROWS_PER_EXPERT", 512)
+    index, weights = ragged_routing(64, 4, 2, seed=3)
+    plan = build_routing_plan(index, weights, expert_base=0, num_local_experts=4, tile_m=tuning.tile_m())
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert not qe.backward_in_bf16("fp8", plan, cpu)  # (the interpreter: fp8 kernels)
+    for major, precision, want in [(9, "fp8", True), (9, "fp8_bwd", True), (9, "mxfp8", False), (10, "fp8", False)]:
+        monkeypatch.setattr(qe, "cuda_properties", lambda device, major=major: type("P", (), {"major": major}))
+        assert qe.backward_in_bf16(precision, plan, gpu) == want, (major, precision)
+    monkeypatch.setattr(qe, "FP8_BACKWARD_MIN_ROWS_PER_EXPERT", plan.num_pairs // 4)  # exactly that many: fp8
+    assert not qe.backward_in_bf16("fp8", plan, gpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
+def test_gpu_fp8_backward_with_few_rows_is_the_bf16_backward(monkeypatch, precision):
+    """On Hopper, few rows an expert: the fp8 layer's backward is ``expert_compute.unquantized_backward`` on what its
+    forward saved (called once, the oracle's gradients within the fp8 tolerance); with the rule off it is not."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the rule applies on Hopper")
+    monkeypatch.setattr(qe, "FP8_BACKWARD_MIN_ROWS_PER_EXPERT", 512)
+    x, index, weights, w1, w2, grad_out = _problem(tokens=512, hidden=512, inter=384, experts=8, top_k=4, seed=11)
+    dev = torch.device("cuda")
+    problem = [t.to(dev) for t in (x, index, weights, w1, w2, grad_out)]
+    problem = [t.bfloat16() if t.is_floating_point() and i != 2 else t for i, t in enumerate(problem)]
+    calls = []
+    bf16_backward = qe.expert_compute.unquantized_backward
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return bf16_backward(*args, **kwargs)
+
+    monkeypatch.setattr(qe.expert_compute, "unquantized_backward", spy)
+    got = _run(precision, *problem)
+    assert len(calls) == 1
+    oracle = oracle_with_grads(x, index, weights, w1, w2, grad_out)
+    for n, a, b in zip(NAMES, got, oracle):
+        assert rel_err(a.cpu(), b) < ORACLE_TOL, n
+    monkeypatch.setattr(qe, "FP8_BACKWARD_MIN_ROWS_PER_EXPERT", 0)
+    _run(precision, *problem)
+    assert len(calls) == 1
+    qe.invalidate_weight_cache()
