@@ -29,13 +29,3 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if "multigpu" in item.keywords and gpus < 2:
             item.add_marker(pytest.mark.skip(reason="needs two or more CUDA GPUs"))
-
-
-@pytest.fixture(autouse=True)
-def _fp8_backward_kernels_at_every_size(monkeypatch):
-    """fp8's backward runs the bf16 kernels below FP8_BACKWARD_MIN_ROWS_PER_EXPERT rows an expert on Hopper GPUs
-    (``quantized_experts.backward_in_bf16``), which every GPU test's small shapes are: the fp8 backward kernels stay
-    under test at those sizes, and ``tests/test_fp8_experts.py`` tests the rule itself."""
-    from prime_megamoe.ops import quantized_experts
-
-    monkeypatch.setattr(quantized_experts, "FP8_BACKWARD_MIN_ROWS_PER_EXPERT", 0)

@@ -72,9 +72,7 @@ output gradients as the rows the FC2 dgrad reads; fp8_bwd sends bf16 tokens (its
 gradients. The weight gradients read the blocks as they travelled (dequantised, then column-quantised per tile): the
 one numerical difference from EP = 1.
 
-``fp8_bwd`` runs the bf16 forward kernels (``ops.launch``) and the same fp8 backward as ``fp8``. Both run the bf16
-backward (``expert_compute.unquantized_backward``, from the same saved tensors) on Hopper where the layer has few
-rows an expert (``backward_in_bf16``); the expert-parallel pipeline's backward stays quantised (its rows travel so).
+``fp8_bwd`` runs the bf16 forward kernels (``ops.launch``) and the same fp8 backward as ``fp8``.
 
 The clamped SwiGLU (``activation_clamp`` c, ``ops.activation``): FC1's epilogue clamps g and u (in fp32, before a is
 quantised) after storing h unclamped, and the SwiGLU backward pass clamps them again from the saved h and zeroes dg
@@ -96,32 +94,14 @@ import torch
 
 from ..kernels import tuning
 from ..kernels.fp8_gemm import QTILE_M
-from . import expert_compute, launch
 from . import fp8_launch as fl
+from . import launch
 from .activation import check_activation_clamp
 from .expert_compute import combine_with_pair_values, unquantized_forward
 from .routing_plan import PlanLease, RoutingPlan, lease_routing_plan
-from .sm_budget import cuda_properties, in_kept_sm_budget, keeps_sm_budget
+from .sm_budget import in_kept_sm_budget, keeps_sm_budget
 
 QUANTIZED_PRECISIONS = ("fp8", "fp8_bwd", "mxfp8")
-
-# Below this many sorted rows per local expert (on average), fp8's backward on Hopper runs the bf16 backward instead,
-# from the same saved tensors: its quantisation passes (dy's rows, x^T and dy^T gathered per tile, the SwiGLU
-# backward's column pass) then cost more than its fp8 GEMMs save. Qwen3-30B-A3B, one H200, one call, backward ms fp8
-# (fcc6fc0) / bf16 (f97168a), rows an expert: 2.049 / 1.463 at 128, 1.923 / 1.643 at 256, 2.260 / 2.461 at 512,
-# 4.433 / 4.738 at 1024 (BENCHMARKS.md).
-FP8_BACKWARD_MIN_ROWS_PER_EXPERT = 512
-
-
-def backward_in_bf16(precision: str, plan: RoutingPlan, device: torch.device) -> bool:
-    """Whether the layer's backward runs the bf16 kernels (``expert_compute.unquantized_backward``) rather than the
-    fp8 ones: fp8 and fp8_bwd on Hopper with fewer than FP8_BACKWARD_MIN_ROWS_PER_EXPERT rows an expert, where that
-    was measured faster (mxfp8 keeps its MX numerics; other GPUs and the interpreter run the fp8 backward)."""
-    if precision not in ("fp8", "fp8_bwd") or device.type != "cuda" or plan.tile_m != tuning.tile_m():
-        return False
-    if cuda_properties(device).major != 9:
-        return False
-    return plan.num_pairs < FP8_BACKWARD_MIN_ROWS_PER_EXPERT * plan.num_local_experts
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -348,7 +328,6 @@ class QuantizedRoutedExperts(torch.autograd.Function):
             ctx.save_for_backward(rows, w1, w2, h)
             ctx.plan, ctx.plan_lease = lease.plan, lease  # the lease (and its plan) held until the graph is freed
             ctx.fmt = quantized_format(precision, pow2_scales)
-            ctx.precision = precision
         ctx.weights_dtype = top_k_weights.dtype
         return out
 
@@ -358,12 +337,6 @@ class QuantizedRoutedExperts(torch.autograd.Function):
         rows, w1, w2, h = ctx.saved_tensors
         plan: RoutingPlan = ctx.plan
         fmt: fl.QFormat = ctx.fmt
-        if backward_in_bf16(ctx.precision, plan, rows.device):
-            grads = expert_compute.unquantized_backward(
-                grad_out, rows, w1, w2, h, plan, ctx.needs_input_grad[:5], ctx.weights_dtype, ctx.activation_clamp
-            )
-            grad_rows, grad_weights, grad_w1, grad_w2 = grads
-            return grad_rows, None, grad_weights, grad_w1, grad_w2, None, None, None, None, None, None
         grad_out = grad_out.contiguous().to(rows.dtype)
         dyq = fl.quantize_rows(grad_out, fmt)
         w2q = cached_weight_operand(w2, "w2_bwd", fmt)
