@@ -384,22 +384,36 @@ def _plain_tile(
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         if GATHER:  # A was written by cp.async (the generic proxy); the wgmma reads it through the async proxy
             fence_async_shared()
-        a_buf = a_bufs.index(HALVES * s + HALF)
-        acc0 = _plain_part(acc0, a_buf, b_bufs.index(s), 0, B_KMAJOR)
-        if SUBS == 2:
-            acc1 = _plain_part(acc1, a_buf, b_bufs.index(s), 1, B_KMAJOR)
-            acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
-        else:
-            acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0,))
+        acc0, acc1 = _plain_step(acc0, acc1, a_bufs.index(HALVES * s + HALF), b_bufs.index(s), SUBS, B_KMAJOR)
         if j > 0:  # step j - 1's wgmma is done: its stage is free
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
         it += 1
+    acc0, acc1 = _plain_drain(acc0, acc1, SUBS)
+    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+    return acc0, acc1, it
+
+
+@gluon.jit
+def _plain_step(acc0, acc1, a_buf, b_buf, SUBS: gl.constexpr, B_KMAJOR: gl.constexpr):
+    """One step of an unscaled main loop: issue its wgmma into ``acc0`` (and ``acc1``'s, SUBS = 2), then wait for
+    the step before's only, so the tensor cores always have the next one."""
+    acc0 = _plain_part(acc0, a_buf, b_buf, 0, B_KMAJOR)
+    if SUBS == 2:
+        acc1 = _plain_part(acc1, a_buf, b_buf, 1, B_KMAJOR)
+        acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
+    else:
+        acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0,))
+    return acc0, acc1
+
+
+@gluon.jit
+def _plain_drain(acc0, acc1, SUBS: gl.constexpr):
+    """Wait for an unscaled main loop's last wgmma(s)."""
     if SUBS == 2:
         acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
     else:
         acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
-    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
-    return acc0, acc1, it
+    return acc0, acc1
 
 
 @gluon.jit

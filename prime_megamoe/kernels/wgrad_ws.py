@@ -42,12 +42,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
 )
 
 from .fp8_wgrad_ws import _wgrad_store, _wgrad_tile_of
-from .gemm_ws import _cp_async, _partition_barrier, _stage_barriers, _tma_load, _tma_store
+from .gemm_ws import (
+    _cp_async,
+    _partition_barrier,
+    _plain_drain,
+    _plain_step,
+    _stage_barriers,
+    _tma_load,
+    _tma_store,
+)
 
 
 @gluon.jit
@@ -230,21 +236,12 @@ def _wgrad_mma_partition(
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             fence_async_shared()  # the cp.async copies (generic proxy) are read by the wgmma (async proxy)
             a_op = a_bufs.index(2 * s + HALF).permute((1, 0))  # [64, BLOCK_K]: A^T's rows, M-major in memory
-            b_buf = b_bufs.index(s)
-            acc0 = warpgroup_mma(a_op, b_buf.slice(0, SUB_N, dim=1), acc0, is_async=True)
-            if SUBS == 2:
-                acc1 = warpgroup_mma(a_op, b_buf.slice(SUB_N, SUB_N, dim=1), acc1, is_async=True)
-                acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
-            else:
-                acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0,))
+            acc0, acc1 = _plain_step(acc0, acc1, a_op, b_bufs.index(s), SUBS, False)  # B N-major
             if j > 0:  # step j - 1's wgmma is done: its stage is free
                 mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
             it += 1
             j += 1
-        if SUBS == 2:
-            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
-        else:
-            acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
+        acc0, acc1 = _plain_drain(acc0, acc1, SUBS)
         if steps > 0:
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
         row_s0 = m0 + HALF * HALF_M
