@@ -36,10 +36,9 @@ import torch
 
 from ..kernels.fp8_gemm import QTILE_M
 from .compiled_launch import launch
-from .fp8_ws_launch import WS_BLOCK_N, WSConfig, _grid, output_descriptor, producer_split
+from .fp8_ws_launch import WS_BLOCK_N, WSConfig, _grid, hopper_unavailable, output_descriptor, producer_split
 from .routing_plan import RoutingPlan
 from .sizes import cdiv
-from .sm_budget import cuda_properties
 from .tma import tma_readable
 
 BF16_WS_BLOCK_K = 64  # 128 bytes of a bf16 row: the operand boxes' swizzle width
@@ -61,10 +60,9 @@ def bf16_ws_unavailable(
 ) -> str | None:
     """Why the warp-specialised kernel cannot compute ``launch.grouped_gemm(a, b, ..., transpose_b, gather)``, or
     None when it can."""
-    if a.device.type != "cuda":
-        return "it runs on a CUDA GPU only (Gluon kernels have no interpreter)"
-    if cuda_properties(a.device).major != 9:
-        return "it is Hopper (sm_90) wgmma code"
+    why_not = hopper_unavailable(a.device)
+    if why_not is not None:
+        return why_not
     if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
         return f"it takes bf16 operands (got {a.dtype} and {b.dtype})"
     k = b.shape[2] if transpose_b else b.shape[1]
@@ -202,10 +200,9 @@ WGRAD_WS_LOAD_WARPS, WGRAD_WS_LOAD_REGS, WGRAD_WS_MMA_REGS = 4, 88, 208
 def bf16_wgrad_ws_unavailable(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, gather_a: bool) -> str | None:
     """Why the warp-specialised kernel cannot compute ``launch.grouped_wgrad(a, b, plan, out, gather_a=...)``, or
     None when it can."""
-    if a.device.type != "cuda":
-        return "it runs on a CUDA GPU only (Gluon kernels have no interpreter)"
-    if cuda_properties(a.device).major != 9:
-        return "it is Hopper (sm_90) wgmma code"
+    why_not = hopper_unavailable(a.device)
+    if why_not is not None:
+        return why_not
     if {a.dtype, b.dtype, out.dtype} != {torch.bfloat16}:
         return f"it takes bf16 operands and output (got {a.dtype}, {b.dtype} and {out.dtype})"
     if not out.is_contiguous():

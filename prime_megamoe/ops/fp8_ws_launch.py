@@ -103,11 +103,19 @@ WS_WGRAD_CONFIGS = tuple(c for c in WS_CONFIGS if not c.scales_first)
 WS_GEMM_DEFAULT = WS_WGRAD_DEFAULT = WS_CONFIGS[1]
 
 
-def _hopper_fp8_unavailable(data: torch.Tensor, mx: bool) -> str | None:
-    if data.device.type != "cuda":
+def hopper_unavailable(device: torch.device) -> str | None:
+    """Why a warp-specialised Gluon kernel (Hopper wgmma code) cannot run on ``device``, or None when it can."""
+    if device.type != "cuda":
         return "it runs on a CUDA GPU only (Gluon kernels have no interpreter)"
-    if _cuda_properties(data.device).major != 9:
+    if _cuda_properties(device).major != 9:
         return "it is Hopper (sm_90) wgmma code"
+    return None
+
+
+def _hopper_fp8_unavailable(data: torch.Tensor, mx: bool) -> str | None:
+    why_not = hopper_unavailable(data.device)
+    if why_not is not None:
+        return why_not
     if mx:
         return "it takes the fp8 format (fp32 1x128 / 128x128 scales), not mx"
     return None
