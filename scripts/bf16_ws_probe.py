@@ -4,7 +4,8 @@ Times each bf16 grouped GEMM of a layer's shape (FC2 with the top-k weights, the
 dy, FC1's GEMM gathering x) on the Triton kernel, launched as the layer launches it (FC2 by pointer reads), and on
 the warp-specialised kernel in each of its configs
 (``ops/bf16_ws_launch.py``), on random top-k routing; prints ms, TFLOP/s and each config's relative difference from
-the Triton kernel's output. One Hopper GPU.
+the Triton kernel's output. ``fc1_swiglu``: FC1 + SwiGLU, h saved and not, on the Triton kernel and on the
+warp-specialised one (``kernels/fc1_ws.py``) with 4 and 3 stages. One Hopper GPU.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import torch
 from prime_megamoe.bench import SHAPES, make_inputs
 from prime_megamoe.kernels.fp8_gemm import QTILE_M
 from prime_megamoe.ops import launch
-from prime_megamoe.ops.bf16_ws_launch import BF16_WS_CONFIGS, bf16_grouped_gemm_ws
+from prime_megamoe.ops.bf16_ws_launch import BF16_WS_CONFIGS, bf16_fc1_swiglu_ws, bf16_grouped_gemm_ws
 from prime_megamoe.ops.routing_plan import build_routing_plan
 
-GEMMS = ("fc2", "fc1_dgrad", "fc2_dgrad", "fc1")
+GEMMS = ("fc2", "fc1_dgrad", "fc2_dgrad", "fc1", "fc1_swiglu")
 
 
 def median_ms(fn, iters: int) -> float:
@@ -35,6 +36,27 @@ def median_ms(fn, iters: int) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def time_fc1_swiglu(x, w1, plan, iters: int) -> None:
+    """FC1 + SwiGLU on the Triton kernel and the warp-specialised one, h saved and not; each line also gives the
+    relative difference of the ws kernel's h and a from the Triton kernel's."""
+    pairs, inter = plan.num_pairs, w1.shape[1] // 2
+    flop = 2 * pairs * 2 * inter * x.shape[1]
+    for save_h in (True, False):
+        h_ref, a_ref = launch.fc1_swiglu(x, w1, plan, True)
+        ms = median_ms(lambda: launch.fc1_swiglu(x, w1, plan, save_h), iters)  # noqa: B023
+        line = f"FC1 + SwiGLU, save_h={save_h}: triton {ms:.4f} ms ({flop / ms / 1e9:.0f} TFLOP/s)"
+        for stages in (4, 3):
+            h = torch.empty(plan.sorted_rows, 2 * inter, device="cuda", dtype=torch.bfloat16) if save_h else None
+            a = torch.empty(plan.sorted_rows, inter, device="cuda", dtype=torch.bfloat16)
+            ms = median_ms(lambda: bf16_fc1_swiglu_ws(x, w1, plan, h, a, stages=stages), iters)  # noqa: B023
+            diff = ((a[:pairs].float() - a_ref[:pairs].float()).norm() / a_ref[:pairs].float().norm()).item()
+            if save_h:
+                ref = h_ref[:pairs].float()
+                diff = max(diff, ((h[:pairs].float() - ref).norm() / ref.norm()).item())
+            line += f" | ws s{stages} {ms:.4f} ms ({flop / ms / 1e9:.0f} TFLOP/s, diff {diff:.1e})"
+        print(line, flush=True)
 
 
 def main():
@@ -61,7 +83,9 @@ def main():
         "fc2_dgrad": ("FC2 dgrad", dy, w2, False, True, None, None),
         "fc1": ("FC1 GEMM (no SwiGLU)", x, w1, True, True, None, None),
     }
-    cases = [cases[g] for g in args.gemms]
+    if "fc1_swiglu" in args.gemms:
+        time_fc1_swiglu(x, w1, plan, args.iters)
+    cases = [cases[g] for g in args.gemms if g != "fc1_swiglu"]
     pairs = plan.num_pairs
     for name, a, b, transpose_b, gather, row_scale, use_tma in cases:
         n, k = (b.shape[1], b.shape[2]) if transpose_b else (b.shape[2], b.shape[1])

@@ -72,18 +72,22 @@ def _fc1_load_partition(
     stride_wse,
     stride_wsn,
     UP_SCALE_OFF,
+    row_base,
     TILE_M: gl.constexpr,
+    SCALED: gl.constexpr,
 ):
-    """Fills each stage: A's rows gathered (cp.async, 16 bytes a thread), the gate and up boxes of W1 (TMA), A's
-    row scales and the step's gate and up block scales, each copied for a partition's rows (cp.async)."""
+    """Fills each stage: A's rows gathered (cp.async, 16 bytes a thread; x holds source rows from ``row_base`` on),
+    the gate and up boxes of W1 (TMA) and, SCALED (fp8), A's row scales and the step's gate and up block scales, each
+    copied for a partition's rows (cp.async). Unscaled (bf16): the pointers and strides of the scales are unused."""
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]  # rows of one MMA partition
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]  # gate (and up) rows of one step
     STAGES: gl.constexpr = b_bufs.type.shape[0]
     TILE_ROWS: gl.constexpr = 2 * BLOCK_M
     row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    VEC: gl.constexpr = 128 // a_bufs.dtype.primitive_bitwidth  # elements of a 16-byte piece
     chunk_layout: gl.constexpr = gl.BlockedLayout(
-        [1, 16], [32 * 16 // BLOCK_K, BLOCK_K // 16], [gl.num_warps(), 1], [1, 0]
+        [1, VEC], [32 * VEC // BLOCK_K, BLOCK_K // VEC], [gl.num_warps(), 1], [1, 0]
     )
     chunk_rows: gl.constexpr = gl.SliceLayout(1, chunk_layout)
     n_groups = I // BLOCK_N
@@ -95,31 +99,33 @@ def _fc1_load_partition(
     it = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
         expert, row0, col0 = _tile_of(t, n_groups, tile_expert_ptr, tile_row_ptr, TILE_ROWS, BLOCK_N, TILE_M)
-        rows = row0 + gl.arange(0, TILE_ROWS, layout=row_layout)
-        in_rows = rows < M
-        sa_ptrs = xs_ptr + gl.load(row_src_ptr + rows, mask=in_rows, other=0).to(gl.int64) * stride_xsm
+        if SCALED:
+            rows = row0 + gl.arange(0, TILE_ROWS, layout=row_layout)
+            in_rows = rows < M
+            sa_ptrs = xs_ptr + gl.load(row_src_ptr + rows, mask=in_rows, other=0).to(gl.int64) * stride_xsm
+            group = col0 // BLOCK_N
+            sb_ptrs = (
+                ws_ptr
+                + expert.to(gl.int64) * stride_wse
+                + gl.where(slots < BLOCK_M, group, UP_SCALE_OFF + group) * stride_wsn
+            )
         # Each half's source rows as 32-bit element offsets (the launcher checks that x's size allows it): 64-bit
         # pointers held across the steps made the producer's registers spill.
         rows_0 = row0 + gl.arange(0, BLOCK_M, layout=chunk_rows)
         ok_0 = rows_0 < M
-        off_0 = gl.load(row_src_ptr + rows_0, mask=ok_0, other=0) * stride_xm
+        off_0 = (gl.load(row_src_ptr + rows_0, mask=ok_0, other=0) - row_base) * stride_xm
         rows_1 = rows_0 + BLOCK_M
         ok_1 = rows_1 < M
-        off_1 = gl.load(row_src_ptr + rows_1, mask=ok_1, other=0) * stride_xm
-        group = col0 // BLOCK_N
-        sb_ptrs = (
-            ws_ptr
-            + expert.to(gl.int64) * stride_wse
-            + gl.where(slots < BLOCK_M, group, UP_SCALE_OFF + group) * stride_wsn
-        )
+        off_1 = (gl.load(row_src_ptr + rows_1, mask=ok_1, other=0) - row_base) * stride_xm
         gate_row = expert * 2 * I + col0  # W1 viewed as [E * 2I, H]
         for j in range(k_steps):
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             bar = ready.index(s)
             k = j * BLOCK_K
-            _cp_async(sa_bufs.index(s), sa_ptrs + j, mask=in_rows)
-            _cp_async(sb_bufs.index(s), sb_ptrs + j)
+            if SCALED:
+                _cp_async(sa_bufs.index(s), sa_ptrs + j, mask=in_rows)
+                _cp_async(sb_bufs.index(s), sb_ptrs + j)
             cols = k + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, chunk_layout))
             in_cols = (cols < K)[None, :]
             _cp_async(a_bufs.index(2 * s), xq_ptr + (off_0[:, None] + cols[None, :]), mask=ok_0[:, None] & in_cols)
@@ -431,7 +437,9 @@ def fp8_fc1_swiglu_ws_kernel(
                     stride_wse,
                     stride_wsn,
                     UP_SCALE_OFF,
+                    0,
                     TILE_M,
+                    True,
                 ),
             ),
         ],

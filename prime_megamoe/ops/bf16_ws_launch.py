@@ -36,7 +36,17 @@ import torch
 
 from ..kernels.fp8_gemm import QTILE_M
 from .compiled_launch import launch
-from .fp8_ws_launch import WS_BLOCK_N, WSConfig, _grid, hopper_unavailable, output_descriptor, producer_split
+from .fp8_ws_launch import (
+    WS_BLOCK_N,
+    WS_GATHER_LOAD_REGS,
+    WS_GATHER_LOAD_WARPS,
+    WS_GATHER_MMA_REGS,
+    WSConfig,
+    _grid,
+    hopper_unavailable,
+    output_descriptor,
+    producer_split,
+)
 from .routing_plan import RoutingPlan
 from .sizes import cdiv
 from .tma import tma_readable
@@ -165,6 +175,91 @@ def bf16_grouped_gemm_ws(
         MMA_REGS=mma_regs,
         num_warps=config.num_warps,
         maxnreg=config.maxnreg,
+    )
+
+
+# FC1 + SwiGLU (``kernels/fc1_ws.py``): a stage holds two 64 x 64 A boxes and the gate and up boxes (128 x 64 each),
+# 48 KiB; h and a are stored from registers, so four stages fit.
+BF16_FC1_WS_STAGES = 4
+
+
+def bf16_fc1_ws_unavailable(x: torch.Tensor, w1: torch.Tensor) -> str | None:
+    """Why the warp-specialised FC1 + SwiGLU kernel cannot compute ``launch.fc1_swiglu(x, w1, ...)``, or None when
+    it can."""
+    why_not = hopper_unavailable(x.device)
+    if why_not is not None:
+        return why_not
+    if x.dtype != torch.bfloat16 or w1.dtype != torch.bfloat16:
+        return f"it takes bf16 operands (got {x.dtype} and {w1.dtype})"
+    inter, hidden = w1.shape[1] // 2, w1.shape[2]
+    if inter % WS_BLOCK_N:
+        return f"the intermediate size must be a multiple of {WS_BLOCK_N} (got {inter})"
+    if x.stride(1) != 1 or x.stride(0) % 16 or x.data_ptr() % 16:
+        # 16-byte copies of a row need its offsets known as multiples of 8 elements: Triton specialises integers
+        # divisible by 16, so the row stride must be one
+        return f"x's rows are copied in 16-byte pieces: contiguous rows, a stride a multiple of 16 (got {x.stride(0)})"
+    if not w1.is_contiguous() or not tma_readable(w1.view(-1, hidden)):
+        return "W1 must be contiguous and TMA-readable (16-byte aligned rows)"
+    if x.shape[0] * x.stride(0) >= 2**31:
+        return "x must have fewer than 2^31 elements (its rows are addressed by 32-bit offsets)"
+    return None
+
+
+def bf16_fc1_swiglu_ws(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    plan: RoutingPlan,
+    h: torch.Tensor | None,
+    a: torch.Tensor,
+    *,
+    row_base: int = 0,
+    clamp_limit: float = 0.0,
+    clamp: bool = False,
+    stages: int = BF16_FC1_WS_STAGES,
+    programs: int | None = None,
+) -> None:
+    """h = x[src - row_base] @ W1[e]^T (not stored when h is None) and a = silu(gate) * up (``clamp``: the clamped
+    SwiGLU at ``clamp_limit``, ``ops.activation``; h unclamped) with ``kernels/fc1_ws.py`` (callers check
+    ``bf16_fc1_ws_unavailable`` first), as ``launch.fc1_swiglu``: x [R, H] bf16, w1 [E, 2I, H], h [P, 2I], a [P, I].
+    ``programs``: at most that many persistent programs (tests give small problems several tiles a program)."""
+    from ..kernels.fc1_ws import bf16_fc1_swiglu_ws_kernel
+
+    if plan.tile_m != QTILE_M:
+        raise ValueError(f"bf16_fc1_swiglu_ws: the plan's row tile must be {QTILE_M} rows (got {plan.tile_m})")
+    inter, hidden = w1.shape[1] // 2, w1.shape[2]
+    if plan.num_pairs == 0 or x.shape[0] == 0:  # no rows (a rank that receives nothing): nothing to compute
+        return
+    b_desc = _descriptor(w1.view(-1, hidden), WS_BLOCK_N, BF16_WS_BLOCK_K)  # a gate (or up) box: 128 rows of W1
+    save_h = h is not None
+    launch(
+        bf16_fc1_swiglu_ws_kernel,
+        _grid(1, a.device, plan.max_tiles * (inter // WS_BLOCK_N), programs),
+        b_desc,
+        x,
+        plan.row_src,
+        h if save_h else a,
+        a,
+        plan.tile_expert,
+        plan.tile_row,
+        plan.num_tiles,
+        plan.expert_offsets,
+        plan.sorted_rows,  # the kernel bounds its sorted-row loads by every sorted row of the buffers
+        inter,
+        hidden,
+        row_base,
+        x.stride(0),
+        h.stride(0) if save_h else 0,
+        a.stride(0),
+        clamp_limit,
+        SAVE_H=save_h,
+        CLAMP=clamp,
+        STAGES=stages,
+        TILE_M=QTILE_M,
+        LOAD_WARPS=WS_GATHER_LOAD_WARPS,
+        LOAD_REGS=WS_GATHER_LOAD_REGS,
+        MMA_REGS=WS_GATHER_MMA_REGS,
+        num_warps=4,
+        maxnreg=168,
     )
 
 

@@ -10,6 +10,8 @@ from ..kernels.grouped_gemm import fc1_swiglu_kernel, grouped_gemm_kernel, group
 from ..kernels.swiglu_grad import swiglu_backward_rows_kernel
 from .activation import clamp_kernel_args
 from .bf16_ws_launch import (
+    bf16_fc1_swiglu_ws,
+    bf16_fc1_ws_unavailable,
     bf16_grouped_gemm_ws,
     bf16_grouped_wgrad_ws,
     bf16_wgrad_ws_unavailable,
@@ -56,11 +58,14 @@ def fc1_swiglu(
     row_base: int = 0,
     *,
     activation_clamp: float | None = None,
+    use_ws: bool | None = False,
 ):
     """x [R, H] (source rows), w1 [E, 2I, H] -> (h [P, 2I] or None, a [P, I]) in expert-sorted row order.
     ``out`` = (h or None, a): buffers to write into (a segment view's rows of buffers shared by all segments).
     ``row_base``: x holds source rows [row_base, row_base + len(x)) (the plan's rows that this launch reads).
-    ``activation_clamp`` c: a = silu(min(g, c)) * clamp(u, -c, c) (``ops.activation``); h is stored unclamped."""
+    ``activation_clamp`` c: a = silu(min(g, c)) * clamp(u, -c, c) (``ops.activation``); h is stored unclamped.
+    ``use_ws``: True runs the warp-specialised Hopper kernel (``bf16_ws_launch.bf16_fc1_swiglu_ws``; an error says
+    why where it cannot), None runs it where it applies, False the Triton kernel."""
     clamp_limit, clamp = clamp_kernel_args(activation_clamp)
     num_pairs, inter, hidden = plan.num_pairs, w1.shape[1] // 2, w1.shape[2]
     if out is None:
@@ -69,6 +74,14 @@ def fc1_swiglu(
     else:
         h, a = out
         h = h if save_h else a
+    if use_ws is not False:
+        why_not = bf16_fc1_ws_unavailable(x, w1)
+        if why_not is None:
+            hh = h if save_h else None
+            bf16_fc1_swiglu_ws(x, w1, plan, hh, a, row_base=row_base, clamp_limit=clamp_limit, clamp=clamp)
+            return hh, a
+        if use_ws:
+            raise ValueError(f"fc1_swiglu(use_ws=True): the warp-specialised kernel cannot run here: {why_not}")
     num_sms = _num_sms(x.device)
     launch(
         fc1_swiglu_kernel,
