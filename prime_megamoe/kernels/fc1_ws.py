@@ -14,8 +14,10 @@ dtype (h only when the backward needs it).
   silu(min(gate, c)) * clamp(up, -c, c), c = clamp_limit; ``kernels/activation.py``), stored in a's dtype. Rows
   past the tile's expert are not stored.
 
-Requirements (the launcher checks them): I a multiple of 128, H a multiple of 8 (16-byte pieces of x's rows), x
-addressed by 32-bit offsets. Gluon kernels have no interpreter: tested on the GPU against the Triton kernel and
+Requirements (the launcher checks them): I a multiple of 128, x's row stride a multiple of 16 elements (16-byte
+pieces of its rows, which Triton proves from the stride's specialisation), x addressed by 32-bit offsets. The same
+bits as the Triton kernel; opt-in (``launch.fc1_swiglu(use_ws=True)``): on one H200 it was no faster where the layer
+spends most (``ops/bf16_ws_launch.py`` has the figures). Gluon kernels have no interpreter: tested on the GPU against the Triton kernel and
 float64, and compiled for sm_90 on the CPU.
 """
 

@@ -1,5 +1,6 @@
 """Host side of the warp-specialised Hopper kernels on bf16 operands: the row-tiled grouped GEMM
-(``kernels/gemm_ws.py``, below) and the weight gradient (``kernels/wgrad_ws.py``, ``bf16_grouped_wgrad_ws``).
+(``kernels/gemm_ws.py``), FC1 + SwiGLU (``kernels/fc1_ws.py``, ``bf16_fc1_swiglu_ws``) and the weight gradient
+(``kernels/wgrad_ws.py``, ``bf16_grouped_wgrad_ws``).
 
 The weight gradient is the layer's (``launch.grouped_wgrad(use_ws=None)`` from the backward, one rank and expert
 parallel). Qwen3-30B-A3B, one H200, ms, the Triton kernel's best candidate / the default config: dW1 1.782 / 1.504
@@ -9,22 +10,25 @@ and dW2 0.844 / 0.789 at T = 16384, 0.602 / 0.508 and 0.309 / 0.257 at T = 4096;
 The row-tiled GEMM is the fp8 one with its scales compiled out (``SCALED = False``): a producer warp feeds TMA copies
 of A and B (or, gathering, cp.async copies of A's source rows) to two 4-warp MMA partitions, each taking a 64-row half
 of every 128-row tile; the products accumulate in the wgmma's fp32 accumulators (no per-step promotion), and step j's
-wgmma is issued before step j - 1's stage is freed. K steps of 64 (128 bytes of a row, as fp8's 128).
+wgmma is issued before step j - 1's stage is freed. K steps of 64 (128 bytes of a row, as fp8's 128). FC1 + SwiGLU
+is the fp8 FC1 kernel's producer (``fp8_fc1_ws``) with the scales compiled out, feeding that main loop (the gate and
+up boxes as the tile's two column parts) and an epilogue storing h and a from registers.
 
-``bf16_ws_unavailable`` says why a GEMM cannot run on it (None where it can); ``launch.grouped_gemm(use_ws=True)`` runs
-it and makes asking for it where it does not apply an error that says why; ``use_ws=None`` runs it where it applies. The
-layer does not ask for it yet (the figures below: ``benchmarks/results/bf16_ws_t16384.txt``). Alone, Qwen3-30B-A3B, T =
-16384, one H200, ``scripts/bf16_ws_probe.py --gemms fc1_dgrad fc2``, ms, Triton kernel / the default config (256
-columns, 4 stages, outputs stored from registers): FC2 0.854 / 0.752, FC1 dgrad 1.553 / 1.336 (3 stages with TMA stores:
-0.825 and 1.348; 128 columns: 0.849-0.928 and 1.369-1.414), the Triton kernel's bits. That run timed the Triton FC2 with
-TMA reads; the layer's reads by pointer, measured at 0.731 ms, and its FC1 dgrad took 1.398-1.437 ms in the other runs.
-So the layer with both on this kernel was no faster: ``python -m prime_megamoe.bench --shape qwen3-30b-a3b --tokens
-16384 --backends mega_moe --precisions bf16 --repeat 5``, forward / backward ms, two runs each, alternating: 2.452 /
-5.782 and 2.432 / 5.830 against 2.470 / 5.780 and 2.386 / 5.720 on the Triton kernels. The 3-stage config was at parity
-alone too in two earlier runs (ms, Triton / it: FC2 0.816 / 0.823 and 0.814 / 0.840, FC1 dgrad 1.437 / 1.388 and 1.398 /
-1.420): a partition holds a stage until its next wgmma is issued, so the ring's depth counts. The gathering GEMMs are
-slower on it (3-stage config, ms: FC2 dgrad 0.730 / 0.833, FC1's GEMM alone 1.459 / 1.572): the producer's cp.async
-copies are slower than the Triton kernel's gathered loads.
+Both are opt-in: ``launch.grouped_gemm(use_ws=True)`` and ``launch.fc1_swiglu(use_ws=True)`` run them, an error saying
+why where they do not apply (``bf16_ws_unavailable``, ``bf16_fc1_ws_unavailable``); ``use_ws=None`` runs them where
+they apply; the layer runs the Triton kernels. Both give the Triton kernels' bits. Measured on one H200
+(``benchmarks/results/bf16_fc1_ws.txt``, ``scripts/bf16_ws_probe.py``), ms, Triton / ws default:
+
+- FC1 dgrad alone: Qwen3-30B-A3B 1.378 / 1.293 (T = 16384), 0.812 / 0.746 (8192), 0.552 / 0.507 (4096), 0.414 /
+  0.417 (2048); Qwen3-235B-A22B 5.675 / 5.230 (16384), 2.184 / 1.693 (4096). In the layer (FC1 dgrad on it, one
+  machine session each) Qwen3-235B-A22B's backward took 17.623 against 18.051 and 5.723 against 5.871, but
+  Qwen3-30B-A3B's was no faster (T = 16384 back to back 5.012 against 5.044; T = 8192 back to back 2.881 and 2.869
+  against 2.730 and 2.636).
+- FC1 + SwiGLU, h saved: Qwen3-30B-A3B 1.519 / 1.492 (16384), 0.456 / 0.492 (4096); Qwen3-235B-A22B 6.091 / 5.347
+  (16384), 1.574 / 1.615 (4096); h not saved (the no-grad forward), slower at every shape: 1.273 / 1.311 (30B,
+  16384). The layer's forward with it was slower (back to back 0.785 against 0.720 ms at T = 4096).
+- Earlier: FC2 0.731 (the layer's pointer reads) / 0.752 and the gathering FC2 dgrad 0.730 / 0.833
+  (``bf16_ws_t16384.txt``).
 """
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ class Bf16Backward:
             row_base=base,
             activation_clamp=self.recipe.activation_clamp,
         )
-        launch.grouped_gemm(self.buffers[1], self.w1, piece, transpose_b=False, out=self.dx_sorted, use_ws=None)
+        launch.grouped_gemm(self.buffers[1], self.w1, piece, transpose_b=False, out=self.dx_sorted)
 
     def dw_row(self) -> torch.Tensor:
         return self.buffers[3]

@@ -100,8 +100,9 @@ class RoutedExperts(torch.autograd.Function):
 
         grad_rows = grad_weights = grad_w1 = grad_w2 = None
         if ctx.needs_input_grad[0]:
-            # On the warp-specialised Hopper kernel where it applies (bf16 on sm_90: ``bf16_ws_launch``)
-            dx_sorted = launch.grouped_gemm(dh, w1, plan, transpose_b=False, use_ws=None)
+            # The Triton kernel: on the warp-specialised one (``bf16_ws_launch``) the layer was no faster at
+            # Qwen3-30B-A3B though the GEMM alone was (benchmarks/results/bf16_fc1_ws.txt)
+            dx_sorted = launch.grouped_gemm(dh, w1, plan, transpose_b=False)
             grad_rows, grad_weights = combine_with_pair_values(
                 dx_sorted, dw_row, plan, rows.dtype, ctx.weights_dtype if ctx.needs_input_grad[2] else None
             )
