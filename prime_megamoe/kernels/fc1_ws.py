@@ -17,8 +17,8 @@ dtype (h only when the backward needs it).
 Requirements (the launcher checks them): I a multiple of 128, x's row stride a multiple of 16 elements (16-byte
 pieces of its rows, which Triton proves from the stride's specialisation), x addressed by 32-bit offsets. The same
 bits as the Triton kernel; opt-in (``launch.fc1_swiglu(use_ws=True)``): on one H200 it was no faster where the layer
-spends most (``ops/bf16_ws_launch.py`` has the figures). Gluon kernels have no interpreter: tested on the GPU against the Triton kernel and
-float64, and compiled for sm_90 on the CPU.
+spends most (``ops/bf16_ws_launch.py`` has the figures). Gluon kernels have no interpreter: tested on the GPU
+against the Triton kernel and float64, and compiled for sm_90 on the CPU.
 """
 
 from __future__ import annotations
