@@ -181,7 +181,10 @@ def test_grouped_gemm_asks_for_the_kernel_only_where_it_applies():
     gen = torch.Generator().manual_seed(11)
     a = torch.randn(plan.sorted_rows, 32, generator=gen).to(torch.bfloat16)
     b = torch.randn(4, 48, 32, generator=gen).to(torch.bfloat16)
-    with pytest.raises(ValueError, match="warp-specialised kernel cannot run this GEMM: it runs on a CUDA GPU only"):
+    with pytest.raises(
+        ValueError,
+        match="use_ws=True: grouped_gemm's warp-specialised kernel cannot run here: it runs on a CUDA GPU only",
+    ):
         launch.grouped_gemm(a, b, plan, transpose_b=True, use_ws=True)
     chosen = launch.grouped_gemm(a, b, plan, transpose_b=True, use_ws=None)
     assert torch.equal(chosen, launch.grouped_gemm(a, b, plan, transpose_b=True, use_ws=False))

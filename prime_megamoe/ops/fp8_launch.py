@@ -39,7 +39,7 @@ from .fp8_ws_launch import (
     ws_gemm_unavailable,
     ws_wgrad_unavailable,
 )
-from .launch import _num_sms
+from .launch import _num_sms, use_form
 from .qtensor import FP8_DTYPE, MX_FORMAT, QFormat, QTensor, fp8_format
 from .routing_plan import RoutingPlan, RowQuantization
 from .sizes import cdiv, next_power_of_2
@@ -339,18 +339,6 @@ def _cols_t_out(n: int, plan: RoutingPlan, fmt: QFormat, device, out: QTensor | 
     return empty_cols_t(n, plan, fmt, device) if out is None else cols_t_of_segment(out, plan, fmt)
 
 
-def _use_form(asked: bool | None, flag: str, what: str, why_not, *args, **kwargs) -> bool:
-    """Whether a launcher runs a kernel's other form (warp-specialised, Gluon, one-pass), as its ``flag`` argument
-    ``asked`` says: False: no (``why_not`` is not called); None: where ``why_not(*args, **kwargs)`` gives None;
-    True: yes, or a ValueError naming the flag, ``what`` and the reason."""
-    if asked is False:
-        return False
-    reason = why_not(*args, **kwargs)
-    if asked and reason is not None:
-        raise ValueError(f"{flag}=True: {what} cannot run here: {reason}")
-    return reason is None
-
-
 def gluon_gather_unavailable(x: torch.Tensor, fmt: QFormat) -> str | None:
     """Why the gather pass's Gluon form (``kernels/gather_cols_t.py``) cannot run, or None when it can."""
     if x.device.type != "cuda":
@@ -370,7 +358,7 @@ def quantize_sorted_cols_t(
     Triton launch; True: the Gluon form or an error saying why not; False: the Triton launch. ``plan`` may be a
     segment's view of a larger plan, with ``out`` the whole plan's operand (``empty_cols_t``): its tiles are written
     there (x: all the plan's source rows)."""
-    use_gluon = _use_form(gluon, "gluon", "the Gluon gather pass", gluon_gather_unavailable, x, fmt)
+    use_gluon = use_form(gluon, "gluon", "the Gluon gather pass", gluon_gather_unavailable, x, fmt)
     _check_tile_space_plan(plan)
     if x.dim() != 2 or x.shape[0] * plan.top_k != plan.sorted_rows:
         raise ValueError(
@@ -486,7 +474,7 @@ def fp8_fc1_swiglu(
     else:
         h, (aq, a_s) = out[0], (out[1].data, out[1].scale)
         h = h if save_h else a_s
-    if _use_form(
+    if use_form(
         use_ws,
         "use_ws",
         "the warp-specialised fp8 FC1 + SwiGLU",
@@ -568,7 +556,7 @@ def fp8_grouped_gemm(
     n, k_total = bq.data.shape[1], bq.data.shape[2]
     k = k_total // segments
     c = torch.empty(plan.sorted_rows, n, dtype=out_dtype, device=aq.data.device) if out is None else out
-    if _use_form(
+    if use_form(
         use_ws,
         "use_ws",
         "the warp-specialised fp8 GEMM",
@@ -763,7 +751,7 @@ def dswiglu_cols_t(
     as in ``dswiglu_rows``. ``plan`` may be a segment's view of a larger plan with ``out`` = (dh^T, (w * a)^T) of the
     whole plan (``empty_cols_t``): the segment's tiles are written there (``cols_t_of_segment``); the views written
     are returned."""
-    use_gluon = _use_form(gluon, "gluon", "the Gluon column pass", gluon_cols_unavailable, g_a, h, fmt)
+    use_gluon = use_form(gluon, "gluon", "the Gluon column pass", gluon_cols_unavailable, g_a, h, fmt)
     _check_tile_space_plan(plan)
     inter, device = g_a.shape[1], g_a.device
     dh_t = _cols_t_out(2 * inter, plan, fmt, device, None if out is None else out[0])
@@ -847,7 +835,7 @@ def fp8_dswiglu(
     ``scripts/fp8_pass_probe.py``, the layer's backward GPU span 4.115 against 3.869 ms (Qwen3-30B-A3B, T = 16384,
     one H200; scripts/backward_span.py on the profiled benchmark's trace). ``activation_clamp``: the forward's
     clamped SwiGLU limit (``ops.activation``), in every form."""
-    if _use_form(fused, "fused", "the one-pass SwiGLU backward", fused_dswiglu_unavailable, g_a, h, fmt):
+    if use_form(fused, "fused", "the one-pass SwiGLU backward", fused_dswiglu_unavailable, g_a, h, fmt):
         from ..kernels.swiglu_grad_fused import swiglu_backward_fused_kernel
 
         clamp_limit, clamp = clamp_kernel_args(activation_clamp)
@@ -991,7 +979,7 @@ def fp8_grouped_wgrad(
             )
     if out.shape != (plan.num_local_experts, m, n):
         raise ValueError(f"out must be [{plan.num_local_experts}, {m}, {n}], got {list(out.shape)}")
-    if _use_form(
+    if use_form(
         use_ws,
         "use_ws",
         "the warp-specialised fp8 weight gradient",

@@ -29,6 +29,18 @@ _num_sms = available_sms
 _cuda_properties = cuda_properties
 
 
+def use_form(asked: bool | None, flag: str, what: str, why_not, *args, **kwargs) -> bool:
+    """Whether a launcher runs a kernel's other form (warp-specialised, Gluon, one-pass), as its ``flag`` argument
+    ``asked`` says: False: no (``why_not`` is not called); None: where ``why_not(*args, **kwargs)`` gives None;
+    True: yes, or a ValueError naming the flag, ``what`` and the reason."""
+    if asked is False:
+        return False
+    reason = why_not(*args, **kwargs)
+    if asked and reason is not None:
+        raise ValueError(f"{flag}=True: {what} cannot run here: {reason}")
+    return reason is None
+
+
 def _flags(t: torch.Tensor) -> dict:
     return {"CAST_F32": tuning.interpreting(), "IEEE": t.dtype == torch.float32}
 
@@ -74,14 +86,10 @@ def fc1_swiglu(
     else:
         h, a = out
         h = h if save_h else a
-    if use_ws is not False:
-        why_not = bf16_fc1_ws_unavailable(x, w1)
-        if why_not is None:
-            hh = h if save_h else None
-            bf16_fc1_swiglu_ws(x, w1, plan, hh, a, row_base=row_base, clamp_limit=clamp_limit, clamp=clamp)
-            return hh, a
-        if use_ws:
-            raise ValueError(f"fc1_swiglu(use_ws=True): the warp-specialised kernel cannot run here: {why_not}")
+    if use_form(use_ws, "use_ws", "fc1_swiglu's warp-specialised kernel", bf16_fc1_ws_unavailable, x, w1):
+        h = h if save_h else None
+        bf16_fc1_swiglu_ws(x, w1, plan, h, a, row_base=row_base, clamp_limit=clamp_limit, clamp=clamp)
+        return h, a
     num_sms = _num_sms(x.device)
     launch(
         fc1_swiglu_kernel,
@@ -138,14 +146,13 @@ def grouped_gemm(
     else:  # B[e] is [K, N]
         k, n = b.shape[1], b.shape[2]
         stride_bk, stride_bn = b.stride(1), b.stride(2)
-    if use_ws is not False:
-        why_not = bf16_ws_unavailable(a, b, transpose_b=transpose_b, gather=gather, row_base=row_base)
-        if why_not is None:
-            c = a.new_empty(plan.sorted_rows, n) if out is None else out
-            bf16_grouped_gemm_ws(a, b, plan, c, transpose_b=transpose_b, gather=gather, row_scale=row_scale)
-            return c
-        if use_ws:
-            raise ValueError(f"grouped_gemm(use_ws=True): the warp-specialised kernel cannot run this GEMM: {why_not}")
+    what = "grouped_gemm's warp-specialised kernel"
+    if use_form(
+        use_ws, "use_ws", what, bf16_ws_unavailable, a, b, transpose_b=transpose_b, gather=gather, row_base=row_base
+    ):
+        c = a.new_empty(plan.sorted_rows, n) if out is None else out
+        bf16_grouped_gemm_ws(a, b, plan, c, transpose_b=transpose_b, gather=gather, row_scale=row_scale)
+        return c
     # The weights as one 2D tensor, [E * N, K] (transpose_b) or [E * K, N], where TMA may read them
     b_2d = b.view(-1, b.shape[2]) if use_tma is not False and b.is_contiguous() else None
     if use_tma is None:
@@ -267,13 +274,10 @@ def grouped_wgrad(
     why where it cannot), None runs it where it applies, False the Triton kernel."""
     if gather_a == gather_b:
         raise ValueError("grouped_wgrad: exactly one of gather_a / gather_b must be set (one operand is gathered)")
-    if use_ws is not False:
-        why_not = bf16_wgrad_ws_unavailable(a, b, out, gather_a=gather_a)
-        if why_not is None:
-            bf16_grouped_wgrad_ws(a, b, plan, out, gather_a=gather_a)
-            return out
-        if use_ws:
-            raise ValueError(f"grouped_wgrad(use_ws=True): the warp-specialised kernel cannot run here: {why_not}")
+    what = "grouped_wgrad's warp-specialised kernel"
+    if use_form(use_ws, "use_ws", what, bf16_wgrad_ws_unavailable, a, b, out, gather_a=gather_a):
+        bf16_grouped_wgrad_ws(a, b, plan, out, gather_a=gather_a)
+        return out
     dense, gathered = (b, a) if gather_a else (a, b)
     if use_tma is None:
         use_tma = tma_readable(dense)
