@@ -1,5 +1,5 @@
 """Usage: torchrun --nproc-per-node 2 scripts/host_overhead.py [--shape qwen3-30b-a3b] [--tokens 16384] [--grad]
-        [--no-profile] [--sort tottime] [--calls N]
+        [--no-profile] [--sort tottime] [--calls N] [--precision fp8] [--lines 30]
 
 Where the host time of one MoE layer call goes (cProfile), for a benchmark workload. Rank 0 prints the functions with
 the most cumulative (or, with ``--sort tottime``, own) host time over ``--calls`` calls, after warm-up (compiled and
@@ -65,10 +65,12 @@ def main():
         help="only time single calls: host time to the first FC1 launch and to the call's return",
     )
     p.add_argument("--sort", default="cumulative", choices=("cumulative", "tottime"), help="cProfile order")
+    p.add_argument("--precision", default="bf16", help="the layer's precision (bf16, fp8, fp8_bwd, mxfp8)")
+    p.add_argument("--lines", type=int, default=30, help="functions to print")
     args = p.parse_args()
     group = torchrun_group()
     rank = 0 if group is None else dist.get_rank(group)
-    work = make_workload(args.shape, args.tokens, "mega_moe", "bf16", group)
+    work = make_workload(args.shape, args.tokens, "mega_moe", args.precision, group)
     step = work.fwd_bwd if args.grad else work.fwd
     for _ in range(3):
         step()
@@ -94,7 +96,7 @@ def main():
     torch.cuda.synchronize()
     if rank == 0:
         print(f"host ms per call (profiled): {host_ms:.3f}")
-        pstats.Stats(prof).sort_stats(args.sort).print_stats(30)
+        pstats.Stats(prof).sort_stats(args.sort).print_stats(args.lines)
     if group is not None:
         dist.destroy_process_group()
 

@@ -107,6 +107,20 @@ def test_values_inside_one_specialisation_reuse_the_compiled_kernel(kernel):
     assert passed == (x[4:].data_ptr(), 64, 5, 32, True)
 
 
+def test_repeat_launches_find_their_exact_key_and_a_new_specialisation_still_compiles(kernel):
+    # The second launch maps its exact values to the specialisation's entry; the third finds them directly (the same
+    # parameters passed); a misaligned tensor afterwards still goes the regular way.
+    x = torch.zeros(64)
+    for _ in range(3):
+        compiled_launch.launch(kernel, (1,), x, 48, 5, FLAG=True)
+    assert [entry[0] for entry in kernel.log] == ["first", "direct", "direct"]
+    assert kernel.log[1][3] == kernel.log[2][3] == (x.data_ptr(), 48, 5, 32, True)
+    assert sum(key[0] == "exact" for key in compiled_launch._CACHE) == 1
+    compiled_launch.launch(kernel, (1,), x[1:], 48, 5, FLAG=True)
+    compiled_launch.launch(kernel, (1,), x, 48, 6, FLAG=True)  # the autotuning key's value
+    assert [entry[0] for entry in kernel.log] == ["first", "direct", "direct", "first", "first"]
+
+
 def test_an_argument_of_unknown_type_is_an_error(kernel):
     with pytest.raises(TypeError, match="unsupported type"):
         compiled_launch.launch(kernel, (1,), torch.zeros(4), "48", 5, FLAG=True)

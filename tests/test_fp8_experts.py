@@ -511,3 +511,92 @@ def test_half_tile_programs_compute_the_same(monkeypatch, precision):
         else:
             assert rel_err(a, b) < 1e-5, f"{precision} {name} differs with 64-row programs"
     qe.invalidate_weight_cache()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The bf16 backward below backward_min_rows_per_expert
+# ----------------------------------------------------------------------------------------------------------------
+def _layer(precision, threshold):
+    """The layer as a function of (x, weights, w1, w2) at ``threshold`` routed rows per expert."""
+
+    def call(index, x, weights, w1, w2):
+        return routed_experts_quantized(
+            x,
+            index,
+            weights,
+            w1,
+            w2,
+            expert_base=0,
+            tile_m=tuning.tile_m(),
+            precision=precision,
+            backward_min_rows_per_expert=threshold,
+        )
+
+    return call
+
+
+def _with_grads(call, x, index, weights, w1, w2, grad_out):
+    leaves = [t.clone().requires_grad_() for t in (x, weights, w1, w2)]
+    out = call(index, *leaves)
+    out.backward(grad_out)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+# 24 tokens, top-2, 4 experts: 12 routed rows per expert (expert 0 gets none, expert 1 most of them).
+_FEW_ROWS = dict(tokens=24, hidden=128, inter=64, experts=4, top_k=2)
+
+
+def test_fp8_bwd_below_the_threshold_is_the_bf16_layer():
+    """fp8_bwd (the bf16 forward) below the threshold runs the bf16 backward on the bf16 forward's plan: the output and
+    all four gradients are bitwise those of precision bf16. At the threshold it runs the fp8 backward."""
+    from prime_megamoe.ops.expert_compute import routed_experts
+
+    problem = _problem(**_FEW_ROWS, seed=21)
+
+    def bf16(index, x, weights, w1, w2):
+        return routed_experts(x, index, weights, w1, w2, expert_base=0, tile_m=tuning.tile_m())
+
+    want = _with_grads(bf16, *problem)
+    below = _with_grads(_layer("fp8_bwd", 13), *problem)
+    for name, a, b in zip(NAMES, below, want):
+        assert torch.equal(a, b), f"{name}: fp8_bwd below the threshold differs from the bf16 layer"
+    at = _with_grads(_layer("fp8_bwd", 12), *problem)
+    always = _with_grads(_layer("fp8_bwd", 0), *problem)
+    for name, a, b in zip(NAMES, at, always):
+        assert torch.equal(a, b), f"{name}: at the threshold the fp8 backward must run"
+    assert not torch.equal(at[3], want[3]), "the fp8 backward gave the bf16 weight gradient"
+
+
+def test_fp8_below_the_threshold_runs_the_bf16_backward_on_its_saved_tensors():
+    """fp8 below the threshold: the fp8 forward (bitwise as with the fp8 backward), then the bf16 backward kernels on
+    what that forward saved (rows, weights, its h and 128-row plan), bitwise; close to the oracle."""
+    from prime_megamoe.ops.expert_compute import unquantized_backward
+
+    x, index, weights, w1, w2, g = problem = _problem(**_FEW_ROWS, seed=22)
+    got = _with_grads(_layer("fp8", 13), *problem)
+    quantized = _with_grads(_layer("fp8", 0), *problem)
+    assert torch.equal(got[0], quantized[0])
+    assert not torch.equal(got[4], quantized[4])
+
+    _, lease, h = qe._forward(x, index, weights, w1, w2, 0, tuning.tile_m(), "fp8", False, need_grad=True)
+    assert lease.plan.tile_m == QTILE_M
+    want = unquantized_backward(g, x, w1, w2, h, lease.plan, (True,) * 5, weights_dtype=weights.dtype)
+    for name, a, b in zip(NAMES[1:], got[1:], want):
+        assert torch.equal(a, b), f"{name}: differs from the bf16 backward on the fp8 forward's saved tensors"
+    ref = oracle_with_grads(x, index, weights, w1, w2, g)
+    for name, a, b in zip(NAMES, got, ref):
+        assert rel_err(a, b) <= ORACLE_TOL, name
+
+
+def test_mxfp8_keeps_its_backward_at_any_threshold():
+    problem = _problem(**_FEW_ROWS, seed=23)
+    for name, a, b in zip(
+        NAMES, _with_grads(_layer("mxfp8", 10**6), *problem), _with_grads(_layer("mxfp8", 0), *problem)
+    ):
+        assert torch.equal(a, b), f"{name}: mxfp8 must run the MX backward whatever the threshold"
+
+
+def test_negative_threshold_is_an_error_naming_the_key():
+    x, index, weights, w1, w2, _ = _problem(**_FEW_ROWS, seed=24)
+    with pytest.raises(ValueError, match="fp8_backward_min_rows_per_expert = -1"):
+        _layer("fp8", -1)(index, x.requires_grad_(), weights, w1, w2)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from prime_megamoe import DispatchConfig
+
 from .oracle import NAMES, TOL, assert_matches_oracle, run_mega_moe
 
 
@@ -116,7 +118,9 @@ def test_clamped_swiglu_matches_the_clamped_reference(precision):
     problem = make_problem(512, 512, 384, 8, 4, torch.bfloat16, seed=5, routing="ragged", device="cuda")
     x, index, weights, w1, w2, g = problem
     _assert_clamped_fractions(x, index, w1)
-    got = run_mega_moe(*problem, precision=precision, activation_clamp=LIMIT)
+    # fp8_backward_min_rows_per_expert = 0: the fp8 backward kernels at this size (256 rows an expert) too
+    dispatch = DispatchConfig(fp8_backward_min_rows_per_expert=0)
+    got = run_mega_moe(*problem, precision=precision, activation_clamp=LIMIT, dispatch=dispatch)
     torch.cuda.synchronize()
     cpu = [t.cpu() for t in problem]
     if precision == "fp8":
@@ -126,3 +130,25 @@ def test_clamped_swiglu_matches_the_clamped_reference(precision):
     ref = oracle_with_grads(*cpu, activation_clamp=LIMIT, clamp_decided_on=decided_on)
     tol = TOL[torch.bfloat16] if precision == "bf16" else CLAMPED_ORACLE_TOL[precision]
     _check([t.cpu() for t in got], cpu, ref, tol, f"GPU {precision}")
+
+
+@pytest.mark.gpu
+def test_fp8_backward_below_the_threshold_is_the_bf16_backward():
+    """fp8 through the backend with the default fp8_backward_min_rows_per_expert (512) at 256 routed rows an expert
+    (T = 512, 8 experts, top-4): the fp8 forward, then the bf16 backward kernels (the warp-specialised weight
+    gradients included) on the forward's saved tensors, bitwise; within the fp8 bound of the float64 oracle."""
+    from prime_megamoe.kernels.tuning import tile_m
+    from prime_megamoe.ops import quantized_experts as qe
+    from prime_megamoe.ops.expert_compute import unquantized_backward
+
+    from .oracle import make_problem
+    from .test_fp8_experts import ORACLE_TOL
+
+    problem = make_problem(512, 512, 384, 8, 4, torch.bfloat16, seed=6, routing="ragged", device="cuda")
+    x, index, weights, w1, w2, g = problem
+    got = run_mega_moe(*problem, precision="fp8")
+    _, lease, h = qe._forward(x, index, weights, w1, w2, 0, tile_m(), "fp8", False, need_grad=True)
+    want = unquantized_backward(g, x, w1, w2, h, lease.plan, (True,) * 5, weights_dtype=weights.dtype)
+    for name, a, b in zip(NAMES[1:], got[1:], want):
+        assert torch.equal(a, b), f"{name}: differs from the bf16 backward on the fp8 forward's saved tensors"
+    assert_matches_oracle(got, x, index, weights, w1, w2, g, ORACLE_TOL)

@@ -12,7 +12,10 @@ The cache key holds everything the compiled kernel depends on, so a hit can only
 have picked: each tensor's dtype, 16-byte alignment and whether it is a CUDA tensor (a CPU tensor never reaches a
 compiled kernel as a bare address, which would fault on the GPU: its first launch is Triton's, which rejects it with
 an error), each integer's specialisation class (== 1, divisible by 16, 64-bit) or, for the autotuning key's
-arguments, its value, the constexpr and launch options, and the device.
+arguments, its value, the constexpr and launch options, and the device. Computing that key per argument in Python
+took 20-30 us a launch on an H200 host (a layer call makes 10-16 launches): a launch first looks for its exact key
+(every integer's value, the addresses' low bits; from C-level getters and maps, built once per pattern of argument
+types), which the first launch with those values maps to the entry of its specialisation key.
 
 The key does not hold the autotuner's candidate list: code that swaps ``kernel.configs`` between launches (tests
 pinning one config, ``scripts/fp8_probe.py``) sets ``PRIME_MEGAMOE_DIRECT_LAUNCH=0``, or it would keep running the
@@ -25,6 +28,7 @@ with ``PRIME_MEGAMOE_DIRECT_LAUNCH=0`` (for comparing the two paths).
 
 from __future__ import annotations
 
+import operator
 import os
 
 import torch
@@ -42,11 +46,13 @@ _I32 = (-(2**31), 2**31)
 
 
 class _Entry:
-    __slots__ = ("compiled", "params", "meta", "run", "function", "packed_metadata")
+    __slots__ = ("compiled", "params", "constants", "meta", "run", "function", "packed_metadata")
 
     def __init__(self, compiled, params, meta):
         self.compiled = compiled  # triton.compiler.CompiledKernel
         self.params = params  # per kernel parameter: (True, index into args) or (False, its constant value)
+        # The arguments come first, in order (``_first_launch``): the launcher's parameters are they, then these
+        self.constants = tuple(value for is_arg, value in params if not is_arg)
         self.meta = meta  # constexprs and the chosen config, for the grid function
         # Read once: on some Triton versions each is a property that re-checks the loaded module on every access.
         self.run, self.function = compiled.run, compiled.function
@@ -128,6 +134,80 @@ def _key(kernel, args, constexprs, device: int) -> tuple[tuple, list]:
     return tuple(parts), values
 
 
+class _Layout:
+    """Where a kernel's arguments of one type pattern sit: getters for its tensors, integers, descriptors and other
+    values (bools, None, floats), built once per (kernel, argument types)."""
+
+    __slots__ = ("tensor_pos", "tensors", "ints", "descriptors", "others")
+
+    def __init__(self, types: tuple):
+        def getter(positions):  # itemgetter of one position returns the item itself: always a tuple here
+            if not positions:
+                return lambda args: ()
+            if len(positions) == 1:
+                (i,) = positions
+                return lambda args: (args[i],)
+            return operator.itemgetter(*positions)
+
+        kinds = {"tensor": [], "int": [], "descriptor": [], "other": []}
+        for i, kind in enumerate(types):
+            if kind is bool or kind is float or kind is type(None):
+                kinds["other"].append(i)
+            elif issubclass(kind, int):
+                kinds["int"].append(i)
+            elif issubclass(kind, torch.Tensor):
+                kinds["tensor"].append(i)
+            else:  # _key accepted it: a tensor descriptor
+                kinds["descriptor"].append(i)
+        self.tensor_pos = tuple(kinds["tensor"])
+        self.tensors, self.ints = getter(kinds["tensor"]), getter(kinds["int"])
+        self.descriptors, self.others = getter(kinds["descriptor"]), getter(kinds["other"])
+
+
+_LAYOUTS: dict[tuple, _Layout] = {}
+_DATA_PTR = torch.Tensor.data_ptr
+_DTYPE = operator.attrgetter("dtype")
+_IS_CUDA = operator.attrgetter("is_cuda")
+_LOW_BITS = (15).__and__
+_EXACT_ENTRIES = 1 << 14  # exact keys kept at most (distinct shapes x kernels); past it they start over
+
+
+def _descriptor_values(d) -> tuple:
+    return (
+        d.base.dtype,
+        tuple(d.shape),
+        tuple(d.strides),
+        getattr(d, "padding", None),
+        getattr(d, "round_f32_to_tf32", None),
+        tuple(d.block_shape),
+        getattr(d, "layout", None),
+    )
+
+
+def _exact_key(kernel, args, constexprs, device: int, types: tuple, layout: _Layout) -> tuple[tuple, tuple]:
+    """(a key of the arguments' exact values, the tensors' addresses): finer than ``_key``'s (every integer's value,
+    the addresses' low four bits, descriptors' shapes and strides), so two launches with one exact key have one
+    ``_key`` too. Most of it is computed by C-level getters and maps: a fraction of ``_key``'s host time."""
+    tensors = layout.tensors(args)
+    ptrs = tuple(map(_DATA_PTR, tensors))
+    return (
+        (
+            "exact",
+            id(kernel),
+            device,
+            types,
+            layout.ints(args),
+            tuple(map(_DTYPE, tensors)),
+            tuple(map(_IS_CUDA, tensors)),
+            tuple(map(_LOW_BITS, ptrs)),
+            tuple(map(_descriptor_values, layout.descriptors(args))),
+            layout.others(args),
+            tuple(constexprs.items()),
+        ),
+        ptrs,
+    )
+
+
 def _first_launch(kernel, grid, args, constexprs) -> _Entry:
     compiled = kernel[grid](*args, **constexprs)
     if not (hasattr(compiled, "run") and hasattr(compiled, "function")):
@@ -157,11 +237,29 @@ def launch(kernel, grid, *args, **constexprs) -> None:
         kernel[grid](*args, **constexprs)
         return
     device = _current_device()
-    key, values = _key(kernel, args, constexprs, device)
-    entry = _CACHE.get(key)
+    types = tuple(map(type, args))
+    layout = _LAYOUTS.get((id(kernel), types))
+    entry = None
+    if layout is not None:
+        exact, ptrs = _exact_key(kernel, args, constexprs, device, types, layout)
+        entry = _CACHE.get(exact)
     if entry is None:
-        _CACHE[key] = _first_launch(kernel, grid, args, constexprs)
-        return
+        # The first launch of these exact values: keyed by specialisation (``_key``), then remembered by exact key
+        key, values = _key(kernel, args, constexprs, device)
+        entry = _CACHE.get(key)
+        if entry is None:
+            _CACHE[key] = _first_launch(kernel, grid, args, constexprs)
+            return
+        if layout is None:
+            layout = _LAYOUTS[(id(kernel), types)] = _Layout(types)
+        exact, _ = _exact_key(kernel, args, constexprs, device, types, layout)
+        if len(_CACHE) > _EXACT_ENTRIES:
+            _CACHE.clear()  # (the compiled kernels stay in Triton's cache: each comes back by one regular launch)
+        _CACHE[exact] = entry
+    else:
+        values = list(args)
+        for i, ptr in zip(layout.tensor_pos, ptrs):
+            values[i] = ptr
     if callable(grid):
         grid = grid(entry.meta)
     grid0, grid1, grid2 = (tuple(grid) + (1, 1))[:3]
@@ -184,5 +282,6 @@ def launch(kernel, grid, *args, **constexprs) -> None:
         metadata,
         enter,
         hooks.launch_exit_hook,
-        *[values[v] if is_arg else v for is_arg, v in entry.params],
+        *values,
+        *entry.constants,
     )

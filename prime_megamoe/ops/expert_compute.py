@@ -44,6 +44,37 @@ def combine_with_pair_values(dx_sorted, dw_row, plan: RoutingPlan, dx_dtype, wei
     return grad_rows, grad_weights
 
 
+def unquantized_backward(
+    grad_out, rows, w1, w2, h, plan: RoutingPlan, needs_input_grad, *, weights_dtype, activation_clamp=None
+):
+    """The backward's GEMMs in the inputs' dtype, from what a forward saved (rows, w1, w2, h, the plan):
+    (d rows, d top-k weights, d w1, d w2), each None unless ``needs_input_grad`` (the forward's: rows, top_k_index,
+    top_k_weights, w1, w2) asks for it. Also the quantised precisions' backward where it would not pay
+    (``quantized_experts``)."""
+    grad_out = grad_out.contiguous().to(rows.dtype)
+    dh, aw, dw_row = launch.fc2_dgrad_dswiglu(grad_out, w2, h, plan, activation_clamp=activation_clamp)
+
+    grad_rows = grad_weights = grad_w1 = grad_w2 = None
+    if needs_input_grad[0]:
+        # The Triton kernel: on the warp-specialised one (``bf16_ws_launch``) the layer was no faster at
+        # Qwen3-30B-A3B though the GEMM alone was (benchmarks/results/bf16_fc1_ws.txt)
+        dx_sorted = launch.grouped_gemm(dh, w1, plan, transpose_b=False)
+        grad_rows, grad_weights = combine_with_pair_values(
+            dx_sorted, dw_row, plan, rows.dtype, weights_dtype if needs_input_grad[2] else None
+        )
+    elif needs_input_grad[2]:
+        grad_weights = plan.pair_values(dw_row, weights_dtype)
+    # The weight gradients on the warp-specialised Hopper kernel where it applies (bf16 on sm_90:
+    # ``bf16_ws_launch.bf16_grouped_wgrad_ws``), else the Triton kernel.
+    if needs_input_grad[3]:
+        grad_w1 = launch.grouped_wgrad(dh, rows, plan, torch.empty_like(w1), gather_a=False, gather_b=True, use_ws=None)
+    if needs_input_grad[4]:
+        grad_w2 = launch.grouped_wgrad(
+            grad_out, aw, plan, torch.empty_like(w2), gather_a=True, gather_b=False, use_ws=None
+        )
+    return grad_rows, grad_weights, grad_w1, grad_w2
+
+
 def _forward(
     rows, top_k_index, top_k_weights, w1, w2, expert_base: int, tile_m: int, need_grad: bool, activation_clamp=None
 ):
@@ -94,31 +125,18 @@ class RoutedExperts(torch.autograd.Function):
     @in_kept_sm_budget
     def backward(ctx, grad_out):
         rows, w1, w2, h = ctx.saved_tensors
-        plan: RoutingPlan = ctx.plan
-        grad_out = grad_out.contiguous().to(rows.dtype)
-        dh, aw, dw_row = launch.fc2_dgrad_dswiglu(grad_out, w2, h, plan, activation_clamp=ctx.activation_clamp)
-
-        grad_rows = grad_weights = grad_w1 = grad_w2 = None
-        if ctx.needs_input_grad[0]:
-            # The Triton kernel: on the warp-specialised one (``bf16_ws_launch``) the layer was no faster at
-            # Qwen3-30B-A3B though the GEMM alone was (benchmarks/results/bf16_fc1_ws.txt)
-            dx_sorted = launch.grouped_gemm(dh, w1, plan, transpose_b=False)
-            grad_rows, grad_weights = combine_with_pair_values(
-                dx_sorted, dw_row, plan, rows.dtype, ctx.weights_dtype if ctx.needs_input_grad[2] else None
-            )
-        elif ctx.needs_input_grad[2]:
-            grad_weights = plan.pair_values(dw_row, ctx.weights_dtype)
-        # The weight gradients on the warp-specialised Hopper kernel where it applies (bf16 on sm_90:
-        # ``bf16_ws_launch.bf16_grouped_wgrad_ws``), else the Triton kernel.
-        if ctx.needs_input_grad[3]:
-            grad_w1 = launch.grouped_wgrad(
-                dh, rows, plan, torch.empty_like(w1), gather_a=False, gather_b=True, use_ws=None
-            )
-        if ctx.needs_input_grad[4]:
-            grad_w2 = launch.grouped_wgrad(
-                grad_out, aw, plan, torch.empty_like(w2), gather_a=True, gather_b=False, use_ws=None
-            )
-        return grad_rows, None, grad_weights, grad_w1, grad_w2, None, None, None, None
+        grads = unquantized_backward(
+            grad_out,
+            rows,
+            w1,
+            w2,
+            h,
+            ctx.plan,
+            ctx.needs_input_grad,
+            weights_dtype=ctx.weights_dtype,
+            activation_clamp=ctx.activation_clamp,
+        )
+        return grads[0], None, *grads[1:], None, None, None, None
 
 
 def routed_experts(

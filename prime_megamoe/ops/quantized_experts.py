@@ -97,7 +97,7 @@ from ..kernels.fp8_gemm import QTILE_M
 from . import fp8_launch as fl
 from . import launch
 from .activation import check_activation_clamp
-from .expert_compute import combine_with_pair_values, unquantized_forward
+from .expert_compute import combine_with_pair_values, unquantized_backward, unquantized_forward
 from .routing_plan import PlanLease, RoutingPlan, lease_routing_plan
 from .sm_budget import in_kept_sm_budget, keeps_sm_budget
 
@@ -251,8 +251,11 @@ def _forward(
     pow2_scales: bool,
     need_grad: bool,
     activation_clamp: float | None = None,
+    quantized_backward: bool = True,
 ):
-    """The layer's forward: (out [R, H], and for the backward (None unless ``need_grad``): the plan's lease, h)."""
+    """The layer's forward: (out [R, H], and for the backward (None unless ``need_grad``): the plan's lease, h).
+    ``quantized_backward``: whether the backward will run the quantised GEMMs (else the bf16 ones, on the plan the
+    forward used)."""
     check_precision_supported(precision, rows.device)
     rows = rows.contiguous()
     num_local, inter = w1.shape[0], w1.shape[1] // 2
@@ -262,7 +265,7 @@ def _forward(
         # Both plans sort the rows identically, so h lines up with either.
         lease = _plan(top_k_index, top_k_weights, num_local, expert_base, tile_m)
         out, h = unquantized_forward(rows, w1, w2, lease.plan, save_h=need_grad, activation_clamp=activation_clamp)
-        if need_grad and tile_m != QTILE_M:
+        if need_grad and quantized_backward and tile_m != QTILE_M:
             lease = _plan(top_k_index, top_k_weights, num_local, expert_base, QTILE_M)
     else:
         # x quantised per row by the plan's first launch (the same bits as fl.quantize_rows, one launch fewer).
@@ -307,6 +310,7 @@ class QuantizedRoutedExperts(torch.autograd.Function):
         pow2_scales: bool,
         grad_enabled: bool,
         activation_clamp: float | None = None,
+        quantized_backward: bool = True,
     ):
         need_grad = grad_enabled and any(ctx.needs_input_grad[i] for i in (0, 2, 3, 4))
         rows = rows.contiguous()
@@ -322,8 +326,10 @@ class QuantizedRoutedExperts(torch.autograd.Function):
             pow2_scales,
             need_grad,
             activation_clamp,
+            quantized_backward,
         )
         ctx.activation_clamp = activation_clamp
+        ctx.quantized_backward = quantized_backward
         if need_grad:
             ctx.save_for_backward(rows, w1, w2, h)
             ctx.plan, ctx.plan_lease = lease.plan, lease  # the lease (and its plan) held until the graph is freed
@@ -336,6 +342,19 @@ class QuantizedRoutedExperts(torch.autograd.Function):
     def backward(ctx, grad_out):
         rows, w1, w2, h = ctx.saved_tensors
         plan: RoutingPlan = ctx.plan
+        if not ctx.quantized_backward:
+            grads = unquantized_backward(
+                grad_out,
+                rows,
+                w1,
+                w2,
+                h,
+                plan,
+                ctx.needs_input_grad,
+                weights_dtype=ctx.weights_dtype,
+                activation_clamp=ctx.activation_clamp,
+            )
+            return grads[0], None, *grads[1:], *(None,) * 7
         fmt: fl.QFormat = ctx.fmt
         grad_out = grad_out.contiguous().to(rows.dtype)
         dyq = fl.quantize_rows(grad_out, fmt)
@@ -373,7 +392,7 @@ class QuantizedRoutedExperts(torch.autograd.Function):
                 grad_w2 = fl.fp8_grouped_wgrad(
                     dy_t, d.aw_t, plan, fmt, torch.empty_like(w2), expert_tiles=tiles, use_ws=None
                 )
-        return grad_rows, None, grad_weights, grad_w1, grad_w2, None, None, None, None, None, None
+        return grad_rows, None, grad_weights, grad_w1, grad_w2, *(None,) * 7
 
 
 def routed_experts_quantized(
@@ -388,6 +407,7 @@ def routed_experts_quantized(
     precision: str,
     pow2_scales: bool = False,
     activation_clamp: float | None = None,
+    backward_min_rows_per_expert: int = 0,
 ) -> torch.Tensor:
     """``expert_compute.routed_experts`` with quantised GEMMs (same inputs, output and gradients).
 
@@ -400,8 +420,18 @@ def routed_experts_quantized(
     native on Blackwell, emulated by Triton on Hopper: MX numerics at bf16 speed; ``pow2_scales`` is implied).
     tile_m is the row tile of the bf16 kernels (the fp8_bwd forward); the quantised GEMMs always use 128-row tiles.
     activation_clamp: the clamped SwiGLU's limit (``ops.activation``; None: plain SwiGLU).
+    backward_min_rows_per_expert (fp8, fp8_bwd; ``[model.moe.dispatch] fp8_backward_min_rows_per_expert``): the
+    backward runs the quantised GEMMs when rows * k >= this * E_local (the routed rows per local expert, on average),
+    else the bf16 backward kernels (``expert_compute.unquantized_backward``) on the same saved tensors: with few rows
+    per expert, quantising the backward's operands costs more host and GPU time than its fp8 GEMMs save. mxfp8 always
+    runs its own backward (its point is the MX numerics). 0: always quantised.
     """
     _require_quantized(precision)
+    if backward_min_rows_per_expert < 0:
+        raise ValueError(
+            f"[model.moe.dispatch] fp8_backward_min_rows_per_expert = {backward_min_rows_per_expert}: must be >= 0 "
+            f"(0: the fp8 backward at every size)"
+        )
     activation_clamp = check_activation_clamp(activation_clamp)
     if not torch.is_grad_enabled():
         # Nothing to record (inference, the first forward under activation checkpointing): the forward alone,
@@ -419,6 +449,8 @@ def routed_experts_quantized(
             need_grad=False,
             activation_clamp=activation_clamp,
         )[0]
+    routed_rows = rows.shape[0] * top_k_index.shape[1]
+    quantized_backward = precision == "mxfp8" or routed_rows >= backward_min_rows_per_expert * w1.shape[0]
     return QuantizedRoutedExperts.apply(
         rows,
         top_k_index,
@@ -431,4 +463,5 @@ def routed_experts_quantized(
         bool(pow2_scales),
         True,
         activation_clamp,
+        quantized_backward,
     )
