@@ -155,13 +155,27 @@ class Workload:
 
 
 def make_workload(
-    shape, tokens, backend, precision, group, max_tokens=None, device="cuda", transport="auto", num_sms=None
+    shape,
+    tokens,
+    backend,
+    precision,
+    group,
+    max_tokens=None,
+    device="cuda",
+    transport="auto",
+    num_sms=None,
+    fp8_backward_min_rows_per_expert=None,
 ) -> Workload:
     rank = 0 if group is None else dist.get_rank(group)
     world = 1 if group is None else dist.get_world_size(group)
     x, index, weights, w1, w2 = make_inputs(shape, tokens, rank, world, seed=0, device=device)
+    fp8_threshold = (
+        {}
+        if fp8_backward_min_rows_per_expert is None
+        else {"fp8_backward_min_rows_per_expert": fp8_backward_min_rows_per_expert}
+    )
     options = DispatchConfig(
-        type=backend, max_tokens_per_rank=max_tokens or tokens, transport=transport, num_sms=num_sms
+        type=backend, max_tokens_per_rank=max_tokens or tokens, transport=transport, num_sms=num_sms, **fp8_threshold
     )
     dy = torch.randn_like(x)
     xg, wg, w1g, w2g = (t.detach().clone().requires_grad_() for t in (x, weights, w1, w2))
@@ -195,10 +209,21 @@ def bench_one(
     repeat=1,
     num_sms=None,
     err_vs="",
+    fp8_backward_min_rows_per_expert=None,
 ):
     world = 1 if group is None else dist.get_world_size(group)
     hidden, inter, _, top_k = SHAPES[shape]
-    work = make_workload(shape, tokens, backend, precision, group, max_tokens, transport=transport, num_sms=num_sms)
+    work = make_workload(
+        shape,
+        tokens,
+        backend,
+        precision,
+        group,
+        max_tokens,
+        transport=transport,
+        num_sms=num_sms,
+        fp8_backward_min_rows_per_expert=fp8_backward_min_rows_per_expert,
+    )
     fwd = work.fwd
     out = fwd()
     fwd()
@@ -426,6 +451,13 @@ def main(argv: list[str] | None = None) -> None:
         default=[None],
         help="[model.moe.dispatch] num_sms: run every case at each value ('all': every SM, the default)",
     )
+    p.add_argument(
+        "--fp8-backward-min-rows-per-expert",
+        type=int,
+        default=None,
+        help="[model.moe.dispatch] fp8_backward_min_rows_per_expert of the mega_moe runs (unset: the default; 0: the "
+        "fp8 backward at every size)",
+    )
     p.add_argument("--iters", type=int, default=20)
     p.add_argument(
         "--repeat",
@@ -472,6 +504,7 @@ def main(argv: list[str] | None = None) -> None:
                             repeat=args.repeat,
                             num_sms=num_sms,
                             err_vs=f"torch/{ref_prec}" if reference is not None else "",
+                            fp8_backward_min_rows_per_expert=args.fp8_backward_min_rows_per_expert,
                         )
                     except Exception as err:  # noqa: BLE001 - report the failure, measure the rest
                         if rank == 0:
