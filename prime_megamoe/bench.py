@@ -164,15 +164,13 @@ def make_workload(
     device="cuda",
     transport="auto",
     num_sms=None,
-    fp8_backward_min_rows_per_expert=None,
+    fp8_backward_min_expert_work=None,
 ) -> Workload:
     rank = 0 if group is None else dist.get_rank(group)
     world = 1 if group is None else dist.get_world_size(group)
     x, index, weights, w1, w2 = make_inputs(shape, tokens, rank, world, seed=0, device=device)
     fp8_threshold = (
-        {}
-        if fp8_backward_min_rows_per_expert is None
-        else {"fp8_backward_min_rows_per_expert": fp8_backward_min_rows_per_expert}
+        {} if fp8_backward_min_expert_work is None else {"fp8_backward_min_expert_work": fp8_backward_min_expert_work}
     )
     options = DispatchConfig(
         type=backend, max_tokens_per_rank=max_tokens or tokens, transport=transport, num_sms=num_sms, **fp8_threshold
@@ -209,7 +207,7 @@ def bench_one(
     repeat=1,
     num_sms=None,
     err_vs="",
-    fp8_backward_min_rows_per_expert=None,
+    fp8_backward_min_expert_work=None,
 ):
     world = 1 if group is None else dist.get_world_size(group)
     hidden, inter, _, top_k = SHAPES[shape]
@@ -222,7 +220,7 @@ def bench_one(
         max_tokens,
         transport=transport,
         num_sms=num_sms,
-        fp8_backward_min_rows_per_expert=fp8_backward_min_rows_per_expert,
+        fp8_backward_min_expert_work=fp8_backward_min_expert_work,
     )
     fwd = work.fwd
     out = fwd()
@@ -452,10 +450,10 @@ def main(argv: list[str] | None = None) -> None:
         help="[model.moe.dispatch] num_sms: run every case at each value ('all': every SM, the default)",
     )
     p.add_argument(
-        "--fp8-backward-min-rows-per-expert",
+        "--fp8-backward-min-expert-work",
         type=int,
         default=None,
-        help="[model.moe.dispatch] fp8_backward_min_rows_per_expert of the mega_moe runs (unset: the default; 0: the "
+        help="[model.moe.dispatch] fp8_backward_min_expert_work of the mega_moe runs (unset: the default; 0: the "
         "fp8 backward at every size)",
     )
     p.add_argument("--iters", type=int, default=20)
@@ -504,7 +502,7 @@ def main(argv: list[str] | None = None) -> None:
                             repeat=args.repeat,
                             num_sms=num_sms,
                             err_vs=f"torch/{ref_prec}" if reference is not None else "",
-                            fp8_backward_min_rows_per_expert=args.fp8_backward_min_rows_per_expert,
+                            fp8_backward_min_expert_work=args.fp8_backward_min_expert_work,
                         )
                     except Exception as err:  # noqa: BLE001 - report the failure, measure the rest
                         if rank == 0:

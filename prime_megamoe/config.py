@@ -79,12 +79,13 @@ class DispatchConfig(_Strict):
     transport: Literal["auto", "symmetric_memory", "collectives"] = "auto"
     # fp8 / fp8_bwd: round scales up to powers of two (exact rescaling, slightly coarser). mxfp8 scales always are.
     fp8_pow2_scales: bool = False
-    # fp8 / fp8_bwd without expert parallelism: the backward runs its GEMMs in fp8 when the call routes at least this
-    # many rows per local expert on average (tokens * top_k / local experts), else in bf16 from the same saved tensors
-    # (more precise): with few rows an expert, quantising the backward's operands costs more than its fp8 GEMMs save
-    # (Qwen3-30B-A3B on an H200: fp8 is slower at 256 rows an expert, faster at 512). 0: fp8 at every size. The
-    # expert-parallel pipeline always runs the fp8 backward; mxfp8 always runs its own.
-    fp8_backward_min_rows_per_expert: int = Field(default=512, ge=0)
+    # fp8 / fp8_bwd without expert parallelism: the backward runs its GEMMs in fp8 when an expert's average work,
+    # tokens * top_k / local experts * H * I (the multiply-adds of its FC2), is at least this; else in bf16 from the
+    # same saved tensors (more precise): on small GEMMs quantising the backward's operands costs more than its fp8
+    # GEMMs save. One H200: Qwen3-30B-A3B is faster in bf16 at 256 rows an expert (4.0e8), in fp8 at 512 (8.1e8);
+    # Qwen3-235B-A22B in fp8 at 256 (1.6e9). 0: fp8 at every size. The expert-parallel pipeline always runs the fp8
+    # backward; mxfp8 always runs its own.
+    fp8_backward_min_expert_work: int = Field(default=2**29, ge=0)
 
 
 class MoEConfig(_Strict):

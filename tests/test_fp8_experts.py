@@ -514,10 +514,10 @@ def test_half_tile_programs_compute_the_same(monkeypatch, precision):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The bf16 backward below backward_min_rows_per_expert
+# The bf16 backward below backward_min_expert_work (an expert's average rows x H x I)
 # ----------------------------------------------------------------------------------------------------------------
 def _layer(precision, threshold):
-    """The layer as a function of (x, weights, w1, w2) at ``threshold`` routed rows per expert."""
+    """The layer as a function of (x, weights, w1, w2) with ``threshold`` for the backward_min_expert_work."""
 
     def call(index, x, weights, w1, w2):
         return routed_experts_quantized(
@@ -529,7 +529,7 @@ def _layer(precision, threshold):
             expert_base=0,
             tile_m=tuning.tile_m(),
             precision=precision,
-            backward_min_rows_per_expert=threshold,
+            backward_min_expert_work=threshold,
         )
 
     return call
@@ -542,8 +542,10 @@ def _with_grads(call, x, index, weights, w1, w2, grad_out):
     return [out.detach()] + [t.grad for t in leaves]
 
 
-# 24 tokens, top-2, 4 experts: 12 routed rows per expert (expert 0 gets none, expert 1 most of them).
+# 24 tokens, top-2, 4 experts: 12 routed rows per expert on average (expert 0 gets none, expert 1 most of them), so
+# an expert's average work (rows x H x I) is _WORK.
 _FEW_ROWS = dict(tokens=24, hidden=128, inter=64, experts=4, top_k=2)
+_WORK = 12 * 128 * 64
 
 
 def test_fp8_bwd_below_the_threshold_is_the_bf16_layer():
@@ -557,10 +559,10 @@ def test_fp8_bwd_below_the_threshold_is_the_bf16_layer():
         return routed_experts(x, index, weights, w1, w2, expert_base=0, tile_m=tuning.tile_m())
 
     want = _with_grads(bf16, *problem)
-    below = _with_grads(_layer("fp8_bwd", 13), *problem)
+    below = _with_grads(_layer("fp8_bwd", _WORK + 1), *problem)
     for name, a, b in zip(NAMES, below, want):
         assert torch.equal(a, b), f"{name}: fp8_bwd below the threshold differs from the bf16 layer"
-    at = _with_grads(_layer("fp8_bwd", 12), *problem)
+    at = _with_grads(_layer("fp8_bwd", _WORK), *problem)
     always = _with_grads(_layer("fp8_bwd", 0), *problem)
     for name, a, b in zip(NAMES, at, always):
         assert torch.equal(a, b), f"{name}: at the threshold the fp8 backward must run"
@@ -573,7 +575,7 @@ def test_fp8_below_the_threshold_runs_the_bf16_backward_on_its_saved_tensors():
     from prime_megamoe.ops.expert_compute import unquantized_backward
 
     x, index, weights, w1, w2, g = problem = _problem(**_FEW_ROWS, seed=22)
-    got = _with_grads(_layer("fp8", 13), *problem)
+    got = _with_grads(_layer("fp8", _WORK + 1), *problem)
     quantized = _with_grads(_layer("fp8", 0), *problem)
     assert torch.equal(got[0], quantized[0])
     assert not torch.equal(got[4], quantized[4])
@@ -598,5 +600,5 @@ def test_mxfp8_keeps_its_backward_at_any_threshold():
 
 def test_negative_threshold_is_an_error_naming_the_key():
     x, index, weights, w1, w2, _ = _problem(**_FEW_ROWS, seed=24)
-    with pytest.raises(ValueError, match="fp8_backward_min_rows_per_expert = -1"):
+    with pytest.raises(ValueError, match="fp8_backward_min_expert_work = -1"):
         _layer("fp8", -1)(index, x.requires_grad_(), weights, w1, w2)

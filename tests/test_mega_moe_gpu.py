@@ -118,8 +118,8 @@ def test_clamped_swiglu_matches_the_clamped_reference(precision):
     problem = make_problem(512, 512, 384, 8, 4, torch.bfloat16, seed=5, routing="ragged", device="cuda")
     x, index, weights, w1, w2, g = problem
     _assert_clamped_fractions(x, index, w1)
-    # fp8_backward_min_rows_per_expert = 0: the fp8 backward kernels at this size (256 rows an expert) too
-    dispatch = DispatchConfig(fp8_backward_min_rows_per_expert=0)
+    # fp8_backward_min_expert_work = 0: the fp8 backward kernels at this size (256 rows an expert x 512 x 384) too
+    dispatch = DispatchConfig(fp8_backward_min_expert_work=0)
     got = run_mega_moe(*problem, precision=precision, activation_clamp=LIMIT, dispatch=dispatch)
     torch.cuda.synchronize()
     cpu = [t.cpu() for t in problem]
@@ -134,9 +134,9 @@ def test_clamped_swiglu_matches_the_clamped_reference(precision):
 
 @pytest.mark.gpu
 def test_fp8_backward_below_the_threshold_is_the_bf16_backward():
-    """fp8 through the backend with the default fp8_backward_min_rows_per_expert (512) at 256 routed rows an expert
-    (T = 512, 8 experts, top-4): the fp8 forward, then the bf16 backward kernels (the warp-specialised weight
-    gradients included) on the forward's saved tensors, bitwise; within the fp8 bound of the float64 oracle."""
+    """fp8 through the backend with the default fp8_backward_min_expert_work (2**29) at 256 routed rows an expert x
+    H x I = 5.0e7 (T = 512, 8 experts, top-4): the fp8 forward, then the bf16 backward kernels (the warp-specialised
+    weight gradients included) on the forward's saved tensors, bitwise; within the fp8 bound of the float64 oracle."""
     from prime_megamoe.kernels.tuning import tile_m
     from prime_megamoe.ops import quantized_experts as qe
     from prime_megamoe.ops.expert_compute import unquantized_backward

@@ -49,7 +49,7 @@ def mega_moe_experts(
                 precision=precision,
                 pow2_scales=options.fp8_pow2_scales,
                 activation_clamp=activation_clamp,
-                backward_min_rows_per_expert=options.fp8_backward_min_rows_per_expert,
+                backward_min_expert_work=options.fp8_backward_min_expert_work,
             )
     else:
         raise ValueError(f"precision = {precision!r}; allowed: 'bf16', {', '.join(map(repr, QUANTIZED_PRECISIONS))}")

@@ -407,7 +407,7 @@ def routed_experts_quantized(
     precision: str,
     pow2_scales: bool = False,
     activation_clamp: float | None = None,
-    backward_min_rows_per_expert: int = 0,
+    backward_min_expert_work: int = 0,
 ) -> torch.Tensor:
     """``expert_compute.routed_experts`` with quantised GEMMs (same inputs, output and gradients).
 
@@ -420,16 +420,16 @@ def routed_experts_quantized(
     native on Blackwell, emulated by Triton on Hopper: MX numerics at bf16 speed; ``pow2_scales`` is implied).
     tile_m is the row tile of the bf16 kernels (the fp8_bwd forward); the quantised GEMMs always use 128-row tiles.
     activation_clamp: the clamped SwiGLU's limit (``ops.activation``; None: plain SwiGLU).
-    backward_min_rows_per_expert (fp8, fp8_bwd; ``[model.moe.dispatch] fp8_backward_min_rows_per_expert``): the
-    backward runs the quantised GEMMs when rows * k >= this * E_local (the routed rows per local expert, on average),
-    else the bf16 backward kernels (``expert_compute.unquantized_backward``) on the same saved tensors: with few rows
-    per expert, quantising the backward's operands costs more host and GPU time than its fp8 GEMMs save. mxfp8 always
-    runs its own backward (its point is the MX numerics). 0: always quantised.
+    backward_min_expert_work (fp8, fp8_bwd; ``[model.moe.dispatch] fp8_backward_min_expert_work``): the backward runs
+    the quantised GEMMs when an expert's average work, routed rows / E_local x H x I (the multiply-adds of its FC2),
+    is at least this, else the bf16 backward kernels (``expert_compute.unquantized_backward``) on the same saved
+    tensors: on small GEMMs, quantising the backward's operands costs more host and GPU time than its fp8 GEMMs save.
+    mxfp8 always runs its own backward (its point is the MX numerics). 0: always quantised.
     """
     _require_quantized(precision)
-    if backward_min_rows_per_expert < 0:
+    if backward_min_expert_work < 0:
         raise ValueError(
-            f"[model.moe.dispatch] fp8_backward_min_rows_per_expert = {backward_min_rows_per_expert}: must be >= 0 "
+            f"[model.moe.dispatch] fp8_backward_min_expert_work = {backward_min_expert_work}: must be >= 0 "
             f"(0: the fp8 backward at every size)"
         )
     activation_clamp = check_activation_clamp(activation_clamp)
@@ -449,8 +449,9 @@ def routed_experts_quantized(
             need_grad=False,
             activation_clamp=activation_clamp,
         )[0]
-    routed_rows = rows.shape[0] * top_k_index.shape[1]
-    quantized_backward = precision == "mxfp8" or routed_rows >= backward_min_rows_per_expert * w1.shape[0]
+    # routed rows x H x I against the threshold x E_local: integers, no rounding at the boundary
+    work = rows.shape[0] * top_k_index.shape[1] * rows.shape[1] * (w1.shape[1] // 2)
+    quantized_backward = precision == "mxfp8" or work >= backward_min_expert_work * w1.shape[0]
     return QuantizedRoutedExperts.apply(
         rows,
         top_k_index,
