@@ -98,7 +98,7 @@ def main():
             c = torch.empty(plan.sorted_rows, n, device="cuda", dtype=torch.bfloat16)
             ms = median_ms(lambda: bf16_grouped_gemm_ws(a, b, plan, c, config=cfg, **kw), args.iters)  # noqa: B023
             diff = ((c[:pairs].float() - ref).norm() / ref.norm()).item()
-            tag = f"n{cfg.block_n} s{cfg.stages}{' tma' if cfg.tma_store else ''}"
+            tag = f"n{cfg.block_n} s{cfg.stages}{' tma' if cfg.tma_store else ''}{' stagger' if cfg.stagger else ''}"
             line += f" | ws {tag} {ms:.4f} ms ({flop / ms / 1e9:.0f} TFLOP/s, diff {diff:.1e})"
         print(line, flush=True)
 

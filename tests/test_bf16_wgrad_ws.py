@@ -33,7 +33,9 @@ needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90 
 
 
 @pytest.mark.parametrize(
-    "cfg", BF16_WGRAD_WS_CONFIGS, ids=lambda c: f"n{c.block_n}s{c.stages}{'t' if c.tma_store else ''}"
+    "cfg",
+    BF16_WGRAD_WS_CONFIGS,
+    ids=lambda c: f"n{c.block_n}s{c.stages}{'t' if c.tma_store else ''}{'' if c.stagger else 'u'}",
 )
 @pytest.mark.parametrize("transpose", [True, False], ids=["dW1", "dW2"])
 def test_bf16_wgrad_ws_kernel_compiles_for_hopper_without_spills(cfg, transpose):
@@ -54,6 +56,7 @@ def test_bf16_wgrad_ws_kernel_compiles_for_hopper_without_spills(cfg, transpose)
         "SUBS": cfg.subs,
         "TMA_STORE": cfg.tma_store,
         "TRANSPOSE_C": transpose,
+        "STAGGER": cfg.stagger,
         "LOAD_WARPS": WGRAD_WS_LOAD_WARPS,
         "LOAD_REGS": WGRAD_WS_LOAD_REGS,
         "MMA_REGS": WGRAD_WS_MMA_REGS,

@@ -27,7 +27,11 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90 wgmma code, no interpreter)")
 
 
-@pytest.mark.parametrize("cfg", BF16_WS_CONFIGS, ids=lambda c: f"n{c.block_n}s{c.stages}{'t' if c.tma_store else ''}")
+@pytest.mark.parametrize(
+    "cfg",
+    BF16_WS_CONFIGS,
+    ids=lambda c: f"n{c.block_n}s{c.stages}{'t' if c.tma_store else ''}{'g' if c.stagger else ''}",
+)
 @pytest.mark.parametrize(
     "kmajor,gather",
     [(True, False), (True, True), (False, False), (False, True)],
@@ -59,6 +63,7 @@ def test_bf16_ws_kernel_compiles_for_hopper_with_its_register_split(cfg, kmajor,
         "SUBS": cfg.subs,
         "SCALED": False,
         "B_KMAJOR": kmajor,
+        "STAGGER": cfg.stagger,
         "LOAD_WARPS": load_warps,
         "LOAD_REGS": load_regs,
         "MMA_REGS": mma_regs,

@@ -478,9 +478,12 @@ def _mma_partition(
     SUBS: gl.constexpr,
     SCALED: gl.constexpr,
     B_KMAJOR: gl.constexpr,
+    stored,
+    STAGGER: gl.constexpr,
 ):
     """Rows [HALF * BLOCK_M, (HALF + 1) * BLOCK_M) of every tile of this program (HALVES partitions split a tile),
-    in SUBS column parts."""
+    in SUBS column parts. STAGGER (unscaled, HALVES = 2): the partitions store their tiles in turn
+    (``wgrad_ws._wgrad_mma_partition`` says why; ``stored``: one mbarrier per partition)."""
     num_warps: gl.constexpr = gl.num_warps()
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     TILE_ROWS: gl.constexpr = HALVES * BLOCK_M
@@ -509,6 +512,7 @@ def _mma_partition(
     if SCALE_ROWS:
         rs_next = gl.load(row_scale_ptr + rows, mask=rows < M, other=0.0).to(gl.float32)
     it = 0
+    tile = 0
     for t in range(gl.program_id(0), total, programs):
         row0_n, col0_n, row_end_n = _tile_with_end(
             gl.minimum(t + programs, total - 1),
@@ -532,6 +536,8 @@ def _mma_partition(
             )
             if SCALE_ROWS:
                 acc0 = acc0 * rs_next[:, None]
+            if STAGGER:
+                mbarrier.wait(stored.index(1 - HALF), (tile & 1) ^ (1 - HALF))
             _store_part(
                 acc0.to(c_ptr.dtype.element_ty), c_desc, c_smem, c_ptr, row_s0, col0, row_end, N, stride_cm, TMA_STORE
             )
@@ -550,6 +556,8 @@ def _mma_partition(
                     stride_cm,
                     TMA_STORE,
                 )
+            if STAGGER:
+                mbarrier.arrive(stored.index(HALF), count=1)
         elif SUBS == 1:
             acc = gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout)
             for _j in range(n_steps):
@@ -618,6 +626,7 @@ def _mma_partition(
             rows_n = row0_n + lane_rows
             rs_next = gl.load(row_scale_ptr + rows_n, mask=rows_n < M, other=0.0).to(gl.float32)
         row0, col0, row_end = row0_n, col0_n, row_end_n
+        tile += 1
     if TMA_STORE:
         tma.store_wait(0)
 
@@ -691,6 +700,7 @@ def grouped_gemm_ws_kernel(
     SUBS: gl.constexpr,
     SCALED: gl.constexpr,
     B_KMAJOR: gl.constexpr,
+    STAGGER: gl.constexpr,
     LOAD_WARPS: gl.constexpr,
     LOAD_REGS: gl.constexpr,
     MMA_REGS: gl.constexpr,
@@ -707,6 +717,13 @@ def grouped_gemm_ws_kernel(
     a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_bufs = _allocate_stages(
         a_desc, b_desc, c_desc, STAGES, HALVES, SUBS * HALVES * a_desc.block_type.shape[0], TMA_STORE
     )
+    if STAGGER:
+        gl.static_assert(HALVES == 2 and not SCALED, "STAGGER: two unscaled MMA partitions")
+        stored = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(stored.index(i), count=1)
+    else:
+        stored = ready  # not read
     # (The partitions' argument tuples are written out in the call: a tuple bound to a name first loses its
     # constexprs.)
     if HALVES == 1:
@@ -744,6 +761,8 @@ def grouped_gemm_ws_kernel(
                         SUBS,
                         SCALED,
                         B_KMAJOR,
+                        stored,
+                        STAGGER,
                     ),
                 ),
                 (
@@ -821,6 +840,8 @@ def grouped_gemm_ws_kernel(
                         SUBS,
                         SCALED,
                         B_KMAJOR,
+                        stored,
+                        STAGGER,
                     ),
                 ),
                 (
@@ -855,6 +876,8 @@ def grouped_gemm_ws_kernel(
                         SUBS,
                         SCALED,
                         B_KMAJOR,
+                        stored,
+                        STAGGER,
                     ),
                 ),
                 (

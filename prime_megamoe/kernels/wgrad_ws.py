@@ -198,12 +198,16 @@ def _wgrad_mma_partition(
     stride_ce,
     stride_cm,
     stride_cn,
+    stored,
     HALF: gl.constexpr,
     SUBS: gl.constexpr,
     TMA_STORE: gl.constexpr,
     TRANSPOSE_C: gl.constexpr,
+    STAGGER: gl.constexpr,
 ):
-    """Rows [HALF * 64, (HALF + 1) * 64) of every output tile of this program, in SUBS column parts."""
+    """Rows [HALF * 64, (HALF + 1) * 64) of every output tile of this program, in SUBS column parts. STAGGER: the
+    two partitions store their tiles in turn (``stored``: one mbarrier per partition, one phase per tile), so one
+    partition's steps run while the other stores."""
     num_warps: gl.constexpr = gl.num_warps()
     BLOCK_K: gl.constexpr = b_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
@@ -223,6 +227,7 @@ def _wgrad_mma_partition(
     expert, m0, n0 = _wgrad_tile_of(gl.minimum(gl.program_id(0), total - 1), m_tiles, n_tiles, TILE_ROWS, BLOCK_N)
     steps = _tile_steps(expert_offsets_ptr, expert, E, num_segments, BLOCK_K, valid=total > 0)
     it = 0
+    tile = 0
     for t in range(gl.program_id(0), total, programs):
         expert_n, m0_n, n0_n = _wgrad_tile_of(gl.minimum(t + programs, total - 1), m_tiles, n_tiles, TILE_ROWS, BLOCK_N)
         steps_n = _tile_steps(expert_offsets_ptr, expert_n, E, num_segments, BLOCK_K)
@@ -245,6 +250,12 @@ def _wgrad_mma_partition(
         if steps > 0:
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
         row_s0 = m0 + HALF * HALF_M
+        if STAGGER:
+            # Partition 0 stores tile i after partition 1 has stored tile i - 1 (a fresh mbarrier counts as that
+            # phase done), partition 1 after partition 0 has stored tile i. Only the first tile's stores wait with
+            # nothing else to do: from then on each partition's stores run while the other one's steps do (the
+            # ring lets the one ahead run up to STAGES steps beyond the other).
+            mbarrier.wait(stored.index(1 - HALF), (tile & 1) ^ (1 - HALF))
         _store_part(
             acc0, c_desc, c_smem, c_ptr, expert, row_s0, n0, M, N, stride_ce, stride_cm, stride_cn, TMA_STORE,
             TRANSPOSE_C,
@@ -254,7 +265,10 @@ def _wgrad_mma_partition(
                 acc1, c_desc, c_smem, c_ptr, expert, row_s0, n0 + SUB_N, M, N, stride_ce, stride_cm, stride_cn,
                 TMA_STORE, TRANSPOSE_C,
             )  # fmt: skip
+        if STAGGER:
+            mbarrier.arrive(stored.index(HALF), count=1)
         expert, m0, n0, steps = expert_n, m0_n, n0_n, steps_n
+        tile += 1
     if TMA_STORE:
         tma.store_wait(0)
 
@@ -283,6 +297,7 @@ def bf16_grouped_wgrad_ws_kernel(
     SUBS: gl.constexpr,
     TMA_STORE: gl.constexpr,
     TRANSPOSE_C: gl.constexpr,
+    STAGGER: gl.constexpr,
     LOAD_WARPS: gl.constexpr,
     LOAD_REGS: gl.constexpr,
     MMA_REGS: gl.constexpr,
@@ -297,6 +312,12 @@ def bf16_grouped_wgrad_ws_kernel(
     a_bufs = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BLOCK_K, 64], d_desc.layout)
     b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_N], d_desc.layout)
     ready, empty = _stage_barriers(STAGES, 2)
+    if STAGGER:
+        stored = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(stored.index(i), count=1)
+    else:
+        stored = ready  # not read
     if TMA_STORE:
         c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
     else:
@@ -321,10 +342,12 @@ def bf16_grouped_wgrad_ws_kernel(
                     stride_ce,
                     stride_cm,
                     stride_cn,
+                    stored,
                     0,
                     SUBS,
                     TMA_STORE,
                     TRANSPOSE_C,
+                    STAGGER,
                 ),
             ),
             (
@@ -345,10 +368,12 @@ def bf16_grouped_wgrad_ws_kernel(
                     stride_ce,
                     stride_cm,
                     stride_cn,
+                    stored,
                     1,
                     SUBS,
                     TMA_STORE,
                     TRANSPOSE_C,
+                    STAGGER,
                 ),
             ),
             (

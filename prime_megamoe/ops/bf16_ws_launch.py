@@ -61,7 +61,9 @@ BF16_WS_BLOCK_K = 64  # 128 bytes of a bf16 row: the operand boxes' swizzle widt
 # STAGES - 1 steps ahead: the deeper rings trade the TMA stores' buffers for stages.
 BF16_WS_CONFIGS = (
     WSConfig(128, 4, halves=2, subs=2),
+    WSConfig(128, 4, halves=2, subs=2, stagger=True),
     WSConfig(128, 3, halves=2, tma_store=True, subs=2),
+    WSConfig(128, 3, halves=2, tma_store=True, subs=2, stagger=True),
     WSConfig(128, 4, halves=2, tma_store=True),
     WSConfig(128, 5, halves=2, tma_store=True),
     WSConfig(128, 6, halves=2),
@@ -174,6 +176,7 @@ def bf16_grouped_gemm_ws(
         SUBS=config.subs,
         SCALED=False,
         B_KMAJOR=transpose_b,
+        STAGGER=config.stagger,
         LOAD_WARPS=load_warps,
         LOAD_REGS=load_regs,
         MMA_REGS=mma_regs,
@@ -277,6 +280,7 @@ class WgradWSConfig:
     block_n: int = 256
     stages: int = 4
     tma_store: bool = True
+    stagger: bool = True
 
     @property
     def subs(self) -> int:
@@ -286,6 +290,7 @@ class WgradWSConfig:
 # Four stages of 48 KiB and the two output boxes fill 224 KiB of the 227 the SM gives a program.
 BF16_WGRAD_WS_CONFIGS = (
     WgradWSConfig(256, 4),
+    WgradWSConfig(256, 4, stagger=False),
     WgradWSConfig(256, 3),
     WgradWSConfig(128, 4),
     WgradWSConfig(256, 4, tma_store=False),
@@ -381,6 +386,7 @@ def bf16_grouped_wgrad_ws(
         SUBS=config.subs,
         TMA_STORE=tma_store,
         TRANSPOSE_C=transpose,
+        STAGGER=config.stagger,
         LOAD_WARPS=WGRAD_WS_LOAD_WARPS,
         LOAD_REGS=WGRAD_WS_LOAD_REGS,
         MMA_REGS=WGRAD_WS_MMA_REGS,

@@ -53,7 +53,8 @@ class WSConfig:
     fit beside the ring; other outputs are stored from registers, the same values). scales_first: each step reads
     its scales before issuing its wgmma (see ``_mma_step``): no faster (scripts/fp8_probe.py), so not the default.
     subs = 2: 256-column tiles whose two 128-column parts each MMA partition computes in turn, one accumulator
-    each, so that every A box is read once per 256 output columns."""
+    each, so that every A box is read once per 256 output columns. stagger (bf16, halves = 2): the two MMA
+    partitions store their tiles in turn, so that one's steps run while the other stores."""
 
     block_m: int = 128
     stages: int = 4
@@ -61,6 +62,7 @@ class WSConfig:
     tma_store: bool = False
     scales_first: bool = False
     subs: int = 1
+    stagger: bool = False
 
     @property
     def block_n(self) -> int:  # output columns of a tile: ``subs`` parts of 128, each MMA partition takes in turn
@@ -275,6 +277,7 @@ def fp8_grouped_gemm_ws(
         SUBS=config.subs,
         SCALED=True,
         B_KMAJOR=True,
+        STAGGER=False,
         LOAD_WARPS=load_warps,
         LOAD_REGS=load_regs,
         MMA_REGS=mma_regs,
