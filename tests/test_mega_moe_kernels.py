@@ -588,7 +588,9 @@ def test_grouped_gemm_tma_reads_match_pointer_reads(transpose_b, gather):
         tma: grouped_gemm(a, w, plan, transpose_b=transpose_b, gather=gather, row_scale=plan.row_weight, use_tma=tma)
         for tma in (False, True)
     }
-    assert torch.equal(got[True][: plan.num_pairs], got[False][: plan.num_pairs])
+    # The interpreter's dots run on the host's BLAS, whose kernels for a TMA box and a masked pointer tile of other
+    # shapes may round the last bit differently on some CPUs; on a GPU both reads feed the same MMAs.
+    torch.testing.assert_close(got[True][: plan.num_pairs], got[False][: plan.num_pairs], rtol=1e-5, atol=1e-5)
     src, off = plan.row_src.long(), plan.expert_offsets.tolist()
     for e in range(num_local):
         lo, hi = off[e], off[e + 1]
