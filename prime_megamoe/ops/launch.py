@@ -8,6 +8,7 @@ from ..kernels import tuning
 from ..kernels.combine import combine_rows_kernel, sum_blocks_kernel
 from ..kernels.grouped_gemm import fc1_swiglu_kernel, grouped_gemm_kernel, grouped_wgrad_kernel
 from ..kernels.swiglu_grad import swiglu_backward_rows_kernel
+from . import kernel_choice
 from .activation import clamp_kernel_args
 from .bf16_ws_launch import (
     bf16_fc1_swiglu_ws,
@@ -27,6 +28,24 @@ from .tma import tma_descriptor, tma_readable
 # the SM budget in effect (``sm_budget``: ``[model.moe.dispatch] num_sms``).
 _num_sms = available_sms
 _cuda_properties = cuda_properties
+
+
+# ``use_ws=FASTEST``: the warp-specialised kernel where it applies and was timed faster for the shape
+# (``kernel_choice.fastest``), else the Triton kernel.
+FASTEST = "fastest"
+# What the one-rank layer's bf16 GEMMs ask for (``expert_compute``): FC1 + SwiGLU, and FC2 and the two dgrads. The
+# Triton kernels until the layer with FASTEST is measured against them on a GPU. (The expert-parallel stages do not
+# ask: a rank that times a GEMM waits on the host for its stream, which may wait on a peer's.)
+LAYER_FC1_WS = LAYER_WS = False
+
+
+def ws_if_faster(op: str, key: tuple, plan: RoutingPlan, work_per_row: int, device, run) -> bool:
+    """Whether ``op`` at ``key`` (and the plan's row count, to a power of 2) runs its warp-specialised kernel:
+    ``run(use_ws)`` computes it with either family into the same outputs; ``work_per_row``: multiply-adds a row."""
+    rows = plan.num_pairs
+    candidates = {"triton": lambda: run(False), "ws": lambda: run(True)}
+    key = (*key, next_power_of_2(max(rows, 1)))
+    return kernel_choice.fastest(op, key, candidates, device, rows * work_per_row) == "ws"
 
 
 def use_form(asked: bool | None, flag: str, what: str, why_not, *args, **kwargs) -> bool:
@@ -70,14 +89,15 @@ def fc1_swiglu(
     row_base: int = 0,
     *,
     activation_clamp: float | None = None,
-    use_ws: bool | None = False,
+    use_ws: bool | None | str = False,
 ):
     """x [R, H] (source rows), w1 [E, 2I, H] -> (h [P, 2I] or None, a [P, I]) in expert-sorted row order.
     ``out`` = (h or None, a): buffers to write into (a segment view's rows of buffers shared by all segments).
     ``row_base``: x holds source rows [row_base, row_base + len(x)) (the plan's rows that this launch reads).
     ``activation_clamp`` c: a = silu(min(g, c)) * clamp(u, -c, c) (``ops.activation``); h is stored unclamped.
     ``use_ws``: True runs the warp-specialised Hopper kernel (``bf16_ws_launch.bf16_fc1_swiglu_ws``; an error says
-    why where it cannot), None runs it where it applies, False the Triton kernel."""
+    why where it cannot), None runs it where it applies, ``FASTEST`` where it applies and is faster, False the
+    Triton kernel."""
     clamp_limit, clamp = clamp_kernel_args(activation_clamp)
     num_pairs, inter, hidden = plan.num_pairs, w1.shape[1] // 2, w1.shape[2]
     if out is None:
@@ -86,6 +106,15 @@ def fc1_swiglu(
     else:
         h, a = out
         h = h if save_h else a
+    if use_ws == FASTEST:
+        use_ws = bf16_fc1_ws_unavailable(x, w1) is None and ws_if_faster(
+            "fc1_swiglu",
+            (inter, hidden, w1.shape[0], save_h, clamp),
+            plan,
+            2 * inter * hidden,
+            x.device,
+            lambda ws: fc1_swiglu(x, w1, plan, save_h, (h, a), row_base, activation_clamp=activation_clamp, use_ws=ws),
+        )
     if use_form(use_ws, "use_ws", "fc1_swiglu's warp-specialised kernel", bf16_fc1_ws_unavailable, x, w1):
         h = h if save_h else None
         bf16_fc1_swiglu_ws(x, w1, plan, h, a, row_base=row_base, clamp_limit=clamp_limit, clamp=clamp)
@@ -131,13 +160,13 @@ def grouped_gemm(
     out: torch.Tensor | None = None,
     row_base: int = 0,
     use_tma: bool | None = None,
-    use_ws: bool | None = False,
+    use_ws: bool | None | str = False,
 ) -> torch.Tensor:
     """C[r] = scale[r] * A[src[r] - row_base if gather else r] @ op(B[e]); op(B) = B[e]^T if transpose_b else B[e].
     ``row_base`` (gather only): A holds source rows [row_base, row_base + len(A)), as in ``fc1_swiglu``.
     ``use_tma``: read B, and A when it is not gathered, by TMA (default: where ``tma_readable``).
     ``use_ws``: True runs the warp-specialised Hopper kernel (``bf16_ws_launch``; an error says why where it cannot),
-    None runs it where it applies, False the Triton kernel."""
+    None runs it where it applies, ``FASTEST`` where it applies and is faster, False the Triton kernel."""
     if row_base and not gather:
         raise ValueError("grouped_gemm: row_base applies to gathered rows only (gather=True)")
     if transpose_b:  # B[e] is [N, K]
@@ -147,6 +176,29 @@ def grouped_gemm(
         k, n = b.shape[1], b.shape[2]
         stride_bk, stride_bn = b.stride(1), b.stride(2)
     what = "grouped_gemm's warp-specialised kernel"
+    if use_ws == FASTEST:
+        available = bf16_ws_unavailable(a, b, transpose_b=transpose_b, gather=gather, row_base=row_base) is None
+        out = a.new_empty(plan.sorted_rows, n) if out is None else out
+        flags = (transpose_b, gather, row_scale is not None, use_tma)
+        use_ws = available and ws_if_faster(
+            "grouped_gemm",
+            (n, k, b.shape[0], *flags),
+            plan,
+            n * k,
+            a.device,
+            lambda ws: grouped_gemm(
+                a,
+                b,
+                plan,
+                transpose_b=transpose_b,
+                gather=gather,
+                row_scale=row_scale,
+                out=out,
+                row_base=row_base,
+                use_tma=use_tma,
+                use_ws=ws,
+            ),
+        )
     if use_form(
         use_ws, "use_ws", what, bf16_ws_unavailable, a, b, transpose_b=transpose_b, gather=gather, row_base=row_base
     ):
@@ -218,16 +270,17 @@ def fc2_dgrad_dswiglu(
     row_base: int = 0,
     *,
     activation_clamp: float | None = None,
+    use_ws: bool | None | str = False,
 ):
     """From dy [R, H] (source rows): (dh [P, 2I], aw [P, I] = w * a, dw_row [P] = <dy W2, a>) in sorted order: the
     FC2 dgrad GEMM g_a = dy[src - row_base] @ W2[e], then the SwiGLU backward row pass (``kernels.swiglu_grad``).
     ``out``: buffers from ``dswiglu_buffers`` shared by all segments; the rows of ``plan``'s tiles are written.
     ``row_base``: dy holds source rows [row_base, row_base + len(dy)), as in ``fc1_swiglu``. ``activation_clamp``:
-    the clamped SwiGLU's (the forward's) limit: a is the clamped one and dh is zero where g or u was clamped."""
+    the clamped SwiGLU's (the forward's) limit: a is the clamped one and dh is zero where g or u was clamped.
+    ``use_ws``: the GEMM's, as ``grouped_gemm``'s."""
     clamp_limit, clamp = clamp_kernel_args(activation_clamp)
     g_a, dh, aw, dw_row = dswiglu_buffers(dy, w2, plan) if out is None else out
-    # The Triton kernel: the warp-specialised one's gathering producer is slower here (ops/bf16_ws_launch.py)
-    grouped_gemm(dy, w2, plan, transpose_b=False, gather=True, out=g_a, row_base=row_base)
+    grouped_gemm(dy, w2, plan, transpose_b=False, gather=True, out=g_a, row_base=row_base, use_ws=use_ws)
     inter = w2.shape[2]
     block_r = plan.tile_m if tuning.interpreting() else 16
     block_c = min(next_power_of_2(inter), 64 if tuning.interpreting() else 128)
