@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from .config import TORCH_PRECISIONS, DispatchConfig
 from .functional import fused_experts
+from .ops import launch
 from .routing import softmax_top_k
 
 SHAPES = {
@@ -456,6 +457,14 @@ def main(argv: list[str] | None = None) -> None:
         help="[model.moe.dispatch] fp8_backward_min_expert_work of the mega_moe runs (unset: the default; 0: the "
         "fp8 backward at every size)",
     )
+    p.add_argument(
+        "--bf16-gemms",
+        choices=["triton", "fastest"],
+        default=None,
+        help="the one-rank bf16 layer's FC1, FC2 and dgrad kernels: the Triton ones, or per shape the faster of them "
+        "and the warp-specialised ones (ops/kernel_choice.py; timed at the first call, cached on disk). Unset: the "
+        "package's default",
+    )
     p.add_argument("--iters", type=int, default=20)
     p.add_argument(
         "--repeat",
@@ -473,6 +482,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if not torch.cuda.is_available():
         raise SystemExit("the benchmark needs a CUDA GPU")
+    if args.bf16_gemms is not None:
+        launch.LAYER_FC1_WS = launch.LAYER_WS = False if args.bf16_gemms == "triton" else launch.FASTEST
     group = torchrun_group()
     rank = 0 if group is None else dist.get_rank()
 

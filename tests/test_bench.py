@@ -173,3 +173,30 @@ def test_table_shows_num_sms_and_compares_backends_at_the_same_value():
     assert lines[3].split()[3] == "mega_moe" and lines[3].split()[11:13] == ["2.00", "2.00"]
     assert lines[4].split()[3] == "mega_moe@120" and lines[4].split()[11:13] == ["2.00", "2.00"]
     assert lines[2].split()[3] == "torch@120"
+
+
+def test_bf16_gemms_argument_sets_the_layers_kernel_families(monkeypatch):
+    """``--bf16-gemms fastest`` makes the one-rank bf16 layer ask for the timed choice, ``triton`` for the Triton
+    kernels; other values are usage errors."""
+    from prime_megamoe import bench
+    from prime_megamoe.ops import launch
+
+    class Stop(Exception):
+        pass
+
+    def stop():
+        raise Stop
+
+    monkeypatch.setattr(launch, "LAYER_WS", launch.LAYER_WS)  # restored after the test
+    monkeypatch.setattr(launch, "LAYER_FC1_WS", launch.LAYER_FC1_WS)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr(bench, "torchrun_group", stop)
+    with pytest.raises(Stop):
+        main(["--bf16-gemms", "fastest"])
+    assert launch.LAYER_WS == launch.LAYER_FC1_WS == launch.FASTEST
+    with pytest.raises(Stop):
+        main(["--bf16-gemms", "triton"])
+    assert launch.LAYER_WS is False and launch.LAYER_FC1_WS is False
+    with pytest.raises(SystemExit) as err:
+        main(["--bf16-gemms", "ws"])
+    assert err.value.code == 2

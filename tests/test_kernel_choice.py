@@ -167,3 +167,32 @@ def test_the_families_are_bitwise_equal_and_fastest_gives_their_bits(hidden, int
                 assert torch.equal(h[:pairs], outs[0][0][:pairs]), ("FC1 + SwiGLU h", save_h)
     chosen = {k.split(" ")[0]: v["chosen"] for k, v in json.loads(kernel_choice.cache_path().read_text()).items()}
     assert set(chosen) == {"grouped_gemm", "fc1_swiglu"} and set(chosen.values()) <= {"triton", "ws"}
+
+
+def test_the_layer_asking_for_fastest_gives_the_triton_layers_bits_on_the_cpu(fake_clock, monkeypatch):
+    """The one-rank layer with its GEMMs on ``FASTEST`` (FC1 + SwiGLU, FC2, both dgrads): where the warp-specialised
+    kernels cannot run it is the Triton layer, forward and every gradient, and nothing is timed."""
+    from prime_megamoe.kernels.tuning import tile_m
+    from prime_megamoe.ops.expert_compute import routed_experts
+
+    _, timed = fake_clock
+    tokens, hidden, inter, experts = 24, 32, 16, 4
+    index, weights = ragged_routing(tokens, experts, 2, seed=3)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(tokens, hidden, generator=gen)
+    w1 = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5
+    dy = torch.randn(tokens, hidden, generator=gen)
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (x, weights, w1, w2)]
+        y = routed_experts(leaves[0], index, leaves[1], leaves[2], leaves[3], expert_base=0, tile_m=tile_m())
+        y.backward(dy)
+        return [y.detach()] + [t.grad for t in leaves]
+
+    want = run()
+    monkeypatch.setattr(launch, "LAYER_WS", launch.FASTEST)
+    monkeypatch.setattr(launch, "LAYER_FC1_WS", launch.FASTEST)
+    got = run()
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert timed == []
