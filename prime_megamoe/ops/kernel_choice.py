@@ -6,7 +6,7 @@ Qwen3-235B-A22B). ``fastest`` times each candidate on the call's own inputs (a w
 autotunes, then the best of a few rounds of back-to-back calls), remembers the winner for the process and writes it
 to ``kernel_choices.json`` under ``PRIME_MEGAMOE_CACHE_DIR`` (default ``~/.cache/prime_megamoe``), so a new process
 on the same GPU model, SM budget and versions reuses it. A choice never changes a result: the candidates are bitwise
-equal (``tests/test_bf16_ws_launch.py`` checks it on the GPU).
+equal (``tests/test_kernel_choice.py`` checks it on a Hopper GPU at the Qwen3 MoE shapes).
 
 The first candidate runs off CUDA (the interpreter) and with PRIME_MEGAMOE_AUTOTUNE=0 (correctness runs). A shape
 with no choice yet runs it untimed, and nothing is cached, while a CUDA graph is being captured and for problems below
@@ -15,6 +15,7 @@ with no choice yet runs it untimed, and nothing is cached, while a CUDA graph is
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import warnings
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ..kernels import tuning
-from .sm_budget import available_sms
+from .sm_budget import available_sms, cuda_properties
 
 CACHE_DIR_ENV = "PRIME_MEGAMOE_CACHE_DIR"
 CACHE_FILE = "kernel_choices.json"
@@ -41,12 +42,18 @@ def cache_path() -> Path:
     return Path(root) / CACHE_FILE
 
 
-def _full_key(op: str, key: tuple, device: torch.device) -> str:
+@functools.cache
+def _versions() -> str:
     import triton
 
-    gpu = torch.cuda.get_device_name(device)
-    versions = f"format {CHOICE_FORMAT}, torch {torch.__version__}, triton {triton.__version__}"
-    return f"{op} {key} on {gpu}, {available_sms(device)} SMs ({versions})"
+    return f"format {CHOICE_FORMAT}, torch {torch.__version__}, triton {triton.__version__}"
+
+
+def _full_key(op: str, key: tuple, device: torch.device) -> str:
+    # Built on every call that asks: the device's name comes from torch's cached properties, the SM count from the
+    # budget in effect (it may differ between calls)
+    gpu = cuda_properties(device).name
+    return f"{op} {key} on {gpu}, {available_sms(device)} SMs ({_versions()})"
 
 
 def _read_disk() -> dict[str, dict]:
@@ -68,12 +75,12 @@ def _write_disk(full_key: str, entry: dict) -> None:
     path = cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        try:  # merge what other processes (ranks) wrote since this one read the file
-            disk.update({k: v for k, v in json.loads(path.read_text()).items() if k not in _chosen})
+        try:  # what other processes (ranks) wrote since this one read the file, under this one's entries
+            on_file = json.loads(path.read_text())
         except (OSError, ValueError):
-            pass
+            on_file = {}
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(disk, indent=1, sort_keys=True))
+        tmp.write_text(json.dumps({**on_file, **disk}, indent=1, sort_keys=True))
         os.replace(tmp, path)  # atomic: a reader sees the old file or the new one
     except OSError as err:
         warnings.warn(f"prime_megamoe: could not write the kernel-choice cache {path}: {err}", stacklevel=3)
