@@ -33,6 +33,7 @@ import torch
 from ..comm.transport import PAIR_RESULTS, ROW_RESULTS, Transport
 from . import launch
 from .activation import check_activation_clamp
+from .cuda_thread import binds_cuda_context
 from .ep_stages import Bf16Backward, Bf16Forward, QuantizedBackward, QuantizedForward, Recipe, tile_height
 from .quantized_experts import quantized_format
 from .routing_plan import PlanLease, allocate_routing_plan, fill_routing_plan, take_plan
@@ -152,6 +153,7 @@ class ExpertParallelExperts(torch.autograd.Function):
         return out
 
     @staticmethod
+    @binds_cuda_context
     @in_kept_sm_budget
     def backward(ctx, grad_out):
         w1, w2, h, *kept = ctx.saved_tensors

@@ -20,6 +20,7 @@ import torch
 
 from . import launch
 from .activation import check_activation_clamp
+from .cuda_thread import binds_cuda_context
 from .routing_plan import RoutingPlan, lease_routing_plan
 from .sm_budget import in_kept_sm_budget, keeps_sm_budget
 
@@ -125,6 +126,7 @@ class RoutedExperts(torch.autograd.Function):
         return out
 
     @staticmethod
+    @binds_cuda_context
     @in_kept_sm_budget
     def backward(ctx, grad_out):
         rows, w1, w2, h = ctx.saved_tensors

@@ -97,6 +97,7 @@ from ..kernels.fp8_gemm import QTILE_M
 from . import fp8_launch as fl
 from . import launch
 from .activation import check_activation_clamp
+from .cuda_thread import binds_cuda_context
 from .expert_compute import combine_with_pair_values, unquantized_backward, unquantized_forward
 from .routing_plan import PlanLease, RoutingPlan, lease_routing_plan
 from .sm_budget import in_kept_sm_budget, keeps_sm_budget
@@ -338,6 +339,7 @@ class QuantizedRoutedExperts(torch.autograd.Function):
         return out
 
     @staticmethod
+    @binds_cuda_context
     @in_kept_sm_budget
     def backward(ctx, grad_out):
         rows, w1, w2, h = ctx.saved_tensors
