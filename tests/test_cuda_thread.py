@@ -7,11 +7,14 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 from prime_megamoe.ops import cuda_thread
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_host_tensors_and_missing_gradients_bind_nothing(monkeypatch):
@@ -68,7 +71,7 @@ _FIRST_BACKWARD = textwrap.dedent(
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_the_first_backward_of_a_process_runs(precision):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     command = [sys.executable, "-c", _FIRST_BACKWARD, precision]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -4,7 +4,7 @@ The engine runs a backward on a thread of its own and switches that thread's dev
 current one, so the thread holds no CUDA context until some kernel is launched through the CUDA runtime. When the
 first kernel of a backward is one of ours, Triton encodes its TMA descriptors with the driver in a thread without a
 context and fails ("Failed to create tensor map descriptor: invalid device context"). ``torch.cuda.set_device``
-binds the device's primary context to the calling thread; where it is bound already it costs a driver call.
+binds the device's primary context to the calling thread (once bound, the call changes nothing).
 """
 
 from __future__ import annotations
