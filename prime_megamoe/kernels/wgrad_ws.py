@@ -57,6 +57,13 @@ from .gemm_ws import (
 
 
 @gluon.jit
+def _step_row(k0, start, end, BLOCK_K: gl.constexpr):
+    """The first row of the step that starts at ``k0``: the last step is moved back to end at the expert's end (not
+    before its start)."""
+    return gl.maximum(gl.minimum(k0, end - BLOCK_K), start)
+
+
+@gluon.jit
 def _step_rows(row_ids_ptr, row, k0, end, BLOCK_K: gl.constexpr, COLS: gl.constexpr, GATHERED: gl.constexpr):
     """(the rows that a step's copies read, which of them are the step's: [k0, end)) for a [BLOCK_K, COLS] buffer:
     rows [row, row + BLOCK_K), with GATHERED their source rows ``row_ids[r]``."""
@@ -114,11 +121,16 @@ def _wgrad_load_partition(
             start = gl.load(expert_offsets_ptr + seg * (E + 1) + expert)
             end = gl.load(expert_offsets_ptr + seg * (E + 1) + expert + 1)
             short = end - start < BLOCK_K  # B by cp.async too, rows masked
+            # The gathered rows' ids of the segment's first step; each later step's are loaded while the step
+            # before it is issued and its stage waited for, so that no step's copies wait on that load (past the
+            # expert's end the load is masked off).
+            src, ok = _step_rows(row_src_ptr, _step_row(start, start, end, BLOCK_K), start, end, BLOCK_K, HALF_M, True)
             for k0 in range(start, end, BLOCK_K):
-                # The last step moved back to end at the expert's end (not before its start)
-                row = gl.maximum(gl.minimum(k0, end - BLOCK_K), start)
-                # The gathered rows' ids are loaded before the stage is waited for, so that their latency overlaps.
-                src, ok = _step_rows(row_src_ptr, row, k0, end, BLOCK_K, HALF_M, True)
+                row = _step_row(k0, start, end, BLOCK_K)
+                k1 = k0 + BLOCK_K
+                src_n, ok_n = _step_rows(
+                    row_src_ptr, _step_row(k1, start, end, BLOCK_K), k1, end, BLOCK_K, HALF_M, True
+                )
                 s = it % STAGES
                 # A buffer is free once the MMAs that read it are done; a fresh mbarrier counts as phase 1 done.
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
@@ -137,6 +149,7 @@ def _wgrad_load_partition(
                 else:
                     mbarrier.expect(bar, d_desc.block_type.nbytes)
                     _tma_load(d_desc, [row, n0], bar, b_bufs.index(s))
+                src, ok = src_n, ok_n
                 it += 1
 
 
