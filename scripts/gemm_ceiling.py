@@ -5,32 +5,17 @@ the two weight gradients) as ``torch.bmm`` over the experts with T * k / E rows 
 epilogue), and ``torch._grouped_mm`` with per-expert offsets for the four whose rows are the grouped dimension. A
 ceiling for the layer's kernels, which also gather rows, apply SwiGLU or the top-k weight and take ragged routing:
 compare them with ``python -m prime_megamoe.bench ... --profile-dir DIR`` and ``scripts/trace_stages.py`` run on
-the same machine. Also an 8192^3 matrix product, the machine's dense bf16 rate. Median of CUDA-event timings.
+the same machine. Also an 8192^3 matrix product, the machine's dense bf16 rate. Median of CUDA-event timings, each
+call from an idle GPU after 3 warm-up calls (``prime_megamoe.bench._events_median``).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
-from prime_megamoe.bench import SHAPES
-
-
-def median_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from prime_megamoe.bench import SHAPES, _events_median
 
 
 def layer_gemms(hidden: int, inter: int, rows: int) -> dict[str, tuple[int, int, int]]:
@@ -60,18 +45,18 @@ def main():
                 a = torch.randn(experts, m, k, device="cuda", dtype=torch.bfloat16)
                 b = torch.randn(experts, k, n, device="cuda", dtype=torch.bfloat16)
                 flops = 2 * experts * m * k * n
-                ms = median_ms(lambda: torch.bmm(a, b), args.iters)
+                ms = _events_median(lambda: torch.bmm(a, b), args.iters, 3, None)
                 line = f"{shape} T={tokens} {name:20s} bmm {ms:.3f} ({flops / ms / 1e9:.0f})"
                 if not name.startswith("dW"):
                     offs = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * m
                     a2d = a.reshape(experts * m, k)
-                    ms = median_ms(lambda: torch._grouped_mm(a2d, b, offs=offs), args.iters)
+                    ms = _events_median(lambda: torch._grouped_mm(a2d, b, offs=offs), args.iters, 3, None)
                     line += f" | grouped_mm {ms:.3f} ({flops / ms / 1e9:.0f})"
                 print(line, flush=True)
                 del a, b
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = median_ms(lambda: a @ b, args.iters)
+    ms = _events_median(lambda: a @ b, args.iters, 3, None)
     print(f"8192^3 matmul {ms:.3f} ({2 * 8192**3 / ms / 1e9:.0f})")
 
 

@@ -16,8 +16,9 @@ write). Here the stores are TMA copies that run while the next tile's steps do:
 
 - the producer partition (4 warps) walks the program's output tiles (expert major, then row block, then column block,
   as ``fp8_wgrad_ws``) and, for each tile, its expert's rows of every segment in steps of BLOCK_K rows: B's chunk by
-  TMA (a box [BLOCK_K, BLOCK_N]), A's gathered rows by cp.async in 16-byte pieces (TMA cannot gather on Hopper),
-  both into one stage of a ring guarded by ready / empty mbarriers;
+  TMA (a box [BLOCK_K, BLOCK_N]), A's gathered rows by cp.async in 16-byte pieces (TMA cannot gather on Hopper;
+  their ids are loaded a step ahead, which took dW1 at Qwen3-30B-A3B, T = 16384, from 1.65-1.69 to 1.36-1.39 ms on
+  an H100), both into one stage of a ring guarded by ready / empty mbarriers;
 - two 4-warp MMA partitions take the two 64-row halves of each 128-row output tile: both operands sit in shared
   memory row-major (M- and N-major), which bf16 wgmma reads as they are (A through a transposed view), so no operand
   is transposed in memory first; step j's wgmma is issued before step j - 1's stage is freed, the products
