@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "backward_span.py"
+from tests.scripts import load_script
 
 
 def _script():
-    if str(SCRIPT.parent) not in sys.path:  # (it imports trace_stages from scripts/, as when run as a script)
-        sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("backward_span", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("backward_span")
 
 
 def _trace(path: Path, names: list[str]) -> None:

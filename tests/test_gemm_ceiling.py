@@ -2,21 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from prime_megamoe.bench import SHAPES
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gemm_ceiling.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("gemm_ceiling", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.scripts import load_script
 
 
 @pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "qwen3-235b-a22b"])
@@ -24,7 +13,7 @@ def _script():
 def test_layer_gemms_are_the_forward_and_backward_of_the_layer(shape, tokens):
     hidden, inter, experts, top_k = SHAPES[shape]
     rows = tokens * top_k // experts
-    gemms = _script().layer_gemms(hidden, inter, rows)
+    gemms = load_script("gemm_ceiling").layer_gemms(hidden, inter, rows)
     flops = {name: 2 * experts * m * k * n for name, (m, k, n) in gemms.items()}
     forward = tokens * top_k * 6 * hidden * inter  # the benchmark's count (prime_megamoe.bench)
     assert flops["FC1 (x W1^T)"] + flops["FC2 (a W2^T)"] == forward

@@ -6,7 +6,6 @@ rest of the CPU suite uses."""
 from __future__ import annotations
 
 import atexit
-import importlib.util
 import json
 import os
 import select
@@ -15,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.scripts import load_script
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "register_check.py"
 CASES = [
@@ -260,9 +261,7 @@ def test_kernel_compiles_for_hopper(kernel, constexprs, extra):
 
 
 def test_sass_counts_name_each_opcode_once_per_instruction():
-    spec = importlib.util.spec_from_file_location("register_check", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("register_check")
     listing = """
         /*0000*/                   LDC R1, c[0x0][0x28] ;                         /* 0x00000a00ff017b82 */
         /*0010*/              @!P0 FMUL.FTZ R2, R3, R4 ;                          /* 0x0000000403027220 */
@@ -273,9 +272,7 @@ def test_sass_counts_name_each_opcode_once_per_instruction():
 
 
 def test_sass_loops_count_each_backward_branch_body():
-    spec = importlib.util.spec_from_file_location("register_check", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("register_check")
     listing = """
         /*0000*/                   LDC R1, c[0x0][0x28] ;                         /* 0x00000a00ff017b82 */
         /*0010*/                   FMUL R5, R6, R7 ;                              /* 0x0000000706057220 */
