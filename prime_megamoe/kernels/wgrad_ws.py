@@ -125,7 +125,7 @@ def _wgrad_load_partition(
             # The gathered rows' ids of the segment's first step; each later step's are loaded while the step
             # before it is issued and its stage waited for, so that no step's copies wait on that load (past the
             # expert's end the load is masked off).
-            src, ok = _step_rows(row_src_ptr, _step_row(start, start, end, BLOCK_K), start, end, BLOCK_K, HALF_M, True)
+            src, ok = _step_rows(row_src_ptr, start, start, end, BLOCK_K, HALF_M, True)
             for k0 in range(start, end, BLOCK_K):
                 row = _step_row(k0, start, end, BLOCK_K)
                 k1 = k0 + BLOCK_K
