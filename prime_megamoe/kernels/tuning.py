@@ -113,10 +113,6 @@ def autotune_configs(kind: str) -> list[triton.Config]:
             _cfg(h, 128, 64, 4, 4, PERSISTENT=False, ONE_DOT=True),
         ]
     if kind == "gemm":  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, persistent)
-        # The 128 x 256 tiles with a fourth stage (192 KB of shared memory) led for the FC2 dgrad at Qwen3-30B-A3B
-        # (671 against 734 us at T = 16384), FC2 and the FC1 dgrad at T = 4096 and FC2 at Qwen3-235B-A22B, T = 4096
-        # (2-6%); three stages stayed ahead elsewhere (autotuner timings, one H100: benchmarks/results/
-        # gemm_configs_h100.txt).
         tiles = (
             (m, 128, 64, 8, 4, False),
             (m, 256, 64, 8, 3, False),
@@ -124,8 +120,6 @@ def autotune_configs(kind: str) -> list[triton.Config]:
             (m, 256, 64, 8, 3, True),
             (m, 64, 64, 4, 5, False),
             (h, 256, 64, 4, 4, False),
-            (m, 256, 64, 8, 4, False),
-            (m, 256, 64, 8, 4, True),
         )
         return [_cfg(*t, PERSISTENT=persistent, pre_hook=gemm_tma_boxes) for *t, persistent in tiles]
     if kind == "wgrad":
