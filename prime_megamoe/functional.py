@@ -69,12 +69,13 @@ def fused_experts(
     on_host = not hidden_states.is_cuda
     capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
     check_on_host = on_host or (options.validate_routing and not capturing)
-    # mega_moe: the device-side assertion goes in after the layer's kernels. It fails the call all the same (at the
-    # next sync), and its few small ops stay off the host's path to the first GEMM; the routing kernels skip
-    # out-of-range ids as another rank's in the meantime, so nothing is read out of bounds.
-    check_after = not check_on_host and options.type == "mega_moe"
-    if not check_after:
+    # mega_moe checks on the device itself (``check_ids``): its routing kernels flag out-of-range ids as they sort them
+    # (skipping them as another rank's, so nothing is read out of bounds), and the assertion goes in after the layer's
+    # kernels. It fails the call all the same (at the next sync), off the host's path to the first GEMM.
+    check_on_device = not check_on_host and options.type == "mega_moe"
+    if not check_on_device:
         check_expert_ids(top_k_index, shapes.num_experts, sync=check_on_host)
+    check = {"check_ids": shapes.num_experts} if check_on_device else {}
     backend = get_backend(options.type)
     if options.num_sms is not None:  # every kernel of the call and of its backward on num_sms SMs (ops.sm_budget)
         backend = functools.partial(sm_limit(options.num_sms, hidden_states.device).run, backend)
@@ -88,7 +89,6 @@ def fused_experts(
         group=group,
         options=options,
         activation_clamp=activation_clamp,
+        **check,
     )
-    if check_after:
-        check_expert_ids(top_k_index, shapes.num_experts, sync=False)
     return out

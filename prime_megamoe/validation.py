@@ -104,6 +104,11 @@ def check_expert_inputs(
     return ExpertShapes(num_tokens, hidden, inter, top_k_index.shape[1], num_local, world, rank)
 
 
+def expert_id_error(num_experts: int) -> str:
+    """The device-side check's message (the host check names the id it found)."""
+    return f"top_k_index holds an expert id outside [0, {num_experts}) that is not -1 (an empty slot)"
+
+
 def check_expert_ids(top_k_index: torch.Tensor, num_experts: int, *, sync: bool) -> None:
     """Every id must lie in [0, num_experts), or be -1: an empty slot (a dropped token-expert pair, which adds
     nothing to the output and gets a zero weight gradient). ``sync`` checks on the host (clear message, one device
@@ -111,7 +116,7 @@ def check_expert_ids(top_k_index: torch.Tensor, num_experts: int, *, sync: bool)
     interpreter: a flag, one small kernel and the assertion, three launches where the elementwise checks took six)."""
     if top_k_index.numel() == 0:
         return
-    message = f"top_k_index holds an expert id outside [0, {num_experts}) that is not -1 (an empty slot)"
+    message = expert_id_error(num_experts)
     if not sync and (top_k_index.is_cuda or interpreting()):
         torch._assert_async(expert_ids_in_range(top_k_index, num_experts), message)
         return

@@ -152,3 +152,40 @@ def test_fp8_backward_below_the_threshold_is_the_bf16_backward():
     for name, a, b in zip(NAMES[1:], got[1:], want):
         assert torch.equal(a, b), f"{name}: differs from the bf16 backward on the fp8 forward's saved tensors"
     assert_matches_oracle(got, x, index, weights, w1, w2, g, ORACLE_TOL)
+
+
+_BAD_ID_CALL = """
+import sys, torch
+from prime_megamoe import fused_experts
+T, H, I, E, K = 256, 128, 64, 8, 2
+dev = torch.device("cuda")
+x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+w1 = torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16) * H**-0.5
+w2 = torch.randn(E, H, I, device=dev, dtype=torch.bfloat16) * I**-0.5
+weights, index = torch.softmax(torch.randn(T, E, device=dev), -1).topk(K, dim=-1)
+index[100, 1] = int(sys.argv[2])
+out = fused_experts(x, index, weights.to(torch.bfloat16), w1, w2, dispatch="mega_moe", precision=sys.argv[1])
+torch.cuda.synchronize()
+print("synced", float(out.float().abs().sum()) > 0)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_an_expert_id_out_of_range_fails_the_call_at_the_next_sync(precision):
+    """Without validate_routing, mega_moe checks the ids on the device (its routing kernels flag them; an assertion
+    after the layer's kernels): an id past E fails the call's next sync, -1 (an empty slot) does not. A device-side
+    assertion leaves the process's CUDA context unusable, so each call runs in a process of its own."""
+    import subprocess
+    import sys
+
+    def run(bad_id):
+        return subprocess.run(
+            [sys.executable, "-c", _BAD_ID_CALL, precision, str(bad_id)], capture_output=True, text=True, timeout=300
+        )
+
+    ok = run(-1)
+    assert ok.returncode == 0 and "synced True" in ok.stdout, ok.stderr[-2000:]
+    failed = run(8)
+    assert failed.returncode != 0 and "synced" not in failed.stdout
+    assert "device-side assert" in failed.stderr or "outside [0, 8)" in failed.stderr, failed.stderr[-2000:]

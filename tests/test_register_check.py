@@ -117,6 +117,7 @@ COMPILES = [
             "SKIP": 64,
             "BLOCK": 1024,
             "COPY_ROUTING": True,
+            "CHECK_IDS": True,
             "QUANT_ROWS": False,
             "QK": 1,
             "BM": 1,
@@ -124,7 +125,7 @@ COMPILES = [
             "POW2": False,
             "E8M0": False,
         },
-        ["--types", '{"index_ptr": "*i64", "hist_ptr": "*i32", "weights_ptr": "*bf16"}'],
+        ["--types", '{"index_ptr": "*i64", "hist_ptr": "*i32", "weights_ptr": "*bf16", "id_check_ptr": "*i32"}'],
     ),
     (
         "prime_megamoe.kernels.routing:routing_keys_kernel",  # with the forward's rows quantised in the same launch
@@ -134,6 +135,7 @@ COMPILES = [
             "SKIP": 128,
             "BLOCK": 1024,
             "COPY_ROUTING": False,
+            "CHECK_IDS": False,
             "QUANT_ROWS": True,
             "QK": 128,
             "BM": 64,
@@ -143,18 +145,19 @@ COMPILES = [
         },
         [
             "--types",
-            '{"index_ptr": "*i64", "hist_ptr": "*i32", "x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}',
+            '{"index_ptr": "*i64", "hist_ptr": "*i32", "x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", '
+            '"id_check_ptr": "*i32"}',
         ],
     ),
     (
         "prime_megamoe.kernels.routing:routing_place_kernel",
-        {**ROUTING, "NUM_BINS": 128, "SKIP": 64, "HALVES": True},
-        ["--types", '{"weights_ptr": "*bf16", "row_weight_ptr": "*fp32", "hist_ptr": "*i32"}'],
+        {**ROUTING, "NUM_BINS": 128, "SKIP": 64, "HALVES": True, "CHECK_IDS": True},
+        ["--types", '{"weights_ptr": "*bf16", "row_weight_ptr": "*fp32", "hist_ptr": "*i32", "id_check_ptr": "*i32"}'],
     ),
     (
         "prime_megamoe.kernels.routing:routing_place_kernel",
-        {**ROUTING, "NUM_BINS": 256, "SKIP": 128, "HALVES": False},
-        ["--types", '{"weights_ptr": "*fp32", "row_weight_ptr": "*fp32", "hist_ptr": "*i32"}'],
+        {**ROUTING, "NUM_BINS": 256, "SKIP": 128, "HALVES": False, "CHECK_IDS": False},
+        ["--types", '{"weights_ptr": "*fp32", "row_weight_ptr": "*fp32", "hist_ptr": "*i32", "id_check_ptr": "*i32"}'],
     ),
     ("prime_megamoe.kernels.routing:expert_ids_in_range_kernel", {"BLOCK": 4096}, ["--types", '{"index_ptr": "*i64"}']),
     (

@@ -18,6 +18,7 @@ from ..ops.quantized_experts import (
     check_precision_supported,
     routed_experts_quantized,
 )
+from ..validation import check_expert_ids
 from .registry import register_backend
 
 
@@ -33,7 +34,12 @@ def mega_moe_experts(
     group: dist.ProcessGroup | None,
     options: DispatchConfig,
     activation_clamp: float | None = None,
+    check_ids: int | None = None,
 ) -> torch.Tensor:
+    """``check_ids`` (E, the expert count of the global ids; ``fused_experts`` passes it where the ids' range is
+    checked on the device): a device-side assertion that every id lies in [-1, E). Without expert parallelism the
+    routing plan's kernels check the ids as they sort them (no launches of their own); with it,
+    ``validation.check_expert_ids`` after the layer."""
     if precision == "bf16":
 
         def experts(*args, **kwargs):
@@ -57,14 +63,21 @@ def mega_moe_experts(
     if world == 1:
         # T = 0 still runs the (empty) kernels, so weight gradients come back as zeros, not None.
         return experts(
-            hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, expert_base=0, tile_m=tile_m()
+            hidden_states,
+            top_k_index,
+            top_k_weights,
+            gate_up_proj,
+            down_proj,
+            expert_base=0,
+            tile_m=tile_m(),
+            check_ids=check_ids,
         )
     check_group_within_node(group)
     # Dispatch, expert GEMMs and combine pipelined per source rank (ops/ep_pipeline.py), in every precision.
     bounds = wait_bounds(options.comm_timeout_s, options.comm_stall_timeout_s, hidden_states.device)
     capacity = exchange_capacity(options.max_tokens_per_rank, group, hidden_states, bounds)
     transport = make_transport(options.transport, group, capacity, hidden_states.device, bounds)
-    return expert_parallel_experts(
+    out = expert_parallel_experts(
         hidden_states,
         top_k_index,
         top_k_weights,
@@ -76,3 +89,6 @@ def mega_moe_experts(
         pow2_scales=options.fp8_pow2_scales,
         activation_clamp=activation_clamp,
     )
+    if check_ids is not None:  # after the layer's launches: off the host's path to its first GEMM
+        check_expert_ids(top_k_index, check_ids, sync=False)
+    return out

@@ -15,7 +15,10 @@ class ExpertsBackend(Protocol):
     """Computes the routed experts for one rank's tokens; the result is [T, H] in hidden_states' dtype.
 
     ``activation_clamp``: None (SwiGLU) or the clamped SwiGLU's limit c > 0 (already checked by ``fused_experts``):
-    a = silu(min(g, c)) * clamp(u, -c, c), gradients zero where clamped (torch.clamp's convention)."""
+    a = silu(min(g, c)) * clamp(u, -c, c), gradients zero where clamped (torch.clamp's convention).
+
+    ``fused_experts`` checks the expert ids' range itself, except for mega_moe on the device, which it passes
+    ``check_ids`` (the expert count E) to assert there that every id lies in [-1, E); other backends never get it."""
 
     def __call__(
         self,

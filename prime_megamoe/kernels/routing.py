@@ -36,11 +36,14 @@ def routing_keys_kernel(
     stride_sm,
     key_programs,
     x_col_tiles,
+    id_check_ptr,
+    num_experts,
     NUM_LOCAL: tl.constexpr,
     NUM_BINS: tl.constexpr,
     SKIP: tl.constexpr,
     BLOCK: tl.constexpr,
     COPY_ROUTING: tl.constexpr,
+    CHECK_IDS: tl.constexpr,
     QUANT_ROWS: tl.constexpr,
     QK: tl.constexpr,
     BM: tl.constexpr,
@@ -58,6 +61,10 @@ def routing_keys_kernel(
     COPY_ROUTING: also write the ids as int32 to out_index and the weights (weights_ptr) as fp32 to out_weights, the
     form peers read a published routing in: the copy rides on this launch instead of taking kernels of its own on
     the side stream, where they would wait for a free SM behind the GEMMs and hold back the publish.
+
+    CHECK_IDS: a program that meets an id outside [-1, num_experts) stores 1 at id_check[0] (zeroed with the
+    counts; every such program stores the same 1), for ``routing_place_kernel`` to turn into the plan's flag: the
+    range check of ``validation.check_expert_ids`` without launches of its own.
 
     QUANT_ROWS: programs from ``key_programs`` on quantise x [x_rows, x_cols] per row in 1 x QK blocks into q and
     scales s (``quantize.quantize_tile``, BM x BK tiles, ``x_col_tiles`` a row): the quantised forward's rows ride
@@ -98,7 +105,12 @@ def routing_keys_kernel(
             return
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_pairs
-    ids = tl.load(index_ptr + offs, mask=mask, other=-1).to(tl.int32)
+    raw_ids = tl.load(index_ptr + offs, mask=mask, other=-1)
+    if CHECK_IDS:  # on the ids as given (int64 ones too), before the narrowing below
+        bad = ((raw_ids < -1) | (raw_ids >= num_experts)).to(tl.int32)
+        if tl.max(bad, 0) > 0:
+            tl.store(id_check_ptr, 1)
+    ids = raw_ids.to(tl.int32)
     if COPY_ROUTING:
         tl.store(out_index_ptr + offs, ids, mask=mask)
         tl.store(out_weights_ptr + offs, tl.load(weights_ptr + offs, mask=mask, other=0.0).to(tl.float32), mask=mask)
@@ -134,6 +146,7 @@ def routing_place_kernel(
     pairs_per_segment,
     tiles_per_segment,
     split_expert,
+    id_check_ptr,
     TOP_K: tl.constexpr,
     NUM_LOCAL: tl.constexpr,
     EXPERT_BLOCK: tl.constexpr,
@@ -144,6 +157,7 @@ def routing_place_kernel(
     TILE_BLOCK: tl.constexpr,
     HALVES: tl.constexpr,
     HIST_BLOCK: tl.constexpr,
+    CHECK_IDS: tl.constexpr,
 ):
     """Grid (1 + segments of this launch, chunks of BLOCK pairs as routing_keys_kernel's programs). Plans segments
     [first_segment, first_segment + SKIP // NUM_LOCAL) of the plan from their pairs' keys, counts and per-chunk
@@ -161,10 +175,16 @@ def routing_place_kernel(
       expert's tiles within them, expert_tiles [s * (NUM_LOCAL + 1), ...): expert e's tiles are the segment's
       [et[e], et[e + 1]) (what the weight gradients walk): programs (1 + s, c), from the counts alone.
 
+    CHECK_IDS: program (0, 0) sets id_check[1] to 1 if routing_keys_kernel found no id out of range (id_check[0]
+    still 0), else 0: the flag the plan's ``assert_ids_in_range`` asserts on.
+
     HALVES: also split each segment's tiles at expert ``split_expert``: the lower experts' tiles are the first
     half_num_tiles[s, 0] of the segment's list; the upper experts' half_num_tiles[s, 1] tiles are copied, from slot
     s * tiles_per_segment on, into the half tile list, so either half can be launched on its own."""
     chunk = tl.program_id(1)
+    if CHECK_IDS:
+        if (tl.program_id(0) == 0) & (chunk == 0):
+            tl.store(id_check_ptr + 1, (tl.load(id_check_ptr) == 0).to(tl.int32))
     if tl.program_id(0) == 0:
         lanes = tl.arange(0, BLOCK)
         offs = chunk * BLOCK + lanes

@@ -80,16 +80,32 @@ def unquantized_backward(
 
 
 def _forward(
-    rows, top_k_index, top_k_weights, w1, w2, expert_base: int, tile_m: int, need_grad: bool, activation_clamp=None
+    rows,
+    top_k_index,
+    top_k_weights,
+    w1,
+    w2,
+    expert_base: int,
+    tile_m: int,
+    need_grad: bool,
+    activation_clamp=None,
+    check_ids: int | None = None,
 ):
     """(out [R, H], the plan's lease, h or None): a pooled plan (``routing_plan.PlanLease``), so no allocation on the
-    host's path to the first GEMM."""
+    host's path to the first GEMM. ``check_ids``: see ``routed_experts``."""
     lease = lease_routing_plan(
-        top_k_index, top_k_weights, expert_base=expert_base, num_local_experts=w1.shape[0], tile_m=tile_m
+        top_k_index,
+        top_k_weights,
+        expert_base=expert_base,
+        num_local_experts=w1.shape[0],
+        tile_m=tile_m,
+        check_ids_below=check_ids,
     )
     out, h = unquantized_forward(
         rows.contiguous(), w1, w2, lease.plan, save_h=need_grad, activation_clamp=activation_clamp
     )
+    if check_ids is not None:  # after the GEMMs' launches: off the host's path to the first one
+        lease.plan.assert_ids_in_range(check_ids)
     return out, lease, h
 
 
@@ -111,11 +127,12 @@ class RoutedExperts(torch.autograd.Function):
         tile_m: int,
         grad_enabled: bool,
         activation_clamp: float | None = None,
+        check_ids: int | None = None,
     ):
         rows = rows.contiguous()
         need_grad = grad_enabled and any(ctx.needs_input_grad[i] for i in (0, 2, 3, 4))
         out, lease, h = _forward(
-            rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, need_grad, activation_clamp
+            rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, need_grad, activation_clamp, check_ids
         )
         ctx.activation_clamp = activation_clamp
         plan = lease.plan
@@ -141,7 +158,7 @@ class RoutedExperts(torch.autograd.Function):
             weights_dtype=ctx.weights_dtype,
             activation_clamp=ctx.activation_clamp,
         )
-        return grads[0], None, *grads[1:], None, None, None, None
+        return grads[0], None, *grads[1:], None, None, None, None, None
 
 
 def routed_experts(
@@ -154,11 +171,19 @@ def routed_experts(
     expert_base: int,
     tile_m: int,
     activation_clamp: float | None = None,
+    check_ids: int | None = None,
 ) -> torch.Tensor:
-    """``activation_clamp``: the clamped SwiGLU's limit (``ops.activation``; None: plain SwiGLU)."""
+    """``activation_clamp``: the clamped SwiGLU's limit (``ops.activation``; None: plain SwiGLU). ``check_ids`` (E,
+    the expert count of the global ids): the routing plan's kernels also check that every id lies in [-1, E), and a
+    device-side assertion after the forward's launches fails the next sync where one does not (what
+    ``validation.check_expert_ids(sync=False)`` checks, without launches of its own); None: not checked here."""
     activation_clamp = check_activation_clamp(activation_clamp)
     if not torch.is_grad_enabled():
         # Nothing to record (inference, the first forward under activation checkpointing): the forward alone,
         # without autograd's bookkeeping on the host's path to the first GEMM (single calls are host-bound).
-        return _forward(rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, False, activation_clamp)[0]
-    return RoutedExperts.apply(rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, True, activation_clamp)
+        return _forward(
+            rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, False, activation_clamp, check_ids
+        )[0]
+    return RoutedExperts.apply(
+        rows, top_k_index, top_k_weights, w1, w2, expert_base, tile_m, True, activation_clamp, check_ids
+    )

@@ -225,11 +225,17 @@ def weight_cache_info() -> dict:
 # Autograd
 # ----------------------------------------------------------------------------------------------------------------
 def _plan(
-    top_k_index, top_k_weights, num_local_experts: int, expert_base: int, tile_m: int, quantize=None
+    top_k_index,
+    top_k_weights,
+    num_local_experts: int,
+    expert_base: int,
+    tile_m: int,
+    quantize=None,
+    check_ids: int | None = None,
 ) -> PlanLease:
     """The filled routing plan on a lease from the pool of plans of its sizes (no allocation on the host's path to the
     first GEMM); whoever keeps the plan for the backward keeps the lease with it. ``quantize``: rows the fill's first
-    launch also quantises (``fp8_launch.row_quantization``)."""
+    launch also quantises (``fp8_launch.row_quantization``); ``check_ids``: the fill also checks the ids' range."""
     return lease_routing_plan(
         top_k_index,
         top_k_weights,
@@ -237,6 +243,7 @@ def _plan(
         num_local_experts=num_local_experts,
         tile_m=tile_m,
         quantize=quantize,
+        check_ids_below=check_ids,
     )
 
 
@@ -253,10 +260,11 @@ def _forward(
     need_grad: bool,
     activation_clamp: float | None = None,
     quantized_backward: bool = True,
+    check_ids: int | None = None,
 ):
     """The layer's forward: (out [R, H], and for the backward (None unless ``need_grad``): the plan's lease, h).
     ``quantized_backward``: whether the backward will run the quantised GEMMs (else the bf16 ones, on the plan the
-    forward used)."""
+    forward used). ``check_ids``: see ``routed_experts_quantized``."""
     check_precision_supported(precision, rows.device)
     rows = rows.contiguous()
     num_local, inter = w1.shape[0], w1.shape[1] // 2
@@ -264,14 +272,18 @@ def _forward(
     if precision == "fp8_bwd":
         # bf16 forward: the bf16 kernels' own tile height, then (if it differs) the 128-row plan for the backward.
         # Both plans sort the rows identically, so h lines up with either.
-        lease = _plan(top_k_index, top_k_weights, num_local, expert_base, tile_m)
+        lease = _plan(top_k_index, top_k_weights, num_local, expert_base, tile_m, check_ids=check_ids)
         out, h = unquantized_forward(rows, w1, w2, lease.plan, save_h=need_grad, activation_clamp=activation_clamp)
+        if check_ids is not None:
+            lease.plan.assert_ids_in_range(check_ids)
         if need_grad and quantized_backward and tile_m != QTILE_M:
             lease = _plan(top_k_index, top_k_weights, num_local, expert_base, QTILE_M)
     else:
         # x quantised per row by the plan's first launch (the same bits as fl.quantize_rows, one launch fewer).
         xq, x_quantization = fl.row_quantization(rows, fmt)
-        lease = _plan(top_k_index, top_k_weights, num_local, expert_base, QTILE_M, quantize=x_quantization)
+        lease = _plan(
+            top_k_index, top_k_weights, num_local, expert_base, QTILE_M, quantize=x_quantization, check_ids=check_ids
+        )
         plan = lease.plan
         w1q = cached_weight_operand(w1, "w1_fwd", fmt)
         w2q = cached_weight_operand(w2, "w2_fwd", fmt)
@@ -289,6 +301,8 @@ def _forward(
             aq, w2q, plan, fmt, out_dtype=rows.dtype, row_scale=plan.row_weight, use_ws=None
         )
         out = launch.combine_rows(out_sorted, plan.pair_pos, rows.dtype)
+        if check_ids is not None:  # after the GEMMs' launches: off the host's path to the first one
+            plan.assert_ids_in_range(check_ids)
     return (out, lease, h) if need_grad else (out, None, None)
 
 
@@ -312,6 +326,7 @@ class QuantizedRoutedExperts(torch.autograd.Function):
         grad_enabled: bool,
         activation_clamp: float | None = None,
         quantized_backward: bool = True,
+        check_ids: int | None = None,
     ):
         need_grad = grad_enabled and any(ctx.needs_input_grad[i] for i in (0, 2, 3, 4))
         rows = rows.contiguous()
@@ -328,6 +343,7 @@ class QuantizedRoutedExperts(torch.autograd.Function):
             need_grad,
             activation_clamp,
             quantized_backward,
+            check_ids,
         )
         ctx.activation_clamp = activation_clamp
         ctx.quantized_backward = quantized_backward
@@ -356,7 +372,7 @@ class QuantizedRoutedExperts(torch.autograd.Function):
                 weights_dtype=ctx.weights_dtype,
                 activation_clamp=ctx.activation_clamp,
             )
-            return grads[0], None, *grads[1:], *(None,) * 7
+            return grads[0], None, *grads[1:], *(None,) * 8
         fmt: fl.QFormat = ctx.fmt
         grad_out = grad_out.contiguous().to(rows.dtype)
         dyq = fl.quantize_rows(grad_out, fmt)
@@ -394,7 +410,7 @@ class QuantizedRoutedExperts(torch.autograd.Function):
                 grad_w2 = fl.fp8_grouped_wgrad(
                     dy_t, d.aw_t, plan, fmt, torch.empty_like(w2), expert_tiles=tiles, use_ws=None
                 )
-        return grad_rows, None, grad_weights, grad_w1, grad_w2, *(None,) * 7
+        return grad_rows, None, grad_weights, grad_w1, grad_w2, *(None,) * 8
 
 
 def routed_experts_quantized(
@@ -410,6 +426,7 @@ def routed_experts_quantized(
     pow2_scales: bool = False,
     activation_clamp: float | None = None,
     backward_min_expert_work: int = 0,
+    check_ids: int | None = None,
 ) -> torch.Tensor:
     """``expert_compute.routed_experts`` with quantised GEMMs (same inputs, output and gradients).
 
@@ -427,6 +444,8 @@ def routed_experts_quantized(
     is at least this, else the bf16 backward kernels (``expert_compute.unquantized_backward``) on the same saved
     tensors: on small GEMMs, quantising the backward's operands costs more host and GPU time than its fp8 GEMMs save.
     mxfp8 always runs its own backward (its point is the MX numerics). 0: always quantised.
+    check_ids: as ``expert_compute.routed_experts``'s (the ids' range checked by the plan's kernels, asserted on the
+    device).
     """
     _require_quantized(precision)
     if backward_min_expert_work < 0:
@@ -450,6 +469,7 @@ def routed_experts_quantized(
             bool(pow2_scales),
             need_grad=False,
             activation_clamp=activation_clamp,
+            check_ids=check_ids,
         )[0]
     # routed rows x H x I against the threshold x E_local: integers, no rounding at the boundary
     work = rows.shape[0] * top_k_index.shape[1] * rows.shape[1] * (w1.shape[1] // 2)
@@ -467,4 +487,5 @@ def routed_experts_quantized(
         True,
         activation_clamp,
         quantized_backward,
+        check_ids,
     )

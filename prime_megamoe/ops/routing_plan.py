@@ -16,6 +16,7 @@ import torch
 
 from ..kernels.routing import routing_keys_kernel, routing_place_kernel
 from ..kernels.tuning import interpreting
+from ..validation import expert_id_error
 from .compiled_launch import launch
 from .sizes import cdiv, next_power_of_2
 
@@ -58,6 +59,9 @@ class RoutingPlan:
     half_num_tiles: torch.Tensor | None = None
     # [S * E_local] int32: local pairs per (segment, expert), as the plan's kernels count them
     counts: torch.Tensor | None = field(default=None, repr=False)
+    # [2] int32 after the counts (zeroed with them): 1 at [0] once a fill that checks ids met one out of range; [1]
+    # the fill's verdict, 1 if none was (``assert_ids_in_range``)
+    id_check: torch.Tensor | None = field(default=None, repr=False)
     _views: dict = field(default_factory=dict, repr=False, compare=False)  # segment views made so far
     _scratch: torch.Tensor | None = field(default=None, repr=False, compare=False)  # the fills' keys and counts
 
@@ -114,6 +118,17 @@ class RoutingPlan:
             first_tile=s * tiles if half is None else None,
         )
 
+    def reset_counts(self) -> None:
+        """Zeroes the counts and the id check for a new fill (one launch: they are adjacent)."""
+        n = self.counts.numel()
+        self.counts.as_strided((n + 2,), (1,)).zero_()
+
+    def assert_ids_in_range(self, num_experts: int) -> None:
+        """A device-side assertion (no host sync) that the last fill, run with ``check_ids_below=num_experts``, met
+        no expert id outside [-1, num_experts): the next sync fails where one was, with
+        ``validation.check_expert_ids``'s message."""
+        torch._assert_async(self.id_check[1], expert_id_error(num_experts))
+
     def scratch(self, size: int) -> torch.Tensor:
         """int32 [size] working memory of a fill, kept with the plan (fills of one plan run one after another on a
         stream)."""
@@ -168,7 +183,8 @@ def allocate_routing_plan(
         num_tiles=part("num_tiles"),
         expert_tiles=part("expert_tiles"),
         num_segments=num_segments,
-        counts=part("counts"),
+        counts=part("counts")[: num_segments * num_local_experts],
+        id_check=part("counts")[num_segments * num_local_experts :],
     )
     if split_expert is not None:
         plan.split_expert = split_expert
@@ -185,8 +201,8 @@ def _plan_layout(num_rows, top_k, num_local, tile_m, num_segments, split_expert)
     allocation each would be a dozen host calls on the layer's path to its first GEMM."""
     num_pairs = num_rows * top_k
     tiles = num_segments * ((num_pairs // num_segments + tile_m - 1) // tile_m + num_local)
-    sizes = {  # row_weight's fp32 has int32's size
-        "counts": num_segments * num_local,
+    sizes = {  # row_weight's fp32 has int32's size; the counts' part ends with the id check's two
+        "counts": num_segments * num_local + 2,
         "expert_offsets": num_segments * (num_local + 1),
         "row_src": num_pairs,
         "row_weight": num_pairs,
@@ -244,6 +260,8 @@ def routing_keys(
     scratch=None,
     copy_routing=None,
     quantize: RowQuantization | None = None,
+    id_check: torch.Tensor | None = None,
+    num_experts: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(keys, hist, bins) of the (row, slot) pairs of ``top_k_index`` [n * R_s, k]: keys [n * R_s * k] int32, key =
     segment * E_local + local expert, or n * E_local where the expert is elsewhere; hist [chunks, bins] int32, each
@@ -251,7 +269,8 @@ def routing_keys(
     each local key's pairs added. ``scratch(size)``: where keys and hist go (a new tensor when None).
     ``copy_routing`` (weights, ids out int32, weights out fp32: contiguous, each with top_k_index's element count; an
     internal call, unchecked): the same launch also writes the ids and weights there. ``quantize``: the same launch
-    also quantises those rows."""
+    also quantises those rows. ``id_check`` (int32, zero at [0]): where an id outside [-1, num_experts) sets [0] to
+    1 (``RoutingPlan.id_check``)."""
     num_pairs = top_k_index.numel()
     chunk = chunk or routing_chunk()
     chunks = max(cdiv(num_pairs, chunk), 1)
@@ -304,11 +323,14 @@ def routing_keys(
         out_index,
         out_weights,
         *x_args,
+        id_check,
+        num_experts,
         NUM_LOCAL=num_local_experts,
         NUM_BINS=num_bins,
         SKIP=counts.numel(),
         BLOCK=chunk,
         COPY_ROUTING=copy_routing is not None,
+        CHECK_IDS=id_check is not None,
         **quant,
     )
     return keys, hist, num_bins
@@ -324,6 +346,7 @@ def fill_routing_plan(
     chunk: int | None = None,
     copy_to: tuple[torch.Tensor, torch.Tensor] | None = None,
     quantize: RowQuantization | None = None,
+    check_ids_below: int | None = None,
 ) -> None:
     """Plan segments [first_segment, first_segment + n) from their source rows' global expert ids ``top_k_index``
     [n * R_s, k] (ids outside [expert_base, expert_base + E_local), including -1 for padding rows, are other ranks'
@@ -331,7 +354,9 @@ def fill_routing_plan(
     launches: keys and counts, then the sort that writes the plan (``kernels.routing``), ``chunk`` pairs a program.
     ``copy_to`` (ids int32, weights fp32, both [n * R_s, k] contiguous): the first launch also copies the routing
     there, converted (a rank's published routing, ``Transport.routing_sink``). ``quantize``: the first launch also
-    quantises those rows (``RowQuantization``)."""
+    quantises those rows (``RowQuantization``). ``check_ids_below`` (E, the expert count of the ids): the launches
+    also check that every id lies in [-1, E), for ``RoutingPlan.assert_ids_in_range`` (the plan's counts and id check
+    zeroed before: ``take_plan``)."""
     chunk = chunk or routing_chunk()
     seg_rows = plan.num_rows // plan.num_segments
     rows, top_k = top_k_index.shape
@@ -355,6 +380,8 @@ def fill_routing_plan(
         scratch=plan.scratch,
         copy_routing=None if copy_to is None else (top_k_weights.reshape(-1), *copy_to),
         quantize=quantize,
+        id_check=None if check_ids_below is None else plan.id_check,
+        num_experts=check_ids_below or 0,
     )
     halves = plan.split_expert is not None
     skip = num_segments * experts
@@ -381,6 +408,7 @@ def fill_routing_plan(
         max(seg_pairs, 1),
         plan.max_tiles // plan.num_segments,
         plan.split_expert if halves else experts,
+        None if check_ids_below is None else plan.id_check,
         TOP_K=top_k,
         NUM_LOCAL=experts,
         EXPERT_BLOCK=next_power_of_2(experts),
@@ -391,6 +419,7 @@ def fill_routing_plan(
         TILE_BLOCK=32,
         HALVES=halves,
         HIST_BLOCK=16,
+        CHECK_IDS=check_ids_below is not None,
     )
 
 
@@ -452,7 +481,7 @@ def take_plan(pool: list, allocate, device: torch.device) -> PlanLease:
             and not (_capturing(stream) and not _capturing(last_stream))
         ):
             stream.wait_stream(last_stream)
-        plan.counts.zero_()
+        plan.reset_counts()
     else:
         plan = allocate()
     return PlanLease(pool, plan, stream)
@@ -473,9 +502,11 @@ def lease_routing_plan(
     num_local_experts: int,
     tile_m: int,
     quantize: RowQuantization | None = None,
+    check_ids_below: int | None = None,
 ) -> PlanLease:
     """``build_routing_plan``'s plan (one segment), filled, on a lease from the pool of plans of its sizes;
-    ``quantize``: the fill's first launch also quantises those rows (``RowQuantization``)."""
+    ``quantize``: the fill's first launch also quantises those rows (``RowQuantization``); ``check_ids_below``: the
+    fill also checks the ids' range (``fill_routing_plan``)."""
     rows, top_k = top_k_index.shape
     device = top_k_index.device
     key = (rows, top_k, num_local_experts, tile_m, device)
@@ -491,5 +522,12 @@ def lease_routing_plan(
         lambda: allocate_routing_plan(rows, top_k, num_local_experts=num_local_experts, tile_m=tile_m, device=device),
         device,
     )
-    fill_routing_plan(lease.plan, top_k_index, top_k_weights, expert_base=expert_base, quantize=quantize)
+    fill_routing_plan(
+        lease.plan,
+        top_k_index,
+        top_k_weights,
+        expert_base=expert_base,
+        quantize=quantize,
+        check_ids_below=check_ids_below,
+    )
     return lease
