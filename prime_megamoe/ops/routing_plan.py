@@ -62,6 +62,7 @@ class RoutingPlan:
     # [2] int32 after the counts (zeroed with them): 1 at [0] once a fill that checks ids met one out of range; [1]
     # the fill's verdict, 1 if none was (``assert_ids_in_range``)
     id_check: torch.Tensor | None = field(default=None, repr=False)
+    _counts_and_check: torch.Tensor | None = field(default=None, repr=False, compare=False)  # both, one view
     _views: dict = field(default_factory=dict, repr=False, compare=False)  # segment views made so far
     _scratch: torch.Tensor | None = field(default=None, repr=False, compare=False)  # the fills' keys and counts
 
@@ -119,9 +120,13 @@ class RoutingPlan:
         )
 
     def reset_counts(self) -> None:
-        """Zeroes the counts and the id check for a new fill (one launch: they are adjacent)."""
-        n = self.counts.numel()
-        self.counts.as_strided((n + 2,), (1,)).zero_()
+        """Zeroes the counts and the id check for a new fill (one launch where they are one view)."""
+        if self._counts_and_check is not None:
+            self._counts_and_check.zero_()
+        else:
+            self.counts.zero_()
+            if self.id_check is not None:
+                self.id_check.zero_()
 
     def assert_ids_in_range(self, num_experts: int) -> None:
         """A device-side assertion (no host sync) that the last fill, run with ``check_ids_below=num_experts``, met
@@ -185,6 +190,7 @@ def allocate_routing_plan(
         num_segments=num_segments,
         counts=part("counts")[: num_segments * num_local_experts],
         id_check=part("counts")[num_segments * num_local_experts :],
+        _counts_and_check=part("counts"),
     )
     if split_expert is not None:
         plan.split_expert = split_expert
