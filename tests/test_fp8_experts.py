@@ -10,6 +10,8 @@ Two references, two tolerances:
   layout or operand shows up as a failure here even when it would hide inside the oracle's bound.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -448,11 +450,11 @@ def test_wgrad_rejects_row_major_operands():
 def test_unsupported_devices_raise_clear_errors(monkeypatch):
     with pytest.raises(ValueError, match="not a quantised precision"):
         check_precision_supported("fp4", torch.device("cpu"))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(qe, "cuda_properties", lambda device: SimpleNamespace(major=8, minor=0))
     for precision in ("fp8", "fp8_bwd", "mxfp8"):
         with pytest.raises(RuntimeError, match=r"compute capability >= 8\.9.*sm_80"):
             check_precision_supported(precision, torch.device("cuda", 0))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(qe, "cuda_properties", lambda device: SimpleNamespace(major=9, minor=0))
     check_precision_supported("mxfp8", torch.device("cuda", 0))  # Hopper: emulated, allowed
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):

@@ -100,7 +100,7 @@ from .activation import check_activation_clamp
 from .cuda_thread import binds_cuda_context
 from .expert_compute import combine_with_pair_values, unquantized_backward, unquantized_forward
 from .routing_plan import PlanLease, RoutingPlan, lease_routing_plan
-from .sm_budget import in_kept_sm_budget, keeps_sm_budget
+from .sm_budget import cuda_properties, in_kept_sm_budget, keeps_sm_budget
 
 QUANTIZED_PRECISIONS = ("fp8", "fp8_bwd", "mxfp8")
 
@@ -121,7 +121,8 @@ def check_precision_supported(precision: str, device: torch.device) -> None:
     if device.type == "cuda":
         if torch.version.hip is not None:
             raise RuntimeError(f"precision = {precision!r} is implemented for NVIDIA GPUs only; use precision = 'bf16'")
-        major, minor = torch.cuda.get_device_capability(device)
+        props = cuda_properties(device)  # cached: this runs on every call's path to its first GEMM
+        major, minor = props.major, props.minor
         if (major, minor) < (8, 9):
             what = "MXFP8 (native on sm_100+, emulated on sm_89/sm_90)" if precision == "mxfp8" else "fp8 e4m3 GEMMs"
             raise RuntimeError(
