@@ -120,13 +120,8 @@ class RoutingPlan:
         )
 
     def reset_counts(self) -> None:
-        """Zeroes the counts and the id check for a new fill (one launch where they are one view)."""
-        if self._counts_and_check is not None:
-            self._counts_and_check.zero_()
-        else:
-            self.counts.zero_()
-            if self.id_check is not None:
-                self.id_check.zero_()
+        """Zeroes the counts and the id check for a new fill, one launch (a plan of ``allocate_routing_plan``)."""
+        self._counts_and_check.zero_()
 
     def assert_ids_in_range(self, num_experts: int) -> None:
         """A device-side assertion (no host sync) that the last fill, run with ``check_ids_below=num_experts``, met
