@@ -93,3 +93,10 @@ def test_the_layer_asserts_on_its_plan(precision, grad):
     bad[11, 1] = 4
     with pytest.raises(RuntimeError, match=r"outside \[0, 4\)"):
         layer(bad)
+
+
+def test_no_rows_pass():
+    # A call with no tokens still fills its (empty) plan: nothing out of range.
+    plan = lease(torch.empty(0, 2, dtype=torch.long), torch.empty(0, 2)).plan
+    assert plan.id_check.tolist() == [0, 1]
+    plan.assert_ids_in_range(E)
