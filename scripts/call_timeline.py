@@ -31,15 +31,17 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import prime_megamoe.comm.symmetric_memory as symmetric_memory
+import prime_megamoe.ops.bf16_ws_launch as bf16_ws_launch
 import prime_megamoe.ops.fp8_launch as fp8_launch
 import prime_megamoe.ops.fp8_ws_launch as fp8_ws_launch
 import prime_megamoe.ops.launch as ops_launch
 import prime_megamoe.ops.routing_plan as routing_plan
+import prime_megamoe.validation as validation
 from prime_megamoe.bench import make_workload, torchrun_group
 from prime_megamoe.ops import compiled_launch
 
-# The modules that launch through compiled_launch.
-LAUNCHING_MODULES = (ops_launch, routing_plan, symmetric_memory, fp8_launch, fp8_ws_launch)
+# The modules that launch through compiled_launch (validation: the expert-parallel layer's id check).
+LAUNCHING_MODULES = (ops_launch, routing_plan, symmetric_memory, fp8_launch, fp8_ws_launch, bf16_ws_launch, validation)
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -168,6 +170,8 @@ def host_sections(step, deep: bool = False) -> list[str]:
         (SymmetricMemoryTransport, "send"),
         (SymmetricMemoryTransport, "finish"),
         (RoutingPlan, "segment"),
+        (RoutingPlan, "assert_ids_in_range"),
+        (routing_plan, "take_plan"),
         (quantized_experts, "check_precision_supported"),
         (quantized_experts, "_plan"),
         (quantized_experts, "cached_weight_operand"),
