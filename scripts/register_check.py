@@ -103,6 +103,8 @@ def resource_usage(
         types = {n: gluon_descriptor_type(t) if t.startswith("tensordesc") else t for n, t in (types or {}).items()}
     constexprs = {**constexprs, **{name: 1 for name in ones}}
     names = fn.arg_names
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+    constexprs = {**defaults, **constexprs}  # constexprs with a default in the signature may be left out
     missing = [n for n in names if n not in constexprs and fn.params[names.index(n)].is_constexpr]
     if missing:
         raise SystemExit(f"give these constexprs (--constexprs / --config): {missing}")

@@ -622,19 +622,22 @@ def test_tma_stores_match_pointer_stores(monkeypatch, persistent):
     w1 = torch.randn(num_local, 2 * inter, hidden, generator=gen) / hidden**0.5
     w2 = torch.randn(num_local, hidden, inter, generator=gen) / inter**0.5
     got = {}
-    for tma in (False, True):
+    # (config's STORE_TMA, the launch's descriptors): a STORE_TMA config launched without descriptors (as the
+    # autotuner's cached choice may be) stores by pointer
+    for config_tma, descriptors in ((False, False), (True, True), (True, False)):
         for kernel in (fc1_swiglu_kernel, grouped_gemm_kernel):
-            only_config(monkeypatch, kernel, PERSISTENT=persistent, STORE_TMA=tma)
+            only_config(monkeypatch, kernel, PERSISTENT=persistent, STORE_TMA=config_tma)
         filled = lambda *shape: torch.full(shape, float("nan"))  # noqa: E731 (rows no block covers stay NaN)
         h, a = filled(plan.sorted_rows, 2 * inter), filled(plan.sorted_rows, inter)
-        fc1_swiglu(x, w1, plan, True, out=(h, a), store_tma=tma)
-        _, a_only = fc1_swiglu(x, w1, plan, False, store_tma=tma)
-        y = grouped_gemm(a, w2, plan, transpose_b=True, row_scale=plan.row_weight, store_tma=tma)
-        got[tma] = (h, a, a_only, y)
+        fc1_swiglu(x, w1, plan, True, out=(h, a), store_tma=descriptors)
+        _, a_only = fc1_swiglu(x, w1, plan, False, store_tma=descriptors)
+        y = grouped_gemm(a, w2, plan, transpose_b=True, row_scale=plan.row_weight, store_tma=descriptors)
+        got[config_tma, descriptors] = (h, a, a_only, y)
     used = plan.num_pairs
-    for name, want, have in zip(("h", "a", "a without h", "fc2"), got[False], got[True]):
-        torch.testing.assert_close(have[:used], want[:used], rtol=1e-5, atol=1e-5, msg=f"{name} stored by TMA")
-    h, a = got[True][0][:used].double(), got[True][1][:used].double()
+    for run in ((True, True), (True, False)):
+        for name, want, have in zip(("h", "a", "a without h", "fc2"), got[False, False], got[run]):
+            torch.testing.assert_close(have[:used], want[:used], rtol=1e-5, atol=1e-5, msg=f"{name}, {run}")
+    h, a = got[True, True][0][:used].double(), got[True, True][1][:used].double()
     src, off = plan.row_src.long(), plan.expert_offsets.tolist()
     for e in range(num_local):
         lo, hi = off[e], off[e + 1]

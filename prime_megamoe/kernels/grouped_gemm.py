@@ -144,7 +144,7 @@ def _fc1_swiglu_tile(
         g_out = acc_g.to(h_ptr.dtype.element_ty)
         u_out = acc_u.to(h_ptr.dtype.element_ty)
         h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
-        if STORE_TMA:
+        if STORE_TMA and h_desc is not None:
             if whole:
                 h_desc.store([row_start, n0], g_out)
                 h_desc.store([row_start, N + n0], u_out)
@@ -158,7 +158,7 @@ def _fc1_swiglu_tile(
         acc_g, acc_u = clamp_gate_up(acc_g, acc_u, clamp_limit)
     act = (acc_g * tl.sigmoid(acc_g) * acc_u).to(a_ptr.dtype.element_ty)
     a_ptrs = a_ptr + rows64[:, None] * stride_am + cols[None, :]
-    if STORE_TMA:
+    if STORE_TMA and act_desc is not None:
         if whole:
             act_desc.store([row_start, n0], act)
         else:
@@ -366,7 +366,9 @@ def _gemm_tile(
     out = acc.to(c_ptr.dtype.element_ty)
     c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
     out_mask = row_mask[:, None] & col_mask[None, :]
-    if STORE_TMA:  # as in FC1: whole blocks of the expert's rows by TMA (clipped at N), the rest by pointer
+    # As in FC1: whole blocks of the expert's rows by TMA (clipped at N), the rest by pointer. (A launch without the
+    # descriptor may still run a STORE_TMA config: the autotuner's choice for its key.)
+    if STORE_TMA and c_desc is not None:
         if row_end - row_start >= BLOCK_M:
             c_desc.store([row_start, n0], out)
         else:

@@ -36,8 +36,9 @@ def prune_small_problems(*dims: str):
     Candidates storing by TMA (STORE_TMA) are dropped first where the launch has no output descriptor."""
 
     def prune(configs, named_args, **kwargs):
-        if not any(named_args.get(name) is not None for name in _STORE_DESCRIPTORS):
-            configs = [c for c in configs if not c.kwargs.get("STORE_TMA")]
+        outputs = [named_args[name] for name in _STORE_DESCRIPTORS if name in named_args]
+        if outputs and all(d is None for d in outputs):
+            configs = [c for c in configs if not c.kwargs.get("STORE_TMA")] or configs  # (they store by pointer)
         if os.environ.get("PRIME_MEGAMOE_AUTOTUNE", "1") == "0":
             return configs[:1]
         size = 1
