@@ -1,8 +1,8 @@
 """Autograd for the routed experts of one rank, wired from the fused kernels (bf16 / fp32, unquantised).
 
 Forward:  FC1 (gather rows, SwiGLU epilogue) -> FC2 (top-k weight epilogue) -> combine (k rows per source row, fixed
-order). Backward: FC2 dgrad with the dSwiGLU and top-k weight gradient in its epilogue -> FC1 dgrad -> combine into
-dx; weight gradients as grouped GEMMs reducing over each expert's rows.
+order). Backward: FC2 dgrad (gathering dy) -> the SwiGLU backward row pass (dh, w * a and the top-k weight gradient's
+per-row dot) -> FC1 dgrad -> combine into dx; weight gradients as grouped GEMMs reducing over each expert's rows.
 
 What the forward saves: the source rows (the caller holds them anyway), the routing plan (leased from a pool of plans
 of its sizes until the graph is freed: ``routing_plan.PlanLease``), and the FC1 output
@@ -10,8 +10,9 @@ h = x W1^T ([P, 2I], P = rows * k). Saving h instead of recomputing FC1 costs P 
 Qwen3-30B-A3B shape and T = 16384, 131072 * 1536 * 2 = 403 MB per layer (Qwen3-235B-A22B: 805 MB), and saves an FC1
 GEMM (a third of the forward FLOPs) in the backward. Trainers that checkpoint activations re-run the forward of one
 layer just before its backward, so only one layer's h is alive at a time. The SwiGLU output a is not saved: the
-backward recomputes it from h in the dgrad epilogue. With ``activation_clamp`` (the clamped SwiGLU, ``ops.activation``)
-h is saved unclamped and both the forward and the backward clamp it in their kernels; nothing else changes.
+backward recomputes it from h in the SwiGLU backward pass. With ``activation_clamp`` (the clamped SwiGLU,
+``ops.activation``) h is saved unclamped and both the forward and the backward clamp it in their kernels; nothing
+else changes.
 """
 
 from __future__ import annotations
