@@ -15,12 +15,11 @@ from hypothesis import strategies as st
 
 from prime_megamoe import DispatchConfig, fused_experts
 from prime_megamoe.kernels import tuning
-from prime_megamoe.kernels.grouped_gemm import fc1_swiglu_kernel, grouped_gemm_kernel, grouped_wgrad_kernel
+from prime_megamoe.kernels.grouped_gemm import grouped_wgrad_kernel
 from prime_megamoe.kernels.tuning import interpreting
 from prime_megamoe.ops.launch import (
     combine_rows,
     dswiglu_buffers,
-    fc1_swiglu,
     fc2_dgrad_dswiglu,
     grouped_gemm,
     grouped_wgrad,
@@ -38,7 +37,6 @@ from .oracle import (
     TOL,
     assert_matches_oracle,
     make_problem,
-    only_config,
     oracle_with_grads,
     ragged_routing,
     rel_err,
@@ -603,48 +601,6 @@ def test_grouped_gemm_tma_reads_match_pointer_reads(transpose_b, gather):
         want = plan.row_weight[lo:hi].double()[:, None] * (lhs @ rhs)
         assert rel_err(got[True][lo:hi], want) < 1e-6
     assert off[3] - off[2] == 0 and off[1] - off[0] > plan.num_pairs // 3
-
-
-@pytest.mark.parametrize("persistent", [False, True])
-def test_tma_stores_match_pointer_stores(monkeypatch, persistent):
-    # Candidates with STORE_TMA store a block by TMA where all its rows are its expert's (and, in FC1, its columns
-    # end by I), by pointer elsewhere: the outputs must be what pointer stores give, with no row of a neighbouring
-    # expert or column of the up half written over. Ragged routing: an expert with no rows, one with most (whole
-    # blocks and a partial one), I not a multiple of the column block; h saved and not.
-    rows, k, num_local, hidden, inter = 40, 2, 4, 40, 40
-    ids, weights = _random_ids(rows, k, num_local, seed=11)
-    ids[ids == 2] = 0  # expert 2 gets nothing, expert 0 most
-    plan = build_routing_plan(ids, weights, expert_base=0, num_local_experts=num_local, tile_m=tuning.tile_m())
-    sizes = (plan.expert_offsets[1:] - plan.expert_offsets[:-1]).tolist()
-    assert sizes[2] == 0 and sizes[0] > 2 * tuning.tile_m() and any(s % tuning.tile_m() for s in sizes)
-    gen = torch.Generator().manual_seed(12)
-    x = torch.randn(rows, hidden, generator=gen)
-    w1 = torch.randn(num_local, 2 * inter, hidden, generator=gen) / hidden**0.5
-    w2 = torch.randn(num_local, hidden, inter, generator=gen) / inter**0.5
-    got = {}
-    # (config's STORE_TMA, the launch's descriptors): a STORE_TMA config launched without descriptors (as the
-    # autotuner's cached choice may be) stores by pointer
-    for config_tma, descriptors in ((False, False), (True, True), (True, False)):
-        for kernel in (fc1_swiglu_kernel, grouped_gemm_kernel):
-            only_config(monkeypatch, kernel, PERSISTENT=persistent, STORE_TMA=config_tma)
-        filled = lambda *shape: torch.full(shape, float("nan"))  # noqa: E731 (rows no block covers stay NaN)
-        h, a = filled(plan.sorted_rows, 2 * inter), filled(plan.sorted_rows, inter)
-        fc1_swiglu(x, w1, plan, True, out=(h, a), store_tma=descriptors)
-        _, a_only = fc1_swiglu(x, w1, plan, False, store_tma=descriptors)
-        y = grouped_gemm(a, w2, plan, transpose_b=True, row_scale=plan.row_weight, store_tma=descriptors)
-        got[config_tma, descriptors] = (h, a, a_only, y)
-    used = plan.num_pairs
-    for run in ((True, True), (True, False)):
-        for name, want, have in zip(("h", "a", "a without h", "fc2"), got[False, False], got[run]):
-            torch.testing.assert_close(have[:used], want[:used], rtol=1e-5, atol=1e-5, msg=f"{name}, {run}")
-    h, a = got[True, True][0][:used].double(), got[True, True][1][:used].double()
-    src, off = plan.row_src.long(), plan.expert_offsets.tolist()
-    for e in range(num_local):
-        lo, hi = off[e], off[e + 1]
-        want_h = x[src[lo:hi]].double() @ w1[e].double().T
-        assert rel_err(h[lo:hi], want_h) < 1e-6
-    g, u = h[:, :inter], h[:, inter:]
-    assert rel_err(a, torch.nn.functional.silu(g) * u) < 1e-6
 
 
 def test_fc2_dgrad_swiglu_backward_per_segment_piece():
