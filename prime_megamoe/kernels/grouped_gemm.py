@@ -167,7 +167,8 @@ def _fc1_swiglu_tile(
         tl.store(a_ptrs, act, mask=out_mask)
 
 
-@autotune(autotune_configs("fc1"), key=["N", "K", "M_BUCKET"])
+# SAVE_H in the key: a candidate storing h by TMA needs more shared memory than the same one without h
+@autotune(autotune_configs("fc1"), key=["N", "K", "M_BUCKET", "SAVE_H"])
 @triton.jit
 def fc1_swiglu_kernel(
     h_desc,
