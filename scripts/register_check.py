@@ -10,7 +10,8 @@ memory, per config: a register-pressure check before spending GPU time. For exam
                        "PERSISTENT": false}' \\
         --config 128,128,64,8,4 --config 128,256,64,8,3 --ones stride_bn
 
-Each --config is BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages (for kernels with those block names). Arguments are
+Each --config is BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages (for kernels with those block names); constexprs with a
+default in the kernel's signature take it unless given. Arguments are
 typed by name: ``*_ptr`` are pointers (int32 for index-like names, fp32 for weights / scales, else --dtype);
 ``clamp_limit`` is an fp32 scalar; other non-constexpr arguments are int32, divisible by 16 unless named in --ones
 (specialised to 1, as a unit stride is at run time); --types overrides any of these by name (a TMA descriptor:
