@@ -194,17 +194,14 @@ def make_problem(
     return x, index.to(device), weights, w1, w2, grad_out
 
 
-def only_config(monkeypatch, kernel, pre_hook=None, **changes):
-    """Make an autotuned kernel run its first candidate with ``changes`` (e.g. a smaller BLOCK_M) and ``pre_hook``
-    (default: the candidate's). Launches then go through Triton itself: the compiled-kernel cache of
-    ``ops.compiled_launch`` would keep running the kernel it compiled before the change."""
+def only_config(monkeypatch, kernel, **changes):
+    """Make an autotuned kernel run its first candidate with ``changes`` (e.g. a smaller BLOCK_M). Launches then go
+    through Triton itself: the compiled-kernel cache of ``ops.compiled_launch`` would keep running the kernel it
+    compiled before the change."""
     monkeypatch.setenv("PRIME_MEGAMOE_DIRECT_LAUNCH", "0")
     first = kernel.configs[0]
     config = triton.Config(
-        {**first.kwargs, **changes},
-        num_warps=first.num_warps,
-        num_stages=first.num_stages,
-        pre_hook=pre_hook or first.pre_hook,
+        {**first.kwargs, **changes}, num_warps=first.num_warps, num_stages=first.num_stages, pre_hook=first.pre_hook
     )
     monkeypatch.setattr(kernel, "configs", [config])
     monkeypatch.setattr(kernel, "cache", {})

@@ -178,27 +178,6 @@ COMPILES = [
         },
         ["--config", "128,128,64,8,3", "--ones", "stride_wk"],
     ),
-    (  # h and a stored by TMA
-        "prime_megamoe.kernels.grouped_gemm:fc1_swiglu_kernel",
-        {
-            "SAVE_H": True,
-            "CLAMP": False,
-            "CAST_F32": False,
-            "IEEE": False,
-            "TILE_M": 128,
-            "PERSISTENT": True,
-            "ONE_DOT": True,
-            "STORE_TMA": True,
-        },
-        [
-            "--config",
-            "128,64,64,8,4",
-            "--ones",
-            "stride_wk",
-            "--types",
-            '{"h_desc": "tensordesc<bf16[128, 64]>", "act_desc": "tensordesc<bf16[128, 64]>"}',
-        ],
-    ),
     (
         "prime_megamoe.kernels.grouped_gemm:grouped_gemm_kernel",
         {
@@ -219,30 +198,6 @@ COMPILES = [
             "stride_bk",
             "--types",
             '{"a_desc": "tensordesc<bf16[128, 64]>", "b_desc": "tensordesc<bf16[256, 64]>"}',
-        ],
-    ),
-    (  # and C stored by TMA
-        "prime_megamoe.kernels.grouped_gemm:grouped_gemm_kernel",
-        {
-            "GATHER_A": False,
-            "SCALE_ROWS": True,
-            "CAST_F32": False,
-            "IEEE": False,
-            "A_TMA": True,
-            "B_TMA": True,
-            "B_KMAJOR": True,
-            "TILE_M": 128,
-            "PERSISTENT": True,
-            "STORE_TMA": True,
-        },
-        [
-            "--config",
-            "128,256,64,8,3",
-            "--ones",
-            "stride_bk",
-            "--types",
-            '{"a_desc": "tensordesc<bf16[128, 64]>", "b_desc": "tensordesc<bf16[256, 64]>", '
-            '"c_desc": "tensordesc<bf16[128, 256]>"}',
         ],
     ),
     (
@@ -296,9 +251,7 @@ COMPILES = [
         "expert_ids",
         "combine_pairs",
         "fc1_one_dot",
-        "fc1_store_tma",
         "gemm_tma_both",
-        "gemm_store_tma",
         "gemm_tma_weights",
         "wgrad_tma",
         "wgrad_pointers",

@@ -59,8 +59,6 @@ def tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M:
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _fc1_swiglu_tile(
-    h_desc,
-    act_desc,
     x_ptr,
     row_src_ptr,
     w_ptr,
@@ -90,11 +88,8 @@ def _fc1_swiglu_tile(
     BLOCK_K: tl.constexpr,
     TILE_M: tl.constexpr,
     ONE_DOT: tl.constexpr,
-    STORE_TMA: tl.constexpr,
 ):
-    expert, row_start, row_end = tile_span(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M, TILE_M)
-    rows = row_start + tl.arange(0, BLOCK_M)
-    row_mask = rows < row_end
+    expert, rows, row_mask = tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M, TILE_M)
     src = tl.load(row_src_ptr + rows, mask=row_mask, other=row_base).to(tl.int64) - row_base
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -135,44 +130,19 @@ def _fc1_swiglu_tile(
             u_ptrs += BLOCK_K * stride_wk
     out_mask = row_mask[:, None] & col_mask[None, :]
     rows64 = rows.to(tl.int64)
-    # STORE_TMA: a block all of whose rows are its expert's and whose columns end by N is stored by TMA
-    # (asynchronous: a persistent program's next tile starts while it drains). Any other block stores by pointer:
-    # a box would also cover the next expert's rows, or the gate box the first up columns.
-    n0 = pid_n * BLOCK_N
-    whole = (row_end - row_start >= BLOCK_M) & (n0 + BLOCK_N <= N)
     if SAVE_H:
-        g_out = acc_g.to(h_ptr.dtype.element_ty)
-        u_out = acc_u.to(h_ptr.dtype.element_ty)
         h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
-        if STORE_TMA and h_desc is not None:
-            if whole:
-                h_desc.store([row_start, n0], g_out)
-                h_desc.store([row_start, N + n0], u_out)
-            else:
-                tl.store(h_ptrs, g_out, mask=out_mask)
-                tl.store(h_ptrs + N, u_out, mask=out_mask)
-        else:
-            tl.store(h_ptrs, g_out, mask=out_mask)
-            tl.store(h_ptrs + N, u_out, mask=out_mask)
+        tl.store(h_ptrs, acc_g.to(h_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(h_ptrs + N, acc_u.to(h_ptr.dtype.element_ty), mask=out_mask)
     if CLAMP:
         acc_g, acc_u = clamp_gate_up(acc_g, acc_u, clamp_limit)
-    act = (acc_g * tl.sigmoid(acc_g) * acc_u).to(a_ptr.dtype.element_ty)
-    a_ptrs = a_ptr + rows64[:, None] * stride_am + cols[None, :]
-    if STORE_TMA and act_desc is not None:
-        if whole:
-            act_desc.store([row_start, n0], act)
-        else:
-            tl.store(a_ptrs, act, mask=out_mask)
-    else:
-        tl.store(a_ptrs, act, mask=out_mask)
+    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    tl.store(a_ptr + rows64[:, None] * stride_am + cols[None, :], act.to(a_ptr.dtype.element_ty), mask=out_mask)
 
 
-# SAVE_H in the key: a candidate storing h by TMA needs more shared memory than the same one without h
-@autotune(autotune_configs("fc1"), key=["N", "K", "M_BUCKET", "SAVE_H"])
+@autotune(autotune_configs("fc1"), key=["N", "K", "M_BUCKET"])
 @triton.jit
 def fc1_swiglu_kernel(
-    h_desc,
-    act_desc,
     x_ptr,
     row_src_ptr,
     w_ptr,
@@ -204,15 +174,12 @@ def fc1_swiglu_kernel(
     BLOCK_K: tl.constexpr,
     PERSISTENT: tl.constexpr,
     ONE_DOT: tl.constexpr,
-    STORE_TMA: tl.constexpr = False,
 ):
     if PERSISTENT:
         num_n = tl.cdiv(N, BLOCK_N)
         total = tl.load(num_tiles_ptr) * (TILE_M // BLOCK_M) * num_n
         for work in tl.range(tl.program_id(0), total, NUM_SMS, flatten=True):
             _fc1_swiglu_tile(
-                h_desc,
-                act_desc,
                 x_ptr,
                 row_src_ptr,
                 w_ptr,
@@ -242,14 +209,11 @@ def fc1_swiglu_kernel(
                 BLOCK_K,
                 TILE_M,
                 ONE_DOT,
-                STORE_TMA,
             )
     else:
         pid_m = tl.program_id(1)
         if pid_m < tl.load(num_tiles_ptr) * (TILE_M // BLOCK_M):
             _fc1_swiglu_tile(
-                h_desc,
-                act_desc,
                 x_ptr,
                 row_src_ptr,
                 w_ptr,
@@ -279,7 +243,6 @@ def fc1_swiglu_kernel(
                 BLOCK_K,
                 TILE_M,
                 ONE_DOT,
-                STORE_TMA,
             )
 
 
@@ -297,7 +260,6 @@ def fc1_swiglu_kernel(
 def _gemm_tile(
     a_desc,
     b_desc,
-    c_desc,
     a_ptr,
     row_src_ptr,
     b_ptr,
@@ -327,7 +289,6 @@ def _gemm_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TILE_M: tl.constexpr,
-    STORE_TMA: tl.constexpr,
 ):
     expert, row_start, row_end = tile_span(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M, TILE_M)
     rows = row_start + tl.arange(0, BLOCK_M)
@@ -364,18 +325,8 @@ def _gemm_tile(
         b_ptrs += BLOCK_K * stride_bk
     if SCALE_ROWS:
         acc = acc * tl.load(row_scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-    out = acc.to(c_ptr.dtype.element_ty)
     c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
-    out_mask = row_mask[:, None] & col_mask[None, :]
-    # As in FC1: whole blocks of the expert's rows by TMA (clipped at N), the rest by pointer. (A launch without the
-    # descriptor may still run a STORE_TMA config: the autotuner's choice for its key.)
-    if STORE_TMA and c_desc is not None:
-        if row_end - row_start >= BLOCK_M:
-            c_desc.store([row_start, n0], out)
-        else:
-            tl.store(c_ptrs, out, mask=out_mask)
-    else:
-        tl.store(c_ptrs, out, mask=out_mask)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
 @autotune(autotune_configs("gemm"), key=["N", "K", "M_BUCKET"])
@@ -383,7 +334,6 @@ def _gemm_tile(
 def grouped_gemm_kernel(
     a_desc,
     b_desc,
-    c_desc,
     a_ptr,
     row_src_ptr,
     b_ptr,
@@ -415,7 +365,6 @@ def grouped_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PERSISTENT: tl.constexpr,
-    STORE_TMA: tl.constexpr = False,
 ):
     if PERSISTENT:
         # NUM_SMS programs walk the (row tile, column block) work list; the flattened loop lets one tile's epilogue
@@ -426,7 +375,6 @@ def grouped_gemm_kernel(
             _gemm_tile(
                 a_desc,
                 b_desc,
-                c_desc,
                 a_ptr,
                 row_src_ptr,
                 b_ptr,
@@ -456,7 +404,6 @@ def grouped_gemm_kernel(
                 BLOCK_N,
                 BLOCK_K,
                 TILE_M,
-                STORE_TMA,
             )
     else:
         pid_m = tl.program_id(1)
@@ -464,7 +411,6 @@ def grouped_gemm_kernel(
             _gemm_tile(
                 a_desc,
                 b_desc,
-                c_desc,
                 a_ptr,
                 row_src_ptr,
                 b_ptr,
@@ -494,7 +440,6 @@ def grouped_gemm_kernel(
                 BLOCK_N,
                 BLOCK_K,
                 TILE_M,
-                STORE_TMA,
             )
 
 

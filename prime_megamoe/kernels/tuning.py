@@ -27,18 +27,13 @@ def tile_m() -> int:
 # first step would take minutes).
 SMALL_PROBLEM = 1 << 30
 _SIZE_KEYS = ("M", "N", "K", "M_BUCKET")
-_STORE_DESCRIPTORS = ("c_desc", "h_desc", "act_desc")  # the output descriptors of STORE_TMA candidates
 
 
 def prune_small_problems(*dims: str):
     """An ``early_config_prune`` keeping only the first candidate when the product of ``dims`` is small, or for every
-    problem when PRIME_MEGAMOE_AUTOTUNE=0 (correctness checks: one compiled kernel per shape, nothing timed).
-    Candidates storing by TMA (STORE_TMA) are dropped first where the launch has no output descriptor."""
+    problem when PRIME_MEGAMOE_AUTOTUNE=0 (correctness checks: one compiled kernel per shape, nothing timed)."""
 
     def prune(configs, named_args, **kwargs):
-        outputs = [named_args[name] for name in _STORE_DESCRIPTORS if name in named_args]
-        if outputs and all(d is None for d in outputs):
-            configs = [c for c in configs if not c.kwargs.get("STORE_TMA")] or configs  # (they store by pointer)
         if os.environ.get("PRIME_MEGAMOE_AUTOTUNE", "1") == "0":
             return configs[:1]
         size = 1
@@ -78,28 +73,19 @@ def dense_chunk_shape(nargs) -> None:
 def gemm_tma_boxes(nargs) -> None:
     """A GEMM config's pre-launch hook: the TMA descriptors of the launch (where it has them) get the config's boxes,
     A [BLOCK_M, BLOCK_K] and B [BLOCK_N, BLOCK_K] (K-major, as every B of a kernel without a B_KMAJOR argument is)
-    or [BLOCK_K, BLOCK_N]; the output's, C, [BLOCK_M, BLOCK_N]."""
+    or [BLOCK_K, BLOCK_N]."""
     if nargs.get("a_desc") is not None:
         nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
     if nargs.get("b_desc") is not None:
         bn, bk = nargs["BLOCK_N"], nargs["BLOCK_K"]
         nargs["b_desc"].block_shape = [bn, bk] if nargs.get("B_KMAJOR", True) else [bk, bn]
-    fc1_store_boxes(nargs)
-
-
-def fc1_store_boxes(nargs) -> None:
-    """An output-storing config's pre-launch hook: the output descriptors of the launch (where it has them) get the
-    config's box, [BLOCK_M, BLOCK_N]."""
-    for name in _STORE_DESCRIPTORS:
-        if nargs.get(name) is not None:
-            nargs[name].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_N"]]
 
 
 def autotune_configs(kind: str) -> list[triton.Config]:
     """Candidates for one kernel family; evaluated when the module is imported (TRITON_INTERPRET is read then)."""
     if interpreting():
         extra = {
-            "fc1": {"PERSISTENT": True, "ONE_DOT": False, "pre_hook": fc1_store_boxes},
+            "fc1": {"PERSISTENT": True, "ONE_DOT": False},
             "gemm": {"PERSISTENT": True, "pre_hook": gemm_tma_boxes},
             "wgrad": {"GROUP_M": 2, "pre_hook": dense_chunk_shape},
         }
@@ -125,11 +111,6 @@ def autotune_configs(kind: str) -> list[triton.Config]:
             _cfg(m, 128, 64, 8, 4, PERSISTENT=True, ONE_DOT=True),
             _cfg(m, 64, 64, 8, 4, PERSISTENT=False, ONE_DOT=True),
             _cfg(h, 128, 64, 4, 4, PERSISTENT=False, ONE_DOT=True),
-            # Outputs stored by TMA under the next tile's loads (the boxes' buffers take shared memory: a config
-            # that does not fit is skipped by the autotuner)
-            _cfg(m, 128, 64, 8, 3, PERSISTENT=True, ONE_DOT=True, STORE_TMA=True, pre_hook=fc1_store_boxes),
-            _cfg(m, 128, 64, 8, 4, PERSISTENT=True, ONE_DOT=True, STORE_TMA=True, pre_hook=fc1_store_boxes),
-            _cfg(m, 64, 64, 8, 4, PERSISTENT=True, ONE_DOT=True, STORE_TMA=True, pre_hook=fc1_store_boxes),
         ]
     if kind == "gemm":  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, persistent)
         tiles = (
@@ -140,10 +121,7 @@ def autotune_configs(kind: str) -> list[triton.Config]:
             (m, 64, 64, 4, 5, False),
             (h, 256, 64, 4, 4, False),
         )
-        stored = ((m, 256, 64, 8, 3, True), (m, 128, 64, 8, 4, True), (m, 128, 64, 8, 5, True))  # C by TMA
-        return [_cfg(*t, PERSISTENT=persistent, pre_hook=gemm_tma_boxes) for *t, persistent in tiles] + [
-            _cfg(*t, PERSISTENT=persistent, STORE_TMA=True, pre_hook=gemm_tma_boxes) for *t, persistent in stored
-        ]
+        return [_cfg(*t, PERSISTENT=persistent, pre_hook=gemm_tma_boxes) for *t, persistent in tiles]
     if kind == "wgrad":
         # At Qwen3-30B-A3B, T = 16384, an EP=2 rank's rows (scripts/wgrad_probe.py, one H200), with the
         # sorted operand read by TMA: 256 x 128 leads for dW1 and 128 x 256 for dW2 (the sorted operand on the wide

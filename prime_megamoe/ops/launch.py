@@ -90,7 +90,6 @@ def fc1_swiglu(
     *,
     activation_clamp: float | None = None,
     use_ws: bool | None | str = False,
-    store_tma: bool | None = None,
 ):
     """x [R, H] (source rows), w1 [E, 2I, H] -> (h [P, 2I] or None, a [P, I]) in expert-sorted row order.
     ``out`` = (h or None, a): buffers to write into (a segment view's rows of buffers shared by all segments).
@@ -98,8 +97,7 @@ def fc1_swiglu(
     ``activation_clamp`` c: a = silu(min(g, c)) * clamp(u, -c, c) (``ops.activation``); h is stored unclamped.
     ``use_ws``: True runs the warp-specialised Hopper kernel (``bf16_ws_launch.bf16_fc1_swiglu_ws``; an error says
     why where it cannot), None runs it where it applies, ``FASTEST`` where it applies and is faster, False the
-    Triton kernel. ``store_tma``: let the autotuner choose among candidates that store h and a by TMA (default:
-    where ``tma_readable``; True: TMA descriptors even where emulated, the interpreter's)."""
+    Triton kernel."""
     clamp_limit, clamp = clamp_kernel_args(activation_clamp)
     num_pairs, inter, hidden = plan.num_pairs, w1.shape[1] // 2, w1.shape[2]
     if out is None:
@@ -122,16 +120,9 @@ def fc1_swiglu(
         bf16_fc1_swiglu_ws(x, w1, plan, h, a, row_base=row_base, clamp_limit=clamp_limit, clamp=clamp)
         return h, a
     num_sms = _num_sms(x.device)
-    if store_tma is None:
-        store_tma = tma_readable(a) and (not save_h or tma_readable(h))
-    # The boxes are set per config by the autotuner's pre-launch hook (tuning.fc1_store_boxes)
-    act_desc = tma_descriptor(a) if store_tma else None
-    h_desc = tma_descriptor(h) if store_tma and save_h else None
     launch(
         fc1_swiglu_kernel,
         _tile_grid(plan, inter, num_sms),
-        h_desc,
-        act_desc,
         x,
         plan.row_src,
         w1,
@@ -170,15 +161,12 @@ def grouped_gemm(
     row_base: int = 0,
     use_tma: bool | None = None,
     use_ws: bool | None | str = False,
-    store_tma: bool | None = None,
 ) -> torch.Tensor:
     """C[r] = scale[r] * A[src[r] - row_base if gather else r] @ op(B[e]); op(B) = B[e]^T if transpose_b else B[e].
     ``row_base`` (gather only): A holds source rows [row_base, row_base + len(A)), as in ``fc1_swiglu``.
     ``use_tma``: read B, and A when it is not gathered, by TMA (default: where ``tma_readable``).
     ``use_ws``: True runs the warp-specialised Hopper kernel (``bf16_ws_launch``; an error says why where it cannot),
-    None runs it where it applies, ``FASTEST`` where it applies and is faster, False the Triton kernel.
-    ``store_tma``: let the autotuner choose among candidates that store C by TMA (default: where ``tma_readable``;
-    True: a TMA descriptor even where emulated, the interpreter's)."""
+    None runs it where it applies, ``FASTEST`` where it applies and is faster, False the Triton kernel."""
     if row_base and not gather:
         raise ValueError("grouped_gemm: row_base applies to gathered rows only (gather=True)")
     if transpose_b:  # B[e] is [N, K]
@@ -229,14 +217,12 @@ def grouped_gemm(
         b_desc = tma_descriptor(b_2d)
         a_desc = None if gather else tma_descriptor(a)
     c = a.new_empty(plan.sorted_rows, n) if out is None else out
-    c_desc = tma_descriptor(c) if (tma_readable(c) if store_tma is None else store_tma) else None
     num_sms = _num_sms(a.device)
     launch(
         grouped_gemm_kernel,
         _tile_grid(plan, n, num_sms),
         a_desc,
         b_desc,
-        c_desc,
         a,
         plan.row_src,
         b,
