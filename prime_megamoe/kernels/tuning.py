@@ -2,9 +2,9 @@
 
 Row tiles of the expert-sorted GEMMs have a fixed height (``tile_m()``) because the device-side tile list is built
 for it; a config may give each program the whole tile or half of it (BLOCK_M = tile_m() / 2). Autotuning picks that,
-the other block sizes, warps and pipeline depth per shape, and Triton caches the choice on disk (not for configs with a
-pre-launch hook, the TMA ones: those are timed once per process). Under the interpreter (CPU tests) one small
-configuration is used (tests launch the half-tile path explicitly).
+the other block sizes, warps and pipeline depth per shape, and the choice is cached on disk (Triton's cache, or
+``autotune_cache`` where candidates set their TMA boxes in a pre-launch hook). Under the interpreter (CPU tests) one
+small configuration is used (tests launch the half-tile path explicitly).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 
 import triton
+
+from . import autotune_cache
 
 
 def interpreting() -> bool:
@@ -45,15 +47,17 @@ def prune_small_problems(*dims: str):
 
 
 def autotune(configs: list[triton.Config], key: list[str]):
-    """``triton.autotune`` as every kernel of the package uses it: choices cached on disk, keyed on ``key``, and
-    candidates pruned by ``prune_small_problems`` over the key's size arguments."""
+    """``triton.autotune`` as every kernel of the package uses it: choices cached on disk (also those among
+    candidates with pre-launch hooks: ``autotune_cache``), keyed on ``key``, and candidates pruned by
+    ``prune_small_problems`` over the key's size arguments."""
     dims = [name for name in key if name in _SIZE_KEYS]
-    return triton.autotune(
+    decorator = triton.autotune(
         configs=configs,
         key=key,
         cache_results=True,
         prune_configs_by={"early_config_prune": prune_small_problems(*dims)},
     )
+    return lambda fn: autotune_cache.install(decorator(fn))
 
 
 def _cfg(bm, bn, bk, warps, stages, pre_hook=None, **extra):
