@@ -161,6 +161,7 @@ def host_sections(step, deep: bool = False) -> list[str]:
         (ops_launch, "fc2_dgrad_dswiglu"),
         (ops_launch, "grouped_wgrad"),
         (ops_launch, "dswiglu_buffers"),
+        (ops_launch, "_dswiglu_pass_buffers"),
         (SymmetricMemoryTransport, "start"),
         (SymmetricMemoryTransport, "_push"),
         (SymmetricMemoryTransport, "_await_peers"),

@@ -252,9 +252,13 @@ def grouped_gemm(
 
 def dswiglu_buffers(dy: torch.Tensor, w2: torch.Tensor, plan: RoutingPlan):
     """(g_a, dh, aw, dw_row) sized for every sorted row of ``plan``, for ``fc2_dgrad_dswiglu(out=...)``."""
+    return dy.new_empty(plan.sorted_rows, w2.shape[2]), *_dswiglu_pass_buffers(dy, w2, plan)
+
+
+def _dswiglu_pass_buffers(dy: torch.Tensor, w2: torch.Tensor, plan: RoutingPlan):
+    """The SwiGLU backward pass's outputs (dh, aw, dw_row) for every sorted row of ``plan``."""
     inter, rows = w2.shape[2], plan.sorted_rows
     return (
-        dy.new_empty(rows, inter),
         dy.new_empty(rows, 2 * inter),
         dy.new_empty(rows, inter),
         torch.empty(rows, dtype=torch.float32, device=dy.device),
@@ -279,8 +283,10 @@ def fc2_dgrad_dswiglu(
     the clamped SwiGLU's (the forward's) limit: a is the clamped one and dh is zero where g or u was clamped.
     ``use_ws``: the GEMM's, as ``grouped_gemm``'s."""
     clamp_limit, clamp = clamp_kernel_args(activation_clamp)
-    g_a, dh, aw, dw_row = dswiglu_buffers(dy, w2, plan) if out is None else out
+    g_a = dy.new_empty(plan.sorted_rows, w2.shape[2]) if out is None else out[0]
     grouped_gemm(dy, w2, plan, transpose_b=False, gather=True, out=g_a, row_base=row_base, use_ws=use_ws)
+    # The pass's outputs allocated after the GEMM's launch: off the host's path to the backward's first kernel
+    dh, aw, dw_row = _dswiglu_pass_buffers(dy, w2, plan) if out is None else out[1:]
     inter = w2.shape[2]
     block_r = plan.tile_m if tuning.interpreting() else 16
     block_c = min(next_power_of_2(inter), 64 if tuning.interpreting() else 128)
