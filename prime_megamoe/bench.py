@@ -459,11 +459,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument(
         "--bf16-gemms",
-        choices=["triton", "fastest", "fastest-forward"],
+        choices=["triton", "fastest"],
         default=None,
         help="the one-rank bf16 layer's FC1, FC2 and dgrad kernels: the Triton ones, or per shape the faster of them "
-        "and the warp-specialised ones (ops/kernel_choice.py; timed at the first call, cached on disk), or that for "
-        "FC1 and FC2 and the Triton dgrads. Unset: the package's default",
+        "and the warp-specialised ones (ops/kernel_choice.py; timed at the first call, cached on disk). Unset: the "
+        "package's default",
     )
     p.add_argument("--iters", type=int, default=20)
     p.add_argument(
@@ -483,8 +483,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("the benchmark needs a CUDA GPU")
     if args.bf16_gemms is not None:
-        launch.LAYER_FORWARD_WS = False if args.bf16_gemms == "triton" else launch.FASTEST
-        launch.LAYER_BACKWARD_WS = launch.FASTEST if args.bf16_gemms == "fastest" else False
+        launch.LAYER_FC1_WS = launch.LAYER_WS = False if args.bf16_gemms == "triton" else launch.FASTEST
     group = torchrun_group()
     rank = 0 if group is None else dist.get_rank()
 

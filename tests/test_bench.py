@@ -187,19 +187,16 @@ def test_bf16_gemms_argument_sets_the_layers_kernel_families(monkeypatch):
     def stop():
         raise Stop
 
-    monkeypatch.setattr(launch, "LAYER_FORWARD_WS", launch.LAYER_FORWARD_WS)  # restored after the test
-    monkeypatch.setattr(launch, "LAYER_BACKWARD_WS", launch.LAYER_BACKWARD_WS)
+    monkeypatch.setattr(launch, "LAYER_WS", launch.LAYER_WS)  # restored after the test
+    monkeypatch.setattr(launch, "LAYER_FC1_WS", launch.LAYER_FC1_WS)
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr(bench, "torchrun_group", stop)
     with pytest.raises(Stop):
         main(["--bf16-gemms", "fastest"])
-    assert launch.LAYER_FORWARD_WS == launch.LAYER_BACKWARD_WS == launch.FASTEST
+    assert launch.LAYER_WS == launch.LAYER_FC1_WS == launch.FASTEST
     with pytest.raises(Stop):
         main(["--bf16-gemms", "triton"])
-    assert launch.LAYER_FORWARD_WS is False and launch.LAYER_BACKWARD_WS is False
-    with pytest.raises(Stop):
-        main(["--bf16-gemms", "fastest-forward"])
-    assert launch.LAYER_FORWARD_WS == launch.FASTEST and launch.LAYER_BACKWARD_WS is False
+    assert launch.LAYER_WS is False and launch.LAYER_FC1_WS is False
     with pytest.raises(SystemExit) as err:
         main(["--bf16-gemms", "ws"])
     assert err.value.code == 2

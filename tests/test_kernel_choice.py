@@ -191,8 +191,8 @@ def test_the_layer_asking_for_fastest_gives_the_triton_layers_bits_on_the_cpu(fa
         return [y.detach()] + [t.grad for t in leaves]
 
     want = run()
-    monkeypatch.setattr(launch, "LAYER_BACKWARD_WS", launch.FASTEST)
-    monkeypatch.setattr(launch, "LAYER_FORWARD_WS", launch.FASTEST)
+    monkeypatch.setattr(launch, "LAYER_WS", launch.FASTEST)
+    monkeypatch.setattr(launch, "LAYER_FC1_WS", launch.FASTEST)
     got = run()
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     assert timed == []

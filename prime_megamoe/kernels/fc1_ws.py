@@ -27,7 +27,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from .fp8_fc1_ws import _clamp_gate_up, _fc1_load_partition, _store_halves, _store_rows
-from .gemm_ws import _pass_tile, _plain_tile, _stage_barriers, _tile_with_end
+from .gemm_ws import _plain_tile, _stage_barriers, _tile_with_end
 
 
 @gluon.jit
@@ -84,21 +84,18 @@ def _bf16_fc1_mma_partition(
             BLOCK_N,
             TILE_M,
         )
+        gate = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
+        up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
+        # The stage's B box: the gate rows, then the up rows (SUBS = 2 parts of BLOCK_N, K-major).
+        gate, up, it = _plain_tile(gate, up, a_bufs, b_bufs, ready, empty, it, k_steps, HALF, 2, True, 2, True)
         rows0 = row0 + HALF * BLOCK_M
-        if rows0 >= row_end:  # none of this half's rows are the expert's (``gemm_ws._pass_tile``)
-            it = _pass_tile(ready, empty, it, k_steps)
-        else:
-            gate = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
-            up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
-            # The stage's B box: the gate rows, then the up rows (SUBS = 2 parts of BLOCK_N, K-major).
-            gate, up, it = _plain_tile(gate, up, a_bufs, b_bufs, ready, empty, it, k_steps, HALF, 2, True, 2, True)
-            if SAVE_H:  # in 64-column halves (a thread holds column j and j + 64): fewer registers in flight
-                _store_halves(h_ptr, gate, rows0, col0, row_end, stride_hm, h_layout)
-                _store_halves(h_ptr, up, rows0, I + col0, row_end, stride_hm, h_layout)
-            if CLAMP:  # after h is stored: the backward recomputes the clamp from it
-                gate, up = _clamp_gate_up(gate, up, clamp_limit)
-            act = gate * (1 / (1 + gl.exp(-gate))) * up  # tl.sigmoid's expression
-            _store_rows(a_ptr, act.to(a_ptr.dtype.element_ty), rows0, col0, row_end, stride_am, a_layout)
+        if SAVE_H:  # in 64-column halves (a thread holds column j and j + 64): fewer registers in flight
+            _store_halves(h_ptr, gate, rows0, col0, row_end, stride_hm, h_layout)
+            _store_halves(h_ptr, up, rows0, I + col0, row_end, stride_hm, h_layout)
+        if CLAMP:  # after h is stored: the backward recomputes the clamp from it
+            gate, up = _clamp_gate_up(gate, up, clamp_limit)
+        act = gate * (1 / (1 + gl.exp(-gate))) * up  # tl.sigmoid's expression
+        _store_rows(a_ptr, act.to(a_ptr.dtype.element_ty), rows0, col0, row_end, stride_am, a_layout)
         row0, col0, row_end = row0_n, col0_n, row_end_n
 
 

@@ -349,21 +349,6 @@ def _mma_step2(
 
 
 @gluon.jit
-def _pass_tile(ready, empty, it, n_steps):
-    """A tile none of whose rows in this partition are its expert's (the empty 64-row half of an expert's last
-    tile): wait for each step's stage and free it without an MMA, so the other partition has the tensor cores to
-    itself meanwhile. Small T has many such halves (Qwen3-30B-A3B, T = 4096: about 256 rows an expert, so about
-    every second expert's third tile holds 64 rows or fewer)."""
-    STAGES: gl.constexpr = ready.type.shape[0]
-    for _j in range(n_steps):
-        s = it % STAGES
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        mbarrier.arrive(empty.index(s), count=1)
-        it += 1
-    return it
-
-
-@gluon.jit
 def _plain_part(acc, a_buf, b_buf, PART: gl.constexpr, B_KMAJOR: gl.constexpr):
     """Issue (not wait for) the wgmma adding A @ column part PART of B to ``acc`` (unscaled operands)."""
     SUB_N: gl.constexpr = acc.type.shape[1]
@@ -543,12 +528,7 @@ def _mma_partition(
         # Each step's MMA into a fresh fp32 tile, waited for, then scaled and added. (Waiting for the previous step's
         # only, with the next in flight, makes ptxas serialise every wgmma of the kernel: a wgmma's accumulator
         # registers must not be written while another wgmma runs, and each fresh tile is.)
-        if row_s0 >= row_end:  # none of this partition's rows are the expert's: nothing to compute or store
-            it = _pass_tile(ready, empty, it, n_steps)
-            if STAGGER:
-                mbarrier.wait(stored.index(1 - HALF), (tile & 1) ^ (1 - HALF))
-                mbarrier.arrive(stored.index(HALF), count=1)
-        elif not SCALED:
+        if not SCALED:
             acc0 = gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout)
             acc1 = gl.zeros([BLOCK_M, SUB_N], gl.float32, mma_layout) if SUBS == 2 else acc0
             acc0, acc1, it = _plain_tile(

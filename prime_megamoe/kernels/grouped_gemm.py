@@ -51,21 +51,6 @@ def tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M:
     return expert, rows, rows < row_end
 
 
-@triton.jit
-def block_has_rows(
-    tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, num_tiles_ptr, pid_m, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr
-):
-    """Whether row block ``pid_m`` of a one-block-per-program grid holds rows of its expert: blocks past the tile
-    list, and BLOCK_M parts of a tile that start past the expert's end (the empty half of an expert's last tile,
-    common at small T), return at once instead of running their K loop on masked rows."""
-    PARTS: tl.constexpr = TILE_M // BLOCK_M
-    in_list = pid_m < tl.load(num_tiles_ptr) * PARTS  # past it, the list's entries are not set: not read
-    tile = pid_m // PARTS
-    expert = tl.load(tile_expert_ptr + tile, mask=in_list, other=0)
-    row_start = tl.load(tile_row_ptr + tile, mask=in_list, other=0) + (pid_m % PARTS) * BLOCK_M
-    return row_start < tl.load(expert_offsets_ptr + expert + 1, mask=in_list, other=0)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # FC1 + SwiGLU:  h = x[src - row_base] @ W1[e]^T,  a = silu(h[:, :I]) * h[:, I:]
 # (CLAMP: a = silu(min(g, c)) * clamp(u, -c, c) with c = clamp_limit, kernels/activation.py; h is stored unclamped)
@@ -227,7 +212,7 @@ def fc1_swiglu_kernel(
             )
     else:
         pid_m = tl.program_id(1)
-        if block_has_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, num_tiles_ptr, pid_m, BLOCK_M, TILE_M):
+        if pid_m < tl.load(num_tiles_ptr) * (TILE_M // BLOCK_M):
             _fc1_swiglu_tile(
                 x_ptr,
                 row_src_ptr,
@@ -422,7 +407,7 @@ def grouped_gemm_kernel(
             )
     else:
         pid_m = tl.program_id(1)
-        if block_has_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, num_tiles_ptr, pid_m, BLOCK_M, TILE_M):
+        if pid_m < tl.load(num_tiles_ptr) * (TILE_M // BLOCK_M):
             _gemm_tile(
                 a_desc,
                 b_desc,

@@ -30,12 +30,12 @@ def unquantized_forward(rows, w1, w2, plan: RoutingPlan, save_h: bool, activatio
     """FC1 + SwiGLU (clamped with ``activation_clamp``), FC2 + top-k weight, combine: (out [R, H], h [P, 2I] or
     None)."""
     h, act = launch.fc1_swiglu(
-        rows, w1, plan, save_h=save_h, activation_clamp=activation_clamp, use_ws=launch.LAYER_FORWARD_WS
+        rows, w1, plan, save_h=save_h, activation_clamp=activation_clamp, use_ws=launch.LAYER_FC1_WS
     )
     # The Triton FC2 reads by pointer: TMA reads measured no faster here (0.731 against 0.738 ms at Qwen3-30B-A3B,
     # T = 16384, one H200) and cost host time per launch, which single forwards wait on.
     out_sorted = launch.grouped_gemm(
-        act, w2, plan, transpose_b=True, row_scale=plan.row_weight, use_tma=False, use_ws=launch.LAYER_FORWARD_WS
+        act, w2, plan, transpose_b=True, row_scale=plan.row_weight, use_tma=False, use_ws=launch.LAYER_WS
     )
     return launch.combine_rows(out_sorted, plan.pair_pos, rows.dtype), h
 
@@ -58,12 +58,12 @@ def unquantized_backward(
     (``quantized_experts``)."""
     grad_out = grad_out.contiguous().to(rows.dtype)
     dh, aw, dw_row = launch.fc2_dgrad_dswiglu(
-        grad_out, w2, h, plan, activation_clamp=activation_clamp, use_ws=launch.LAYER_BACKWARD_WS
+        grad_out, w2, h, plan, activation_clamp=activation_clamp, use_ws=launch.LAYER_WS
     )
 
     grad_rows = grad_weights = grad_w1 = grad_w2 = None
     if needs_input_grad[0]:
-        dx_sorted = launch.grouped_gemm(dh, w1, plan, transpose_b=False, use_ws=launch.LAYER_BACKWARD_WS)
+        dx_sorted = launch.grouped_gemm(dh, w1, plan, transpose_b=False, use_ws=launch.LAYER_WS)
         grad_rows, grad_weights = combine_with_pair_values(
             dx_sorted, dw_row, plan, rows.dtype, weights_dtype if needs_input_grad[2] else None
         )

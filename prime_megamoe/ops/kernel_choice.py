@@ -30,7 +30,7 @@ from .sm_budget import available_sms, cuda_properties
 CACHE_DIR_ENV = "PRIME_MEGAMOE_CACHE_DIR"
 CACHE_FILE = "kernel_choices.json"
 # Raise when a kernel changes enough that choices timed before it no longer hold.
-CHOICE_FORMAT = 2
+CHOICE_FORMAT = 1
 _ROUNDS, _CALLS = 3, 3
 
 _chosen: dict[str, str] = {}  # this process's choices, by full key

@@ -33,10 +33,10 @@ _cuda_properties = cuda_properties
 # ``use_ws=FASTEST``: the warp-specialised kernel where it applies and was timed faster for the shape
 # (``kernel_choice.fastest``), else the Triton kernel.
 FASTEST = "fastest"
-# What the one-rank layer's bf16 GEMMs ask for (``expert_compute``): the forward's (FC1 + SwiGLU, FC2) and the
-# backward's (the FC2 dgrad, the FC1 dgrad). (The expert-parallel stages do not ask: a rank that times a GEMM waits
-# on the host for its stream, which may wait on a peer's.)
-LAYER_FORWARD_WS = LAYER_BACKWARD_WS = False
+# What the one-rank layer's bf16 GEMMs ask for (``expert_compute``): FC1 + SwiGLU, and FC2 and the two dgrads. The
+# Triton kernels until the layer with FASTEST is measured against them on a GPU. (The expert-parallel stages do not
+# ask: a rank that times a GEMM waits on the host for its stream, which may wait on a peer's.)
+LAYER_FC1_WS = LAYER_WS = False
 
 
 def ws_if_faster(op: str, key: tuple, plan: RoutingPlan, work_per_row: int, device, run) -> bool:
