@@ -56,6 +56,9 @@ one two-warp-group partition 0.593; two partitions on the halves 0.543-0.559; TM
 the producer 0.481 (the MMA warps had waited at each step's end for global loads of the next step's scales);
 staged by cp.async 0.468. Tried and dropped: two 4-warp MMA partitions on alternate tiles (ping-pong, 0.72: their
 main loops must take turns); the second half issuing each step after the first (no gain); 5 stages (no gain).
+Also dropped (bf16, T = 2048 and 4096): a partition passing over a tile whose 64-row half holds none of its expert's
+rows (the stages freed without an MMA, so the other half had the tensor cores alone) was no faster, and the FC1
+dgrad's 256-column config 9% slower (``benchmarks/results/bf16_ws_empty_half_h200.txt``).
 """
 
 from __future__ import annotations
