@@ -5,8 +5,11 @@ The interpreter swaps ``triton.language``'s functions for interpreted ones at ea
 a ``@triton.jit`` helper inside the kernel, although the launch has already swapped them: the repeated swap
 (``inspect.getmembers`` over the language modules) is about a third of an interpreted layer's time. ``install()``
 skips the swap of a helper call when the launch around it has already swapped every language module the helper sees;
-anything else goes through the interpreter's own code. Where Triton has no such internals, nothing is changed. Only
-entry points call it (the trainer's CLI, the test setup): importing the package changes nothing in Triton.
+anything else goes through the interpreter's own code. The interpreter's numpy type of a Triton type
+(``_get_np_dtype``) builds its table of 18 types at every call, hundreds of thousands of calls in a test (~10% of an
+interpreted fp8 layer's time): ``install()`` remembers its answer per element type. Where Triton has no such
+internals, nothing is changed. Only entry points call it (the trainer's CLI, the test setup): importing the package
+changes nothing in Triton.
 """
 
 from __future__ import annotations
@@ -37,8 +40,14 @@ def install() -> None:
         def restore(self):
             pass
 
+    module_ids: dict = {}  # per function: the ids of the language modules its globals hold (they do not change)
+
     def lang_modules(fn) -> set[int]:
-        return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and (v is tl or v is tl.core)}
+        if fn not in module_ids:
+            module_ids[fn] = {
+                id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and (v is tl or v is tl.core)
+            }
+        return module_ids[fn]
 
     def patch_once_per_launch(fn):
         langs = lang_modules(fn)
@@ -60,3 +69,21 @@ def install() -> None:
 
     interpreter._patch_lang = patch_once_per_launch
     executor.__call__ = launch
+    np_dtype = getattr(interpreter, "_get_np_dtype", None)
+    if np_dtype is not None:
+        interpreter._get_np_dtype = _remembered(np_dtype, tl)
+
+
+def _remembered(np_dtype, tl):
+    """``np_dtype`` (the interpreter's numpy type of a Triton type: a block's is its element's, every pointer's
+    uint64) answered from a table of the element types it has been asked for."""
+    table: dict = {}
+
+    def remembered(tt_dtype):
+        element = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        key = "pointer" if isinstance(element, tl.pointer_type) else element
+        if key not in table:
+            table[key] = np_dtype(element)
+        return table[key]
+
+    return remembered

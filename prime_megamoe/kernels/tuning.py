@@ -97,6 +97,8 @@ def autotune_configs(kind: str) -> list[triton.Config]:
             raise ValueError(f"unknown kernel family {kind!r}")
         # Rows in tiles of tile_m() (several per expert at the tests' sizes); wider columns and K steps cut the
         # interpreter's per-program Python work and still leave ragged column and K edges at those sizes.
+        if kind == "wgrad":  # [BLOCK_M, BLOCK_N] blocks of each expert's weight gradient: four times fewer programs
+            return [_cfg(32, 64, 32, 1, 1, **extra[kind])]
         return [_cfg(16, 32, 32, 1, 1, **extra[kind])]
     m = tile_m()
     h = m // 2  # half-tile programs (grouped_gemm.tile_rows): fewer accumulator registers, wider column blocks
