@@ -57,3 +57,33 @@ def test_helper_calls_reuse_the_launch_patch(monkeypatch):
     inline = _patches_per_launch(monkeypatch, _inline)
     assert inline > 0
     assert _patches_per_launch(monkeypatch, _with_helper) == inline  # six helper calls: no patching of their own
+
+
+def test_remembered_numpy_types_are_the_interpreters():
+    # The interpreter's numpy type of every kind of Triton type (scalars, blocks, pointers, blocks of pointers), asked
+    # twice: the remembered answers are the interpreter's own, and each element type is asked of it once.
+    from triton.runtime import interpreter
+
+    from prime_megamoe.kernels.interpreter_speed import _remembered
+
+    install()
+    original = getattr(interpreter._get_np_dtype, "__wrapped__", None)
+    if original is None:
+        pytest.skip("kernels are compiled here: the interpreter is not patched")
+    types = [tl.float32, tl.bfloat16, tl.float8e4nv, tl.int1, tl.int64, tl.pointer_type(tl.float32)]
+    types += [
+        tl.block_type(tl.float32, [4, 8]),
+        tl.block_type(tl.pointer_type(tl.bfloat16), [4]),
+        tl.block_type(tl.int1, [2]),
+    ]
+    asked = []
+
+    def counting(t):
+        asked.append(t)
+        return original(t)
+
+    remembered = _remembered(counting, tl)
+    for _ in range(2):
+        for t in types:
+            assert remembered(t) == original(t) == interpreter._get_np_dtype(t), t
+    assert len(asked) == 6, asked  # the five scalar types and one pointer: blocks are asked as their elements

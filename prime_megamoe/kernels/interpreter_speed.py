@@ -86,4 +86,5 @@ def _remembered(np_dtype, tl):
             table[key] = np_dtype(element)
         return table[key]
 
+    remembered.__wrapped__ = np_dtype
     return remembered
