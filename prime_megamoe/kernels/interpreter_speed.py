@@ -6,10 +6,10 @@ a ``@triton.jit`` helper inside the kernel, although the launch has already swap
 (``inspect.getmembers`` over the language modules) is about a third of an interpreted layer's time. ``install()``
 skips the swap of a helper call when the launch around it has already swapped every language module the helper sees;
 anything else goes through the interpreter's own code. The interpreter's numpy type of a Triton type
-(``_get_np_dtype``) builds its table of 18 types at every call, hundreds of thousands of calls in a test (~10% of an
-interpreted fp8 layer's time): ``install()`` remembers its answer per element type. Where Triton has no such
-internals, nothing is changed. Only entry points call it (the trainer's CLI, the test setup): importing the package
-changes nothing in Triton.
+(``_get_np_dtype``) builds its table of 18 types at every call, hundreds of thousands of calls in a test:
+``install()`` remembers its answer per element type (an interpreted fp8 layer test: 18.5 s against 21.8). Where
+Triton has no such internals, nothing is changed. Only entry points call it (the trainer's CLI, the test setup):
+importing the package changes nothing in Triton.
 """
 
 from __future__ import annotations
