@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -688,6 +689,7 @@ def combine_reference(src, pair_pos, out_dtype):
         (7, 3, 100, torch.bfloat16, torch.bfloat16),  # more than one column block
         (5, 1, 24, torch.float32, torch.bfloat16),
         (6, 4, 16, torch.bfloat16, torch.float32),
+        (37, 3, 100, torch.float32, torch.float32),  # row blocks too (the interpreter's 16 rows a program)
     ],
 )
 def test_combine_rows_matches_reference(rows, top_k, hidden, src_dtype, out_dtype):
@@ -743,6 +745,31 @@ def test_combine_rows_pair_values_in_the_same_launch(top_k, pair_dtype):
     assert (pair_out[2] == 0).all()
 
 
+@pytest.mark.parametrize("block_r, block_h", [(1, 1024), (1, 32), (16, 64), (4, 128)])
+def test_combine_rows_kernel_blocks_give_the_same_bits(block_r, block_h):
+    # The GPU's launch (a row a program) and the interpreter's (16 rows) are one kernel at two block shapes: every
+    # shape gives the reference's bits, pair values included, where rows and columns end inside a block.
+    from prime_megamoe.kernels.combine import combine_rows_kernel
+
+    gen = torch.Generator().manual_seed(block_r * 7 + block_h)
+    rows, top_k, hidden = 21, 3, 72
+    num_src = rows * top_k + 4
+    src = torch.randn(num_src, hidden, generator=gen).to(torch.bfloat16)
+    values = torch.randn(num_src, generator=gen)
+    pair_pos = torch.randperm(num_src, generator=gen)[: rows * top_k].view(rows, top_k)
+    pair_pos = torch.where(torch.rand(rows, top_k, generator=gen) < 0.3, -1, pair_pos).to(torch.int32)
+    out = torch.full((rows, hidden), 3.0, dtype=torch.bfloat16)
+    pair_out = torch.full((rows, top_k), 7.0)
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(hidden, block_h))
+    combine_rows_kernel[grid](
+        src, pair_pos, out, values, pair_out, rows, hidden, src.stride(0), out.stride(0),
+        TOP_K=top_k, BLOCK_R=block_r, BLOCK_H=block_h, PAIR_VALUES=True, K_BLOCK=4,
+    )  # fmt: skip
+    assert torch.equal(out, combine_reference(src, pair_pos, torch.bfloat16))
+    pos = pair_pos.long()
+    assert torch.equal(pair_out, torch.where(pos >= 0, values[pos.clamp(min=0)], 0.0))
+
+
 def test_combine_rows_pair_values_arguments_checked():
     src, pair_pos = torch.randn(4, 8), torch.zeros(2, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match="together"):
@@ -774,12 +801,41 @@ def test_routing_plan_properties(rows, top_k, num_experts, world, tile_m, seed, 
 
 
 def test_small_problems_skip_autotuning(monkeypatch):
-    from prime_megamoe.kernels.tuning import SMALL_PROBLEM, prune_small_problems
+    from prime_megamoe.kernels.tuning import SMALL_PROBLEM, prune_candidates
 
-    prune = prune_small_problems("N", "K", "M_BUCKET")
-    configs = ["first", "second", "third"]
-    assert prune(configs, {"N": 32, "K": 64, "M_BUCKET": 64}) == ["first"]  # a tiny model: no candidate timing
+    prune = prune_candidates("N", "K", "M_BUCKET")
+    configs = [triton.Config({"BLOCK_M": bm}) for bm in (128, 64, 16)]
+    assert prune(configs, {"N": 32, "K": 64, "M_BUCKET": 64}) == configs[:1]  # a tiny model: no candidate timing
     assert prune(configs, {"N": 768, "K": 2048, "M_BUCKET": 131072}) == configs  # Qwen3-30B-A3B: all candidates
     assert prune(configs, {"N": 1, "K": 1, "M_BUCKET": SMALL_PROBLEM}) == configs
     monkeypatch.setenv("PRIME_MEGAMOE_AUTOTUNE", "0")  # checks: never time candidates
-    assert prune(configs, {"N": 768, "K": 2048, "M_BUCKET": 131072}) == ["first"]
+    assert prune(configs, {"N": 768, "K": 2048, "M_BUCKET": 131072}) == configs[:1]
+
+
+def test_candidates_take_row_blocks_that_divide_the_launchs_row_tile():
+    from prime_megamoe.kernels.tuning import SMALL_PROBLEM, prune_candidates
+
+    prune = prune_candidates("N", "K", "M_BUCKET")
+    configs = [triton.Config({"BLOCK_M": bm}) for bm in (128, 64, 16)]
+    big = {"N": 1, "K": 1, "M_BUCKET": SMALL_PROBLEM}
+    assert prune(configs, big, TILE_M=128) == configs
+    assert prune(configs, big, TILE_M=64) == configs[1:]
+    assert prune(configs, {"N": 1, "K": 1, "M_BUCKET": 1}, TILE_M=16) == configs[2:]  # small: the first that fits
+    with pytest.raises(ValueError, match="divides the row tile 8"):
+        prune(configs, big, TILE_M=8)
+
+
+@pytest.mark.skipif(not interpreting(), reason="the interpreter's candidates")
+def test_interpreted_tile_kernels_run_one_program_a_row_tile():
+    # Under the interpreter, a 128-row plan (the quantised layers', whose bf16 backward runs these kernels) gets
+    # 128-row programs and a 16-row plan 16-row ones: the first candidate whose BLOCK_M divides the tile.
+    from prime_megamoe.kernels.grouped_gemm import fc1_swiglu_kernel, grouped_gemm_kernel
+    from prime_megamoe.kernels.tuning import QTILE_M, prune_candidates, tile_m
+
+    for kernel in (fc1_swiglu_kernel, grouped_gemm_kernel):
+        prune = prune_candidates("N", "K", "M_BUCKET")
+        size = {"N": 32, "K": 32, "M_BUCKET": 64}
+        for tile in (QTILE_M, tile_m()):
+            (chosen,) = prune(kernel.configs, size, TILE_M=tile)
+            assert chosen.kwargs["BLOCK_M"] == tile
+        assert "TILE_M" in kernel.keys  # the choice is remembered per row tile

@@ -162,7 +162,7 @@ COMPILES = [
     ("prime_megamoe.kernels.routing:expert_ids_in_range_kernel", {"BLOCK": 4096}, ["--types", '{"index_ptr": "*i64"}']),
     (
         "prime_megamoe.kernels.combine:combine_rows_kernel",
-        {"TOP_K": 8, "BLOCK_H": 1024, "PAIR_VALUES": True, "K_BLOCK": 8},
+        {"TOP_K": 8, "BLOCK_R": 1, "BLOCK_H": 1024, "PAIR_VALUES": True, "K_BLOCK": 8},
         ["--types", '{"pair_src_ptr": "*fp32", "pair_out_ptr": "*fp32"}'],
     ),
     (

@@ -13,34 +13,40 @@ def combine_rows_kernel(
     out_ptr,
     pair_src_ptr,
     pair_out_ptr,
+    R,
     H,
     stride_src,
     stride_out,
     TOP_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     PAIR_VALUES: tl.constexpr,
     K_BLOCK: tl.constexpr,
 ):
     """out[t] = sum_j src[pos[t, j]] over slots with pos >= 0 (fp32 sum, j ascending); rows with none get zeros.
-    PAIR_VALUES: also pair_out[t, j] = pair_src[pos[t, j]] (zero where pos < 0), from the first column block's
-    program: the per-pair values the backward returns with dx (top-k weight gradients), in the same launch."""
-    t = tl.program_id(0).to(tl.int64)
+    A program takes BLOCK_R rows (t < R) by BLOCK_H columns. PAIR_VALUES: also pair_out[t, j] = pair_src[pos[t, j]]
+    (zero where pos < 0), from the first column block's programs: the per-pair values the backward returns with dx
+    (top-k weight gradients), in the same launch."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < R
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_mask = cols < H
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_R, BLOCK_H), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        # The slot's row index, broadcast over the columns (a per-column mask keeps the interpreter happy too).
-        p = tl.zeros((BLOCK_H,), dtype=tl.int64) + tl.load(pos_ptr + t * TOP_K + j).to(tl.int64)
-        row = tl.load(src_ptr + tl.maximum(p, 0) * stride_src + cols, mask=col_mask & (p >= 0), other=0.0)
+        p = tl.load(pos_ptr + rows * TOP_K + j, mask=row_mask, other=-1).to(tl.int64)
+        mask = (p >= 0)[:, None] & col_mask[None, :]
+        row = tl.load(src_ptr + tl.maximum(p, 0)[:, None] * stride_src + cols[None, :], mask=mask, other=0.0)
         acc += row.to(tl.float32)
-    tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     if PAIR_VALUES:
         if tl.program_id(1) == 0:
             slots = tl.arange(0, K_BLOCK)
-            slot_mask = slots < TOP_K
-            pos = tl.load(pos_ptr + t * TOP_K + slots, mask=slot_mask, other=-1).to(tl.int64)
-            value = tl.load(pair_src_ptr + tl.maximum(pos, 0), mask=slot_mask & (pos >= 0), other=0.0)
-            tl.store(pair_out_ptr + t * TOP_K + slots, value.to(pair_out_ptr.dtype.element_ty), mask=slot_mask)
+            pair = rows[:, None] * TOP_K + slots[None, :]
+            pair_mask = row_mask[:, None] & (slots < TOP_K)[None, :]
+            pos = tl.load(pos_ptr + pair, mask=pair_mask, other=-1).to(tl.int64)
+            value = tl.load(pair_src_ptr + tl.maximum(pos, 0), mask=pair_mask & (pos >= 0), other=0.0)
+            tl.store(pair_out_ptr + pair, value.to(pair_out_ptr.dtype.element_ty), mask=pair_mask)
 
 
 @triton.jit

@@ -41,9 +41,7 @@ from .grouped_gemm import tile_rows as _tile_rows
 from .grouped_gemm import tile_span as _tile_span
 from .grouped_gemm import wgrad_tile_ids, wgrad_tile_offsets
 from .quantize import store_rows_q
-from .tuning import autotune, gemm_tma_boxes, interpreting
-
-QTILE_M = 128  # row tile of every quantised grouped GEMM = the token-dim block of the wgrad scales
+from .tuning import QTILE_M, autotune, gemm_tma_boxes, interpreting
 
 
 def _cfg(bn, bk, warps, stages, bm=QTILE_M, **extra):

@@ -140,7 +140,7 @@ def _fc1_swiglu_tile(
     tl.store(a_ptr + rows64[:, None] * stride_am + cols[None, :], act.to(a_ptr.dtype.element_ty), mask=out_mask)
 
 
-@autotune(autotune_configs("fc1"), key=["N", "K", "M_BUCKET"])
+@autotune(autotune_configs("fc1"), key=["N", "K", "M_BUCKET", "TILE_M"])
 @triton.jit
 def fc1_swiglu_kernel(
     x_ptr,
@@ -329,7 +329,7 @@ def _gemm_tile(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
-@autotune(autotune_configs("gemm"), key=["N", "K", "M_BUCKET"])
+@autotune(autotune_configs("gemm"), key=["N", "K", "M_BUCKET", "TILE_M"])
 @triton.jit
 def grouped_gemm_kernel(
     a_desc,

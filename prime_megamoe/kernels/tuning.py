@@ -4,7 +4,8 @@ Row tiles of the expert-sorted GEMMs have a fixed height (``tile_m()``) because 
 for it; a config may give each program the whole tile or half of it (BLOCK_M = tile_m() / 2). Autotuning picks that,
 the other block sizes, warps and pipeline depth per shape, and the choice is cached on disk (Triton's cache, or
 ``autotune_cache`` where candidates set their TMA boxes in a pre-launch hook). Under the interpreter (CPU tests) one
-small configuration is used (tests launch the half-tile path explicitly).
+small configuration is used for each of the two row tiles plans have there (tests launch the half-tile path
+explicitly).
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ def interpreting() -> bool:
 
 
 def tile_m() -> int:
+    """Row tile of the unquantised layer's routing plans."""
     return 16 if interpreting() else 128
+
+
+QTILE_M = 128  # row tile of every quantised layer's plan (and so of its bf16 backward) = the wgrad scales' row block
 
 
 # Problems with fewer multiply-adds than this (M * N * K over the autotuning key) run the first candidate untimed:
@@ -31,11 +36,17 @@ SMALL_PROBLEM = 1 << 30
 _SIZE_KEYS = ("M", "N", "K", "M_BUCKET")
 
 
-def prune_small_problems(*dims: str):
-    """An ``early_config_prune`` keeping only the first candidate when the product of ``dims`` is small, or for every
-    problem when PRIME_MEGAMOE_AUTOTUNE=0 (correctness checks: one compiled kernel per shape, nothing timed)."""
+def prune_candidates(*dims: str):
+    """An ``early_config_prune``: candidates whose BLOCK_M does not divide the launch's row tile (TILE_M) are
+    dropped; of the rest only the first is kept when the product of ``dims`` is small, or for every problem when
+    PRIME_MEGAMOE_AUTOTUNE=0 (correctness checks: one compiled kernel per shape, nothing timed)."""
 
     def prune(configs, named_args, **kwargs):
+        tile = kwargs.get("TILE_M")
+        if tile is not None:
+            configs = [c for c in configs if tile % c.kwargs.get("BLOCK_M", 1) == 0]
+            if not configs:
+                raise ValueError(f"no autotuning candidate has a BLOCK_M that divides the row tile {tile}")
         if os.environ.get("PRIME_MEGAMOE_AUTOTUNE", "1") == "0":
             return configs[:1]
         size = 1
@@ -49,13 +60,13 @@ def prune_small_problems(*dims: str):
 def autotune(configs: list[triton.Config], key: list[str]):
     """``triton.autotune`` as every kernel of the package uses it: choices cached on disk (also those among
     candidates with pre-launch hooks: ``autotune_cache``), keyed on ``key``, and candidates pruned by
-    ``prune_small_problems`` over the key's size arguments."""
+    ``prune_candidates`` (the launch's row tile, and the key's size arguments)."""
     dims = [name for name in key if name in _SIZE_KEYS]
     decorator = triton.autotune(
         configs=configs,
         key=key,
         cache_results=True,
-        prune_configs_by={"early_config_prune": prune_small_problems(*dims)},
+        prune_configs_by={"early_config_prune": prune_candidates(*dims)},
     )
     return lambda fn: autotune_cache.install(decorator(fn))
 
@@ -95,11 +106,14 @@ def autotune_configs(kind: str) -> list[triton.Config]:
         }
         if kind not in extra:
             raise ValueError(f"unknown kernel family {kind!r}")
-        # Rows in tiles of tile_m() (several per expert at the tests' sizes); wider columns and K steps cut the
-        # interpreter's per-program Python work and still leave ragged column and K edges at those sizes.
+        # Wider columns and K steps than 16 cut the interpreter's per-program Python work and still leave ragged
+        # column and K edges at the tests' sizes.
         if kind == "wgrad":  # [BLOCK_M, BLOCK_N] blocks of each expert's weight gradient: four times fewer programs
             return [_cfg(32, 64, 32, 1, 1, **extra[kind])]
-        return [_cfg(16, 32, 32, 1, 1, **extra[kind])]
+        # One program a row tile, the unquantised plans' (tile_m()) or the quantised ones' (QTILE_M, whose bf16
+        # backward runs these kernels; 16-row programs there were eight a tile, mostly past its expert's rows, and
+        # ~7x the time): prune_candidates keeps the first whose BLOCK_M divides the launch's TILE_M.
+        return [_cfg(bm, 32, 32, 1, 1, **extra[kind]) for bm in (QTILE_M, tile_m())]
     m = tile_m()
     h = m // 2  # half-tile programs (grouped_gemm.tile_rows): fewer accumulator registers, wider column blocks
     if kind == "fc1":  # gate and up per tile: two accumulators, or one twice as wide (ONE_DOT; at Qwen3-30B-A3B,

@@ -397,19 +397,24 @@ def combine_rows(
         )
     if rows == 0:
         return out
-    block_h = min(next_power_of_2(hidden), 64 if tuning.interpreting() else 1024)
+    # A row a program on the GPU (1024 columns of it); under the interpreter 16 rows of 64 columns, so that its
+    # per-program Python work is paid once for many rows and tests still cross row and column block edges.
+    block_r, block_h = (16, 64) if tuning.interpreting() else (1, 1024)
+    block_h = min(next_power_of_2(hidden), block_h)
     launch(
         combine_rows_kernel,
-        (rows, cdiv(hidden, block_h)),
+        (cdiv(rows, block_r), cdiv(hidden, block_h)),
         src,
         pair_pos,
         out,
         pair_src if pair_values else src,
         pair_out if pair_values else out,
+        rows,
         hidden,
         src.stride(0),
         out.stride(0),
         TOP_K=top_k,
+        BLOCK_R=block_r,
         BLOCK_H=block_h,
         PAIR_VALUES=pair_values,
         K_BLOCK=next_power_of_2(top_k),
