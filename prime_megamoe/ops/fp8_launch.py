@@ -53,6 +53,8 @@ from .tma import tma_descriptor, tma_readable
 # yet no config reached 2.2 TB/s: the column pass's time is its instructions, not its occupancy).
 DSWIGLU_ROWS_BLOCK = (32, 128, 4)  # (BLOCK_R, BLOCK_C, num_warps)
 DSWIGLU_COLS_BLOCK = (QTILE_M, 16, 2)
+if tuning.interpreting():  # CPU tests: a whole tile a program and wider columns (the interpreter's cost is per program)
+    DSWIGLU_ROWS_BLOCK, DSWIGLU_COLS_BLOCK = (QTILE_M, 128, 4), (QTILE_M, 64, 2)
 # The column launch's Gluon form (kernels/swiglu_grad_cols.py), the layer's on GPUs: BC columns, CPT columns a
 # thread, num_warps. 0.318 ms against 0.439 for the Triton launch's best blocks and 0.342 for (16, 1, 4), the same
 # bits (Qwen3-30B-A3B, T = 16384, one H200, scripts/fp8_pass_probe.py).
@@ -62,7 +64,7 @@ DSWIGLU_COLS_GLUON_BLOCK = (32, 2, 4)
 DSWIGLU_FUSED_BLOCK = (32, 8)
 # The x^T / dy^T gather-quantise pass: a 128-row tile x GATHER_COLS_T_BLOCK[0] columns per program, [1] warps (0.241
 # against 0.245 ms for 64 columns, 4 warps; scripts/fp8_pass_probe.py).
-GATHER_COLS_T_BLOCK = (32, 2)
+GATHER_COLS_T_BLOCK = (128, 2) if tuning.interpreting() else (32, 2)
 # Its Gluon form (kernels/gather_cols_t.py), the layer's on GPUs: BC columns a program, CPT columns a thread (one
 # 16-byte load), num_warps. 0.218 ms against 0.242 for the Triton launch's best blocks and 0.226-0.261 for the other
 # shapes tried, the same bits (Qwen3-30B-A3B, T = 16384, one H200, scripts/fp8_pass_probe.py).
