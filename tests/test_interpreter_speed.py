@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import triton
@@ -87,3 +88,41 @@ def test_remembered_numpy_types_are_the_interpreters():
         for t in types:
             assert remembered(t) == original(t) == interpreter._get_np_dtype(t), t
     assert len(asked) == 6, asked  # the five scalar types and one pointer: blocks are asked as their elements
+
+
+@triton.jit
+def _xor_and_sort(x_ptr, rows_ptr, cols_ptr, sorted_ptr, R: tl.constexpr, C: tl.constexpr):
+    offs = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
+    x = tl.load(x_ptr + offs)
+    tl.store(rows_ptr + tl.arange(0, R), tl.xor_sum(x, 1))
+    tl.store(cols_ptr + tl.arange(0, C), tl.xor_sum(x, 0))
+    tl.store(sorted_ptr + offs, tl.sort(x, 1))  # built on xor reductions
+
+
+def test_xor_reductions_run_in_numpy_with_the_interpreters_results(monkeypatch):
+    from triton.runtime import interpreter
+
+    install()
+    if getattr(interpreter.ReduceOps.apply_impl, "__wrapped__", None) is None:
+        pytest.skip("this Triton's interpreter has no ReduceOps.apply_impl to patch")
+    slow = []
+    original = interpreter.ReduceOps.generic_reduce
+
+    def counted(self, input):
+        slow.append(1)
+        return original(self, input)
+
+    monkeypatch.setattr(interpreter.ReduceOps, "generic_reduce", counted)
+    x = torch.randint(-(2**30), 2**30, (8, 16), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
+    rows, cols, out = torch.zeros(8, dtype=torch.int32), torch.zeros(16, dtype=torch.int32), torch.zeros_like(x)
+    _xor_and_sort[(1,)](x, rows, cols, out, R=8, C=16)
+    assert not slow, "an xor reduction ran element by element"
+    assert torch.equal(rows, torch.from_numpy(np.bitwise_xor.reduce(x.numpy(), axis=1)))
+    assert torch.equal(cols, torch.from_numpy(np.bitwise_xor.reduce(x.numpy(), axis=0)))
+    assert torch.equal(out, x.sort(dim=1).values)
+    # The interpreter's own path (the patch bypassed) gives the same results.
+    monkeypatch.setattr(interpreter.ReduceOps, "apply_impl", interpreter.ReduceOps.apply_impl.__wrapped__)
+    again = [torch.zeros_like(t) for t in (rows, cols, out)]
+    _xor_and_sort[(1,)](x, *again, R=8, C=16)
+    assert slow, "the bypassed patch still ran"
+    assert all(torch.equal(a, b) for a, b in zip(again, (rows, cols, out)))
