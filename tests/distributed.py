@@ -23,7 +23,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, fn, args, queue, leave_together):
+# Ranks are forked from a server process that has imported these once (multiprocessing's forkserver): a fresh
+# interpreter importing torch, Triton and the package costs each rank ~5 s of CPU, most of a small test's time. The
+# server has only imported them (no threads, no CUDA, no process group), so forking it is safe.
+_PRELOAD = ["torch", "triton", "prime_megamoe", "prime_megamoe.ops.ep_pipeline", "transformers", "pytest", __name__]
+
+
+def _worker(rank, world, port, fn, args, queue, leave_together, environ, released):
+    os.environ.clear()  # the parent's environment as it is now (the server's is the one it started with)
+    os.environ.update(environ)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -41,6 +49,10 @@ def _worker(rank, world, port, fn, args, queue, leave_together):
     except BaseException:  # noqa: BLE001 - the parent re-raises with the traceback
         queue.put((rank, "error", traceback.format_exc()))
     finally:
+        # The process group (rank 0 hosts its store) stays up until the parent has every rank's result: a rank that
+        # finished first must not take the store away from peers still reading it (a peer that went away is
+        # identified through its heartbeat there).
+        released.wait(timeout=120)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -68,11 +80,14 @@ def run_on_ranks(
     collective of the group unfinished."""
     if leave_together is None:
         leave_together = not may_exit
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
     results_queue = ctx.Queue()
+    released = ctx.Event()
     port = _free_port()
+    environ = dict(os.environ)
     procs = [
-        ctx.Process(target=_worker, args=(r, world, port, fn, args, results_queue, leave_together))
+        ctx.Process(target=_worker, args=(r, world, port, fn, args, results_queue, leave_together, environ, released))
         for r in range(world)
     ]
     for p in procs:
@@ -96,6 +111,7 @@ def run_on_ranks(
                 procs[r].kill()
                 results[r] = None
     finally:
+        released.set()
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():

@@ -10,9 +10,8 @@ anything else goes through the interpreter's own code. The interpreter's numpy t
 ``install()`` remembers its answer per element type (an interpreted fp8 layer test: 18.5 s against 21.8). Its
 reductions with a combine function it does not know run element by element in Python; ``tl.sort`` (the routing
 plan's stable sort) is built on one of them, the xor reduction: ``install()`` runs that one as numpy's xor reduce
-(an interpreted routing plan of 64-pair chunks: 0.17 s a plan in it before). Where Triton has no such internals,
-nothing is changed. Only entry points call it (the trainer's CLI, the test setup):
-importing the package changes nothing in Triton.
+(an interpreted routing plan: 0.16 s against 0.37). Where Triton has no such internals, nothing is changed. Only
+entry points call it (the trainer's CLI, the test setup): importing the package changes nothing in Triton.
 """
 
 from __future__ import annotations
