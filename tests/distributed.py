@@ -8,7 +8,6 @@ import queue
 import socket
 import time
 import traceback
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -29,7 +28,7 @@ def _free_port() -> int:
 _PRELOAD = ["torch", "triton", "prime_megamoe", "prime_megamoe.ops.ep_pipeline", "transformers", "pytest", __name__]
 
 
-def _worker(rank, world, port, fn, args, queue, leave_together, environ, released):
+def _worker(rank, world, port, fn, args, queue, environ, released):
     os.environ.clear()  # the parent's environment as it is now (the server's is the one it started with)
     os.environ.update(environ)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -44,8 +43,6 @@ def _worker(rank, world, port, fn, args, queue, leave_together, environ, release
         buf = io.BytesIO()
         torch.save(result, buf)
         queue.put((rank, "ok", buf.getvalue()))
-        if leave_together:
-            _leave_together()
     except BaseException:  # noqa: BLE001 - the parent re-raises with the traceback
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -57,29 +54,15 @@ def _worker(rank, world, port, fn, args, queue, leave_together, environ, release
             dist.destroy_process_group()
 
 
-def _leave_together() -> None:
-    """Wait for the other ranks before tearing the process group down: a rank that closes its connections while a
-    peer is still setting up a group with it (the peer inside ``new_group``) fails that peer. Bounded: a peer that is
-    gone ends the wait (tests in which a rank may exit skip it: the parent has their results already)."""
-    try:
-        dist.monitored_barrier(timeout=timedelta(seconds=60))
-    except RuntimeError:
-        pass  # a peer that ended first: the parent judges the ranks by their results
-
-
-def run_on_ranks(
-    fn, world: int, *args, timeout: float = 240.0, may_exit: tuple[int, ...] = (), leave_together: bool | None = None
-) -> list:
+def run_on_ranks(fn, world: int, *args, timeout: float = 240.0, may_exit: tuple[int, ...] = ()) -> list:
     """Call ``fn(rank, world, *args)`` on ``world`` gloo processes; return the per-rank results in rank order.
 
     ``fn`` must be a module-level function (it is pickled); results must be picklable (CPU tensors are). A rank in
     ``may_exit`` may end its process without a result (a test that kills it, or freezes it): its result is None, and
     once every other rank has its result it is killed if still running. Any other rank that exits without a result
-    fails the test as soon as that is seen, instead of after ``timeout``. ``leave_together`` (default: no rank may
-    exit): the ranks wait for each other before tearing the process group down; False for a test that leaves a
-    collective of the group unfinished."""
-    if leave_together is None:
-        leave_together = not may_exit
+    fails the test as soon as that is seen, instead of after ``timeout``. No rank tears its process group down before
+    the parent has every result: a peer still setting up a group (``new_group``) or reading the store is not failed
+    by one that finished first."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     results_queue = ctx.Queue()
@@ -87,7 +70,7 @@ def run_on_ranks(
     port = _free_port()
     environ = dict(os.environ)
     procs = [
-        ctx.Process(target=_worker, args=(r, world, port, fn, args, results_queue, leave_together, environ, released))
+        ctx.Process(target=_worker, args=(r, world, port, fn, args, results_queue, environ, released))
         for r in range(world)
     ]
     for p in procs:

@@ -281,7 +281,7 @@ def test_a_live_peer_that_never_joins_is_an_error_not_a_hang(tmp_path):
     # Rank 1 lives but never calls the layer (mismatched call counts): its heartbeat advances, so the silence bound
     # (1 s) never trips; the stall bound (3 s) does, naming the peer that entered fewer exchanges.
     # (Rank 0's agreement stays pending on the group: the ranks tear it down without waiting for each other.)
-    elapsed, message = run_on_ranks(_stalled_peer_body, 2, str(tmp_path / "rank0_done"), leave_together=False)[0]
+    elapsed, message = run_on_ranks(_stalled_peer_body, 2, str(tmp_path / "rank0_done"))[0]
     assert 3.0 <= elapsed < 10.0, elapsed
     assert "rank 0" in message and "[1]" in message and "comm_stall_timeout_s" in message, message
 
