@@ -1,5 +1,6 @@
-"""Usage: torchrun --nproc-per-node 2 scripts/host_overhead.py [--shape qwen3-30b-a3b] [--tokens 16384] [--grad]
-        [--no-profile] [--sort tottime] [--calls N] [--precision fp8] [--lines 30]
+"""Usage: torchrun --nproc-per-node 2 scripts/host_overhead.py [--shape qwen3-30b-a3b] [--tokens 16384]
+        [--grad | --forward-grad] [--no-profile | --blocking] [--sort tottime] [--calls N] [--precision fp8]
+        [--lines 30]
 
 Where the host time of one MoE layer call goes (cProfile), for a benchmark workload. Rank 0 prints the functions with
 the most cumulative (or, with ``--sort tottime``, own) host time over ``--calls`` calls, after warm-up (compiled and
@@ -7,6 +8,11 @@ autotuned kernels). ``--no-profile`` only times single calls, each after a sync 
 one-call figures are: every rank prints the median host time from the call's start to the return of its first FC1
 launch (until then the GPU has nothing long to run) and to the call's return. The GPU work is not timed here; see
 prime_megamoe.bench.
+
+``--blocking``: what in one call could hold the host beyond its own Python: every call that synchronises with the GPU
+(``torch.cuda.set_sync_debug_mode``), printed with the package's frames of its stack, then the CUDA runtime and
+driver calls and the torch operators of one call with their count and host us (``torch.profiler``, which slows each
+operator by some us: compare the two precisions, not the totals with the timed ones).
 """
 
 from __future__ import annotations
@@ -16,9 +22,14 @@ import cProfile
 import pstats
 import statistics
 import time
+import traceback
+import warnings
+from collections import defaultdict
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 
 import prime_megamoe.ops.launch as ops_launch
 from prime_megamoe.bench import make_workload, torchrun_group
@@ -53,6 +64,62 @@ def single_call_times(step, calls: int, group) -> tuple[list[float], list[float]
     return first, ends
 
 
+PACKAGE_DIR = str(Path(__file__).resolve().parent.parent / "prime_megamoe")
+
+
+def package_frames(stack: list[traceback.FrameSummary]) -> list[str]:
+    """The frames of ``stack`` inside the package, innermost last, as ``file:line function``."""
+    return [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in stack if f.filename.startswith(PACKAGE_DIR + "/")]
+
+
+def syncing_calls(step) -> list[tuple[str, list[str]]]:
+    """(the warning, the package frames of its stack) for each call of ``step()`` that synchronises with the GPU."""
+    seen = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        seen.append((str(message).splitlines()[0], package_frames(traceback.extract_stack()[:-1])))
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return seen
+
+
+def host_events(events) -> list[tuple[str, int, float]]:
+    """(name, count, host us) of profiler ``events`` run on the CPU (operators, CUDA runtime and driver calls; an
+    operator's us include the calls it makes), the most host time first."""
+    totals: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CPU:
+            total = totals[e.name]
+            total[0] += 1
+            total[1] += e.cpu_time_total
+    return sorted(((name, n, us) for name, (n, us) in totals.items()), key=lambda row: -row[2])
+
+
+def print_blocking(step, lines: int) -> None:
+    synced = syncing_calls(step)
+    print(f"calls that synchronise with the GPU in one call: {len(synced)}")
+    for message, frames in synced:
+        print(f"  {message}")
+        for frame in frames[-6:]:
+            print(f"      {frame}")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    print("host events of one call (count, host us), the longest first:")
+    for name, n, us in host_events(prof.events())[:lines]:
+        print(f"  {name[:80]:80s} {n:5d} {us:10.1f}")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="qwen3-30b-a3b")
@@ -60,9 +127,19 @@ def main():
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--grad", action="store_true", help="profile forward + backward instead of the no-grad forward")
     p.add_argument(
+        "--forward-grad",
+        action="store_true",
+        help="the forward with autograd alone (what the benchmark subtracts from forward + backward)",
+    )
+    p.add_argument(
         "--no-profile",
         action="store_true",
         help="only time single calls: host time to the first FC1 launch and to the call's return",
+    )
+    p.add_argument(
+        "--blocking",
+        action="store_true",
+        help="the calls that synchronise with the GPU, and the CUDA runtime calls and operators of one call",
     )
     p.add_argument("--sort", default="cumulative", choices=("cumulative", "tottime"), help="cProfile order")
     p.add_argument("--precision", default="bf16", help="the layer's precision (bf16, fp8, fp8_bwd, mxfp8)")
@@ -71,10 +148,19 @@ def main():
     group = torchrun_group()
     rank = 0 if group is None else dist.get_rank(group)
     work = make_workload(args.shape, args.tokens, "mega_moe", args.precision, group)
-    step = work.fwd_bwd if args.grad else work.fwd
+    step = work.fwd_bwd if args.grad else work.fwd_grad if args.forward_grad else work.fwd
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    if args.blocking:
+        if rank == 0:
+            print_blocking(step, args.lines)
+        else:
+            step()
+            step()
+        if group is not None:
+            dist.destroy_process_group()
+        return
     if args.no_profile:
         first, ends = single_call_times(step, args.calls, group)
         print(
