@@ -10,15 +10,14 @@ explicitly).
 
 from __future__ import annotations
 
-import os
-
 import triton
 
+from ..env import env_get
 from . import autotune_cache
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return env_get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def tile_m() -> int:
@@ -47,7 +46,7 @@ def prune_candidates(*dims: str):
             configs = [c for c in configs if tile % c.kwargs.get("BLOCK_M", 1) == 0]
             if not configs:
                 raise ValueError(f"no autotuning candidate has a BLOCK_M that divides the row tile {tile}")
-        if os.environ.get("PRIME_MEGAMOE_AUTOTUNE", "1") == "0":
+        if env_get("PRIME_MEGAMOE_AUTOTUNE", "1") == "0":
             return configs[:1]
         size = 1
         for name in dims:

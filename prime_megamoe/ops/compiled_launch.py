@@ -29,12 +29,12 @@ with ``PRIME_MEGAMOE_DIRECT_LAUNCH=0`` (for comparing the two paths).
 from __future__ import annotations
 
 import operator
-import os
 
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..env import env_get
 from ..kernels.tuning import interpreting
 
 try:  # Gluon's descriptors (the warp-specialised Hopper kernels) carry their block shape and shared layout
@@ -64,7 +64,7 @@ _SIGNATURES: dict[int, tuple[list[str], frozenset]] = {}  # per kernel: paramete
 
 
 def direct_launch_enabled() -> bool:
-    return not interpreting() and os.environ.get("PRIME_MEGAMOE_DIRECT_LAUNCH", "1") != "0"
+    return not interpreting() and env_get("PRIME_MEGAMOE_DIRECT_LAUNCH", "1") != "0"
 
 
 def _signature(kernel) -> tuple[list[str], frozenset]:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..env import env_get
 from ..kernels import tuning
 from .sm_budget import available_sms, cuda_properties
 
@@ -88,7 +89,7 @@ def _write_disk(full_key: str, entry: dict) -> None:
 
 def chooses_on(device: torch.device) -> bool:
     """Whether ``fastest`` chooses at all on ``device``: CUDA, not the interpreter, autotuning not turned off."""
-    autotune = os.environ.get("PRIME_MEGAMOE_AUTOTUNE", "1") != "0"
+    autotune = env_get("PRIME_MEGAMOE_AUTOTUNE", "1") != "0"
     return device.type == "cuda" and not tuning.interpreting() and autotune
 
 
