@@ -64,7 +64,14 @@ class _CompileServer:
             text=True,
             env=env,
         )
-        atexit.register(self.proc.kill)
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Stops the server and closes its pipes (an exiting process left them to the garbage collector's warnings)."""
+        self.proc.kill()
+        self.proc.wait()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
 
     def ask(self, argv: list[str], timeout: float = 300.0) -> dict:
         self.proc.stdin.write(json.dumps(argv) + "\n")
