@@ -31,23 +31,32 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
+import prime_megamoe.ops.fp8_launch as fp8_launch
 import prime_megamoe.ops.launch as ops_launch
 from prime_megamoe.bench import make_workload, torchrun_group
 
+# The FC1 launchers of every precision: the first one a call reaches is its first FC1 launch
+FC1_LAUNCHERS = ((ops_launch, "fc1_swiglu"), (fp8_launch, "fp8_fc1_swiglu"))
+
 
 def single_call_times(step, calls: int, group) -> tuple[list[float], list[float]]:
-    """Host us from each single call's start to its first fc1_swiglu launch's return, and to the call's return."""
+    """Host us from each single call's start to the return of its first FC1 launch (bf16's ``launch.fc1_swiglu`` or
+    the quantised ``fp8_launch.fp8_fc1_swiglu``), and to the call's return."""
     first, ends = [], []
-    original = ops_launch.fc1_swiglu
     seen = []
+    originals = [(module, getattr(module, name)) for module, name in FC1_LAUNCHERS]
 
-    def timed_fc1(*args, **kwargs):
-        out = original(*args, **kwargs)
-        if not seen:
-            seen.append(time.perf_counter())
-        return out
+    def timed(original):
+        def timed_fc1(*args, **kwargs):
+            out = original(*args, **kwargs)
+            if not seen:
+                seen.append(time.perf_counter())
+            return out
 
-    ops_launch.fc1_swiglu = timed_fc1  # the pipelines call it as launch.fc1_swiglu
+        return timed_fc1
+
+    for (module, name), (_, original) in zip(FC1_LAUNCHERS, originals):
+        setattr(module, name, timed(original))  # the layers call them through their modules' attributes
     try:
         for _ in range(calls):
             torch.cuda.synchronize()
@@ -59,7 +68,8 @@ def single_call_times(step, calls: int, group) -> tuple[list[float], list[float]
             ends.append((time.perf_counter() - began) * 1e6)
             first.append((seen[0] - began) * 1e6 if seen else float("nan"))
     finally:
-        ops_launch.fc1_swiglu = original
+        for (module, name), (_, original) in zip(FC1_LAUNCHERS, originals):
+            setattr(module, name, original)
     torch.cuda.synchronize()
     return first, ends
 
@@ -72,12 +82,22 @@ def package_frames(stack: list[traceback.FrameSummary]) -> list[str]:
     return [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in stack if f.filename.startswith(PACKAGE_DIR + "/")]
 
 
+# What torch warns with in sync debug mode when an operation synchronises (its other warning, that the mode is a
+# prototype, is no such call)
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
+def is_sync_warning(message) -> bool:
+    return SYNC_WARNING in str(message)
+
+
 def syncing_calls(step) -> list[tuple[str, list[str]]]:
     """(the warning, the package frames of its stack) for each call of ``step()`` that synchronises with the GPU."""
     seen = []
 
     def record(message, category, filename, lineno, file=None, line=None):
-        seen.append((str(message).splitlines()[0], package_frames(traceback.extract_stack()[:-1])))
+        if is_sync_warning(message):
+            seen.append((str(message).splitlines()[0], package_frames(traceback.extract_stack()[:-1])))
 
     torch.cuda.synchronize()
     with warnings.catch_warnings():
@@ -113,8 +133,8 @@ def print_blocking(step, lines: int) -> None:
             print(f"      {frame}")
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
+        step()  # the call alone: a sync of this tool's would count the GPU's remaining work as host time
+    torch.cuda.synchronize()
     print("host events of one call (count, host us), the longest first:")
     for name, n, us in host_events(prof.events())[:lines]:
         print(f"  {name[:80]:80s} {n:5d} {us:10.1f}")

@@ -41,3 +41,36 @@ def test_host_events_sums_the_cpu_events_by_name_longest_first():
         ("cudaLaunchKernel", 2, 10.0),
         ("aten::empty", 1, 2.5),
     ]
+
+
+def test_only_synchronising_operations_count_as_syncs():
+    assert host_overhead.is_sync_warning("called a synchronizing CUDA operation")
+    # set_sync_debug_mode's own notice is no synchronising call
+    assert not host_overhead.is_sync_warning(
+        "Synchronization debug mode is a prototype feature and does not yet detect all synchronizing operations"
+    )
+
+
+def test_single_call_times_marks_the_first_fc1_launch_of_either_precision(monkeypatch):
+    import prime_megamoe.ops.fp8_launch as fp8_launch
+    import prime_megamoe.ops.launch as ops_launch
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    calls = []
+    monkeypatch.setattr(ops_launch, "fc1_swiglu", lambda *a, **k: calls.append("bf16"))
+    monkeypatch.setattr(fp8_launch, "fp8_fc1_swiglu", lambda *a, **k: calls.append("fp8"))
+    bf16_launcher, fp8_launcher = ops_launch.fc1_swiglu, fp8_launch.fp8_fc1_swiglu
+
+    def quantised_call():  # as the layers call it: through the module's attribute
+        fp8_launch.fp8_fc1_swiglu()
+        ops_launch.fc1_swiglu()  # a later FC1 launch does not move the mark
+
+    first, ends = host_overhead.single_call_times(quantised_call, 3, None)
+    assert calls == ["fp8", "bf16"] * 3
+    assert len(first) == len(ends) == 3
+    assert all(0 <= f <= e for f, e in zip(first, ends))
+    # the launchers are restored
+    assert ops_launch.fc1_swiglu is bf16_launcher and fp8_launch.fp8_fc1_swiglu is fp8_launcher
+
+    first, _ = host_overhead.single_call_times(lambda: None, 2, None)
+    assert all(f != f for f in first)  # no FC1 launch: NaN, not a time
