@@ -113,6 +113,28 @@ def test_ws_applicability_says_why_not():
     assert "CUDA GPU" in ws_gemm_unavailable(a, b, mx=False, gather=False, segments=1, k=256)
 
 
+def test_hopper_unavailable_names_what_is_missing(monkeypatch):
+    import prime_megamoe.ops.fp8_ws_launch as ws
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(ws, "_cuda_properties", lambda device: type("Props", (), {"major": 8})())
+    assert "Hopper" in ws.hopper_unavailable(cuda)
+    monkeypatch.setattr(ws, "_cuda_properties", lambda device: type("Props", (), {"major": 9})())
+    assert ws.hopper_unavailable(cuda) is None
+    monkeypatch.setattr(ws, "GluonTensorDescriptor", None)  # a Triton without Gluon
+    assert "no Gluon" in ws.hopper_unavailable(cuda)
+
+
+def test_ws_kernel_is_the_kernels_module_attribute_looked_up_once():
+    import prime_megamoe.kernels.gemm_ws as gemm_ws
+    import prime_megamoe.ops.fp8_ws_launch as ws
+
+    kernel = ws.ws_kernel("gemm_ws", "grouped_gemm_ws_kernel")
+    assert kernel is gemm_ws.grouped_gemm_ws_kernel
+    assert ws.ws_kernel("gemm_ws", "grouped_gemm_ws_kernel") is kernel
+    assert ws.ws_kernel.cache_info().hits >= 1
+
+
 def test_weight_descriptor_is_made_once_per_operand():
     # A cached weight operand keeps its TMA descriptor (no descriptor per call); a new operand (the weight changed,
     # so the cache quantised it again) gets its own, over its own data.

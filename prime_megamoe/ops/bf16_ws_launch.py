@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.fp8_gemm import QTILE_M
-from .compiled_launch import launch
+from .compiled_launch import GluonTensorDescriptor, launch
 from .fp8_ws_launch import (
     WS_BLOCK_N,
     WS_GATHER_LOAD_REGS,
@@ -50,6 +50,7 @@ from .fp8_ws_launch import (
     hopper_unavailable,
     output_descriptor,
     producer_split,
+    ws_kernel,
 )
 from .routing_plan import RoutingPlan
 from .sizes import cdiv
@@ -103,9 +104,7 @@ def _box_layout(rows: int, cols: int):
 
 def _descriptor(t: torch.Tensor, rows: int, cols: int):
     """A TMA descriptor of bf16 ``t`` in [rows, cols] boxes (the operands; the output's: ``output_descriptor``)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(t, [rows, cols], _box_layout(rows, cols))
+    return GluonTensorDescriptor.from_tensor(t, [rows, cols], _box_layout(rows, cols))
 
 
 def bf16_grouped_gemm_ws(
@@ -124,8 +123,6 @@ def bf16_grouped_gemm_ws(
     as ``launch.grouped_gemm``: A [P or R, K] bf16; B [E, N, K] read K-major (op = transpose, ``transpose_b``) or
     [E, K, N] read N-major; c [P, N]. ``programs``: at most that many persistent programs (tests give
     small problems several tiles a program this way)."""
-    from ..kernels.gemm_ws import grouped_gemm_ws_kernel
-
     if plan.tile_m != QTILE_M:
         raise ValueError(f"bf16_grouped_gemm_ws: the plan's row tile must be {QTILE_M} rows (got {plan.tile_m})")
     n, k = (b.shape[1], b.shape[2]) if transpose_b else (b.shape[2], b.shape[1])
@@ -140,7 +137,7 @@ def bf16_grouped_gemm_ws(
     tiles = plan.max_tiles * (QTILE_M // config.block_m) * cdiv(n, config.block_n)
     load_warps, load_regs, mma_regs = producer_split(gather)
     launch(
-        grouped_gemm_ws_kernel,
+        ws_kernel("gemm_ws", "grouped_gemm_ws_kernel"),
         _grid(config.programs_per_sm, c.device, tiles, programs),
         a_desc,
         b_desc,
@@ -229,8 +226,6 @@ def bf16_fc1_swiglu_ws(
     SwiGLU at ``clamp_limit``, ``ops.activation``; h unclamped) with ``kernels/fc1_ws.py`` (callers check
     ``bf16_fc1_ws_unavailable`` first), as ``launch.fc1_swiglu``: x [R, H] bf16, w1 [E, 2I, H], h [P, 2I], a [P, I].
     ``programs``: at most that many persistent programs (tests give small problems several tiles a program)."""
-    from ..kernels.fc1_ws import bf16_fc1_swiglu_ws_kernel
-
     if plan.tile_m != QTILE_M:
         raise ValueError(f"bf16_fc1_swiglu_ws: the plan's row tile must be {QTILE_M} rows (got {plan.tile_m})")
     inter, hidden = w1.shape[1] // 2, w1.shape[2]
@@ -239,7 +234,7 @@ def bf16_fc1_swiglu_ws(
     b_desc = _descriptor(w1.view(-1, hidden), WS_BLOCK_N, BF16_WS_BLOCK_K)  # a gate (or up) box: 128 rows of W1
     save_h = h is not None
     launch(
-        bf16_fc1_swiglu_ws_kernel,
+        ws_kernel("fc1_ws", "bf16_fc1_swiglu_ws_kernel"),
         _grid(1, a.device, plan.max_tiles * (inter // WS_BLOCK_N), programs),
         b_desc,
         x,
@@ -338,8 +333,6 @@ def bf16_grouped_wgrad_ws(
     ``launch.grouped_wgrad`` with ``gather_a`` (A gathered, B sorted) or not (A sorted, B gathered): A [*, M], B
     [*, N], out [E, M, N]. The kernel takes the gathered operand as its A: with B gathered it computes out^T =
     B[rows]^T @ A[rows] and writes it transposed. ``programs``: at most that many persistent programs."""
-    from ..kernels.wgrad_ws import bf16_grouped_wgrad_ws_kernel
-
     dense, gathered = (b, a) if gather_a else (a, b)
     transpose = not gather_a
     experts = plan.num_local_experts
@@ -362,7 +355,7 @@ def bf16_grouped_wgrad_ws(
         stride_cm, stride_cn = out.stride(1), out.stride(2)
     tiles = experts * cdiv(m, 128) * cdiv(n, config.block_n)
     launch(
-        bf16_grouped_wgrad_ws_kernel,
+        ws_kernel("wgrad_ws", "bf16_grouped_wgrad_ws_kernel"),
         _grid(1, out.device, tiles, programs),
         d_desc,
         c_desc,

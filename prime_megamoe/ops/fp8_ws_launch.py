@@ -21,6 +21,7 @@ through the compiled-kernel cache (``compiled_launch.launch``).
 from __future__ import annotations
 
 import functools
+import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -28,7 +29,7 @@ import torch
 
 from ..kernels.fp8_gemm import QTILE_M
 from .activation import clamp_kernel_args
-from .compiled_launch import launch
+from .compiled_launch import GluonTensorDescriptor, launch
 from .routing_plan import RoutingPlan
 from .sizes import cdiv
 from .sm_budget import available_sms as _num_sms
@@ -111,7 +112,16 @@ def hopper_unavailable(device: torch.device) -> str | None:
         return "it runs on a CUDA GPU only (Gluon kernels have no interpreter)"
     if _cuda_properties(device).major != 9:
         return "it is Hopper (sm_90) wgmma code"
+    if GluonTensorDescriptor is None:
+        return "it is a Gluon kernel, and this Triton has no Gluon (triton.experimental.gluon)"
     return None
+
+
+@functools.cache
+def ws_kernel(module: str, name: str):
+    """The Gluon kernel ``name`` of ``kernels/<module>.py``, imported at its first launch (Gluon kernels load only
+    where they run) and then reused: an import statement on every launch's path costs ~2 us."""
+    return getattr(importlib.import_module(f"..kernels.{module}", __package__), name)
 
 
 def _hopper_fp8_unavailable(data: torch.Tensor, mx: bool) -> str | None:
@@ -164,12 +174,10 @@ def tma_store_applies(c: torch.Tensor) -> bool:
 def weight_descriptor(bq: QTensor, rows: int = WS_BLOCK_N):
     """The TMA descriptor of a K-major operand viewed as [rows, K] in [rows, WS_BLOCK_K] boxes, made once per
     QTensor and box (cached weight operands live until their weight changes: no descriptor per call)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     layout = box_layout(rows)
     desc = bq.descriptors.get((rows, layout))
     if desc is None:
-        desc = bq.descriptors[(rows, layout)] = TensorDescriptor.from_tensor(
+        desc = bq.descriptors[(rows, layout)] = GluonTensorDescriptor.from_tensor(
             bq.data.view(-1, bq.data.shape[-1]), [rows, WS_BLOCK_K], layout
         )
     return desc
@@ -179,13 +187,11 @@ def output_descriptor(c_2d: torch.Tensor | None, a_desc, config: WSConfig):
     """(the output's TMA descriptor, whether the output is stored by TMA): boxes of one MMA partition's rows where the
     config stores by TMA and ``c_2d`` (None: it cannot be viewed so) can take it; else A's descriptor stands in (the
     kernel does not read it)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     tma_store = config.tma_store and c_2d is not None and tma_store_applies(c_2d)
     if not tma_store:
         return a_desc, False
     layout = _out_layout(config.a_rows, c_2d.dtype)
-    return TensorDescriptor.from_tensor(c_2d, [config.a_rows, WS_BLOCK_N], layout), True
+    return GluonTensorDescriptor.from_tensor(c_2d, [config.a_rows, WS_BLOCK_N], layout), True
 
 
 def producer_split(gather: bool) -> tuple[int, int, int]:
@@ -199,9 +205,7 @@ def producer_split(gather: bool) -> tuple[int, int, int]:
 def _descriptors(a_2d: torch.Tensor, b_desc, c_2d: torch.Tensor | None, config: WSConfig):
     """TMA descriptors of A (boxes of one MMA partition's rows) and the output (``output_descriptor``). Returns them
     with ``b_desc`` (``weight_descriptor``) and whether the output is stored by TMA."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    a_desc = TensorDescriptor.from_tensor(a_2d, [config.a_rows, WS_BLOCK_K], box_layout(config.a_rows))
+    a_desc = GluonTensorDescriptor.from_tensor(a_2d, [config.a_rows, WS_BLOCK_K], box_layout(config.a_rows))
     c_desc, tma_store = output_descriptor(c_2d, a_desc, config)
     return a_desc, b_desc, c_desc, tma_store
 
@@ -229,8 +233,6 @@ def fp8_grouped_gemm_ws(
     K-major weights [E, N, segments * K] in fp8 blocks; ``gather``: A's rows are the plan's source rows (copied by
     cp.async: the layer's FC2 dgrad). ``programs``: at most that many persistent programs (tests give small problems
     several tiles a program this way)."""
-    from ..kernels.gemm_ws import grouped_gemm_ws_kernel
-
     aq_data, aq_scale, bq_data, bq_scale = aq.data, aq.scale, bq.data, bq.scale
     # The kernel bounds its sorted-row loads by every sorted row of the buffers (a segment's view indexes them all)
     rows, n, k = plan.sorted_rows, bq_data.shape[1], bq_data.shape[2] // segments
@@ -241,7 +243,7 @@ def fp8_grouped_gemm_ws(
     grid = _grid(config.programs_per_sm, c.device, tiles, programs)
     load_warps, load_regs, mma_regs = producer_split(gather)
     launch(
-        grouped_gemm_ws_kernel,
+        ws_kernel("gemm_ws", "grouped_gemm_ws_kernel"),
         grid,
         a_desc,
         b_desc,
@@ -310,8 +312,6 @@ def fp8_grouped_wgrad_ws(
     [expert_tiles[e], expert_tiles[e + 1]), or with ``tile_list`` the entries of that list there
     (``fp8_launch.expert_tile_list``). Stores by TMA where the config asks for it and out is a contiguous 2-byte
     tensor whose M is a multiple of the box's rows."""
-    from ..kernels.fp8_wgrad_ws import fp8_grouped_wgrad_ws_kernel
-
     m, n, experts = a_t.data.shape[0], b_t.data.shape[0], out.shape[0]
     # Boxes of the output viewed as [E * M, N] must not reach the next expert's rows.
     out_2d = out.view(-1, n) if out.is_contiguous() and m % config.a_rows == 0 else None
@@ -319,7 +319,7 @@ def fp8_grouped_wgrad_ws(
     tiles = experts * cdiv(m, config.block_m) * cdiv(n, config.block_n)
     grid = _grid(config.programs_per_sm, out.device, tiles, programs)
     launch(
-        fp8_grouped_wgrad_ws_kernel,
+        ws_kernel("fp8_wgrad_ws", "fp8_grouped_wgrad_ws_kernel"),
         grid,
         a_desc,
         b_desc,
@@ -388,8 +388,6 @@ def fp8_fc1_swiglu_ws(
     row scales a_scale [P, inter / 128], with ``kernels/fp8_fc1_ws.py`` (callers check ``ws_fc1_unavailable``
     first): xq [R, H] row-scaled source rows, w1q = quantize_w1_fwd(W1) [E, 2I, H]. ``programs``: at most that many
     persistent programs (tests give small problems several tiles a program this way)."""
-    from ..kernels.fp8_fc1_ws import fp8_fc1_swiglu_ws_kernel
-
     clamp_limit, clamp = clamp_kernel_args(activation_clamp)
     # The kernel bounds its sorted-row loads by every sorted row of the buffers (a segment's view indexes them all)
     rows, hidden = plan.sorted_rows, xq.data.shape[1]
@@ -402,7 +400,7 @@ def fp8_fc1_swiglu_ws(
     grid = _grid(1, aq.device, plan.max_tiles * (inter // WS_BLOCK_N), programs)
     save_h = h is not None
     launch(
-        fp8_fc1_swiglu_ws_kernel,
+        ws_kernel("fp8_fc1_ws", "fp8_fc1_swiglu_ws_kernel"),
         grid,
         b_desc,
         xq.data,
