@@ -341,10 +341,18 @@ def _cols_t_out(n: int, plan: RoutingPlan, fmt: QFormat, device, out: QTensor | 
     return empty_cols_t(n, plan, fmt, device) if out is None else cols_t_of_segment(out, plan, fmt)
 
 
+def gluon_device_unavailable(device: torch.device) -> str | None:
+    """Why a Gluon kernel cannot run on ``device``, or None when it can."""
+    if device.type != "cuda":
+        return "it runs on a CUDA GPU only (Gluon kernels have no interpreter)"
+    return None
+
+
 def gluon_gather_unavailable(x: torch.Tensor, fmt: QFormat) -> str | None:
     """Why the gather pass's Gluon form (``kernels/gather_cols_t.py``) cannot run, or None when it can."""
-    if x.device.type != "cuda":
-        return "it runs on a CUDA GPU only (Gluon kernels have no interpreter)"
+    why_not = gluon_device_unavailable(x.device)
+    if why_not is not None:
+        return why_not
     if fmt.mx or fmt.group != QTILE_M:
         return f"it takes the fp8 format ({QTILE_M}-row column groups, fp32 scales), not mx"
     return None
@@ -809,8 +817,9 @@ def dswiglu_cols_t(
 
 def fused_dswiglu_unavailable(g_a: torch.Tensor, h: torch.Tensor, fmt: QFormat) -> str | None:
     """Why the one-pass SwiGLU backward (``kernels/swiglu_grad_fused.py``) cannot run, or None when it can."""
-    if g_a.device.type != "cuda":
-        return "it runs on a CUDA GPU only (Gluon kernels have no interpreter)"
+    why_not = gluon_device_unavailable(g_a.device)
+    if why_not is not None:
+        return why_not
     if fmt.mx or fmt.group != QTILE_M:
         return f"it takes the fp8 format (1 x {QTILE_M} groups, fp32 scales), not mx"
     if g_a.shape[1] % QTILE_M:
