@@ -20,10 +20,11 @@ import prime_megamoe.ops.fp8_launch as fp8_launch
 import prime_megamoe.ops.fp8_ws_launch as fp8_ws_launch
 import prime_megamoe.ops.launch as ops_launch
 import prime_megamoe.ops.routing_plan as routing_plan
-import prime_megamoe.ops.tma as tma
 from prime_megamoe import fused_experts
 from prime_megamoe.config import DispatchConfig
+from tests.scripts import load_script
 
+host_path_cpu = load_script("host_path_cpu")
 LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg"}
 
 
@@ -39,13 +40,10 @@ def parameters(kernel) -> tuple[str, dict, set]:
     return fn.__name__, dict(inspect.signature(fn).parameters), given
 
 
-def tma_readable_anywhere(t: torch.Tensor) -> bool:
-    """``tma.tma_readable`` with the GPU's checks left out: a 2D tensor of contiguous, 16-byte aligned rows."""
-    return t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-
-
 @pytest.fixture
 def launches(monkeypatch):
+    """The kernels launched (by name) with the Hopper branches taken on CPU tensors (``scripts/host_path_cpu.py``),
+    each launch's arguments checked against its kernel's parameters and recorded instead of run."""
     recorded: list[str] = []
 
     def record(kernel, grid, *args, **constexprs):
@@ -61,12 +59,8 @@ def launches(monkeypatch):
 
     for module in (ops_launch, fp8_launch, fp8_ws_launch, bf16_ws_launch, routing_plan):
         monkeypatch.setattr(module, "launch", record)
-    for module in (fp8_ws_launch, bf16_ws_launch):
-        monkeypatch.setattr(module, "hopper_unavailable", lambda device: None)
-    monkeypatch.setattr(fp8_launch, "gluon_device_unavailable", lambda device: None)
-    for module in (tma, ops_launch, fp8_launch, fp8_ws_launch, bf16_ws_launch):
-        monkeypatch.setattr(module, "tma_readable", tma_readable_anywhere)
-    return recorded
+    with host_path_cpu.hopper_path_on_cpu():
+        yield recorded
 
 
 def layer_call(precision: str, tokens: int = 64, hidden: int = 256, inter: int = 128, experts: int = 4, top_k: int = 2):

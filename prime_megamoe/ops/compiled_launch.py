@@ -215,12 +215,19 @@ def _first_launch(kernel, grid, args, constexprs) -> _Entry:
             f"triton {triton.__version__}: a launch did not return a compiled kernel; set "
             f"PRIME_MEGAMOE_DIRECT_LAUNCH=0 to launch through kernel[grid] only"
         )
-    config = getattr(kernel, "best_config", None)  # autotuned kernels: the config this launch ran
+    # autotuned kernels: the config this launch ran
+    return entry_for(kernel, compiled, len(args), constexprs, getattr(kernel, "best_config", None))
+
+
+def entry_for(kernel, compiled, num_args: int, constexprs: dict, config=None) -> _Entry:
+    """The cache entry of ``compiled``, what a launch of ``kernel`` with ``num_args`` leading arguments,
+    ``constexprs`` and the autotuning ``config`` (None: not autotuned) compiled: where each of the launcher's
+    parameters comes from."""
     meta = {**constexprs, **(config.all_kwargs() if config is not None else {})}
     names, _ = _signature(kernel)
     params = []
     for i, name in enumerate(names):
-        if i < len(args):
+        if i < num_args:
             params.append((True, i))
         elif name in meta:
             params.append((False, meta[name]))
