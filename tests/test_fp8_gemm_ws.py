@@ -123,6 +123,7 @@ def test_hopper_unavailable_names_what_is_missing(monkeypatch):
     assert ws.hopper_unavailable(cuda) is None
     monkeypatch.setattr(ws, "GluonTensorDescriptor", None)  # a Triton without Gluon
     assert "no Gluon" in ws.hopper_unavailable(cuda)
+    assert "no Gluon" in ws.gluon_device_unavailable(cuda)  # the Gluon passes' check (fp8_launch) too
 
 
 def test_ws_kernel_is_the_kernels_module_attribute_looked_up_once():

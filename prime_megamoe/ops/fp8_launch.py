@@ -35,6 +35,7 @@ from .fp8_ws_launch import (
     fp8_fc1_swiglu_ws,
     fp8_grouped_gemm_ws,
     fp8_grouped_wgrad_ws,
+    gluon_device_unavailable,
     ws_fc1_unavailable,
     ws_gemm_unavailable,
     ws_wgrad_unavailable,
@@ -339,13 +340,6 @@ def cols_t_of_segment(whole: QTensor, plan: RoutingPlan, fmt: QFormat) -> QTenso
 
 def _cols_t_out(n: int, plan: RoutingPlan, fmt: QFormat, device, out: QTensor | None) -> QTensor:
     return empty_cols_t(n, plan, fmt, device) if out is None else cols_t_of_segment(out, plan, fmt)
-
-
-def gluon_device_unavailable(device: torch.device) -> str | None:
-    """Why a Gluon kernel cannot run on ``device``, or None when it can."""
-    if device.type != "cuda":
-        return "it runs on a CUDA GPU only (Gluon kernels have no interpreter)"
-    return None
 
 
 def gluon_gather_unavailable(x: torch.Tensor, fmt: QFormat) -> str | None:

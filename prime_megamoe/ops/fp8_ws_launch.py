@@ -106,15 +106,21 @@ WS_WGRAD_CONFIGS = tuple(c for c in WS_CONFIGS if not c.scales_first)
 WS_GEMM_DEFAULT = WS_WGRAD_DEFAULT = WS_CONFIGS[1]
 
 
-def hopper_unavailable(device: torch.device) -> str | None:
-    """Why a warp-specialised Gluon kernel (Hopper wgmma code) cannot run on ``device``, or None when it can."""
+def gluon_device_unavailable(device: torch.device) -> str | None:
+    """Why a Gluon kernel cannot run on ``device``, or None when it can."""
     if device.type != "cuda":
         return "it runs on a CUDA GPU only (Gluon kernels have no interpreter)"
-    if _cuda_properties(device).major != 9:
-        return "it is Hopper (sm_90) wgmma code"
     if GluonTensorDescriptor is None:
         return "it is a Gluon kernel, and this Triton has no Gluon (triton.experimental.gluon)"
     return None
+
+
+def hopper_unavailable(device: torch.device) -> str | None:
+    """Why a warp-specialised Gluon kernel (Hopper wgmma code) cannot run on ``device``, or None when it can."""
+    why_not = gluon_device_unavailable(device)
+    if why_not is None and _cuda_properties(device).major != 9:
+        why_not = "it is Hopper (sm_90) wgmma code"
+    return why_not
 
 
 @functools.cache
