@@ -7,6 +7,9 @@ leave the GPU idle (BENCHMARKS.md): per call, after a sync, the median host us o
 - from the forward's return to the entry of the layer's autograd backward (``y.backward`` through torch's autograd
   engine, which runs a CUDA graph's backward on a thread of its own),
 - the backward itself (its entry to its return), and ``y.backward`` in all;
+- on the GPU (CUDA events on the layer's stream, recorded at the call's start, at the forward's return, at the
+  backward's entry and after its return): when the stream finished the forward's work, when it reached the
+  backward's entry (later than the forward's end by the time it waited for the host), and the call's end;
 
 and two points of comparison: a trivial autograd Function on a CUDA tensor (``backward()`` called to its backward's
 entry), and one small Triton launch's host time through ``compiled_launch.launch`` in the main thread against inside
@@ -31,14 +34,22 @@ from prime_megamoe.ops.quantized_experts import QuantizedRoutedExperts
 LAYER_FUNCTIONS = (RoutedExperts, QuantizedRoutedExperts, ExpertParallelExperts)
 
 
+def _event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 def _timed_backwards(marks: dict) -> list:
-    """Wraps the layer Functions' backwards to record their entry and return times; returns what to restore."""
+    """Wraps the layer Functions' backwards to record their entry and return times (and a CUDA event at the entry);
+    returns what to restore."""
     saved = []
     for cls in LAYER_FUNCTIONS:
         original = cls.backward
 
         def backward(ctx, *grads, _original=original):
             marks["entry"] = time.perf_counter()
+            marks["entry event"] = _event()
             try:
                 return _original(ctx, *grads)
             finally:
@@ -59,11 +70,14 @@ def layer_boundary(shape: str, tokens: int, precision: str, calls: int) -> dict[
         for i in range(calls + 3):  # the first three warm up
             torch.cuda.synchronize()
             marks.clear()
+            start = _event()
             began = time.perf_counter()
             y = work.fwd_grad()
             returned = time.perf_counter()
+            forward_done = _event()
             y.backward(dy)
             done = time.perf_counter()
+            end = _event()
             torch.cuda.synchronize()
             if i >= 3:
                 samples.append(
@@ -72,6 +86,10 @@ def layer_boundary(shape: str, tokens: int, precision: str, calls: int) -> dict[
                         "forward return -> backward entry": marks["entry"] - returned,
                         "backward entry -> its return": marks["return"] - marks["entry"],
                         "y.backward in all": done - returned,
+                        "GPU: the forward's work done": start.elapsed_time(forward_done) / 1e3,
+                        "GPU: the backward's entry reached": start.elapsed_time(marks["entry event"]) / 1e3,
+                        "GPU: the call's end": start.elapsed_time(end) / 1e3,
+                        "host: the backward's entry": marks["entry"] - began,
                     }
                 )
     finally:
@@ -155,7 +173,7 @@ def main() -> None:
     p.add_argument("--precision", default="bf16", help="the layer's precision (bf16, fp8, fp8_bwd, mxfp8)")
     p.add_argument("--calls", type=int, default=20)
     args = p.parse_args()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; host us, medians")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; us, medians (from the call's start: GPU, host)")
     rows = layer_boundary(args.shape, args.tokens, args.precision, args.calls)
     print(f"{args.shape} T={args.tokens} {args.precision}, {args.calls} single calls:")
     for name, us in rows.items():
