@@ -86,10 +86,10 @@ def layer_boundary(shape: str, tokens: int, precision: str, calls: int) -> dict[
                         "forward return -> backward entry": marks["entry"] - returned,
                         "backward entry -> its return": marks["return"] - marks["entry"],
                         "y.backward in all": done - returned,
-                        "GPU: the forward's work done": start.elapsed_time(forward_done) / 1e3,
-                        "GPU: the backward's entry reached": start.elapsed_time(marks["entry event"]) / 1e3,
-                        "GPU: the call's end": start.elapsed_time(end) / 1e3,
-                        "host: the backward's entry": marks["entry"] - began,
+                        "GPU, from the call's start, forward done": start.elapsed_time(forward_done) / 1e3,
+                        "GPU, from the call's start, backward's entry": start.elapsed_time(marks["entry event"]) / 1e3,
+                        "GPU, from the call's start, call's end": start.elapsed_time(end) / 1e3,
+                        "host, from the call's start, backward's entry": marks["entry"] - began,
                     }
                 )
     finally:
@@ -173,7 +173,7 @@ def main() -> None:
     p.add_argument("--precision", default="bf16", help="the layer's precision (bf16, fp8, fp8_bwd, mxfp8)")
     p.add_argument("--calls", type=int, default=20)
     args = p.parse_args()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; us, medians (from the call's start: GPU, host)")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; us, medians")
     rows = layer_boundary(args.shape, args.tokens, args.precision, args.calls)
     print(f"{args.shape} T={args.tokens} {args.precision}, {args.calls} single calls:")
     for name, us in rows.items():
