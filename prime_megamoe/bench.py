@@ -149,6 +149,7 @@ class Workload:
     fwd: Callable[[], torch.Tensor]
     fwd_grad: Callable[[], torch.Tensor]
     fwd_bwd: Callable[[], None]
+    clear_grads: Callable[[], None]
 
     def f2b1(self) -> None:  # activation checkpointing: a no-grad forward, then forward + backward
         self.fwd()
@@ -186,12 +187,15 @@ def make_workload(
     def fwd_grad():
         return fused_experts(xg, index, wg, w1g, w2g, dispatch=options, precision=precision, group=group)
 
-    def fwd_bwd():
-        for t in (xg, wg, w1g, w2g):  # as after optimizer.zero_grad(): gradients are written, not accumulated
+    def clear_grads():  # as optimizer.zero_grad() does: the next backward writes the gradients, not adds to them
+        for t in (xg, wg, w1g, w2g):
             t.grad = None
+
+    def fwd_bwd():
+        clear_grads()
         fwd_grad().backward(dy)
 
-    return Workload(fwd, fwd_grad, fwd_bwd)
+    return Workload(fwd, fwd_grad, fwd_bwd, clear_grads)
 
 
 def bench_one(

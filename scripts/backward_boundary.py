@@ -68,6 +68,7 @@ def layer_boundary(shape: str, tokens: int, precision: str, calls: int) -> dict[
     samples = []
     try:
         for i in range(calls + 3):  # the first three warm up
+            work.clear_grads()  # as the benchmark's forward + backward: gradients written, not accumulated
             torch.cuda.synchronize()
             marks.clear()
             start = _event()
