@@ -44,15 +44,6 @@ def tile_span(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M:
 
 
 @triton.jit
-def _k_extent(row_start, row_end, K):
-    """The K extent a program's main loop walks: K, or 0 for a half-tile block past its expert's last row (its
-    masked outputs are not stored), so such a block costs no MMAs. Whole tiles always hold rows of their expert;
-    with random routing at T = 2048, Qwen3-30B-A3B (~128 rows an expert), about a third of the 128-row tiles hold
-    fewer than 64."""
-    return tl.where(row_start < row_end, K, 0)
-
-
-@triton.jit
 def tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr):
     """Expert, row indices and row mask of row block ``pid_m`` (see ``tile_span``)."""
     expert, row_start, row_end = tile_span(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M, TILE_M)
@@ -98,10 +89,7 @@ def _fc1_swiglu_tile(
     TILE_M: tl.constexpr,
     ONE_DOT: tl.constexpr,
 ):
-    expert, row_start, row_end = tile_span(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M, TILE_M)
-    rows = row_start + tl.arange(0, BLOCK_M)
-    row_mask = rows < row_end
-    k_end = _k_extent(row_start, row_end, K)
+    expert, rows, row_mask = tile_rows(tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, pid_m, BLOCK_M, TILE_M)
     src = tl.load(row_src_ptr + rows, mask=row_mask, other=row_base).to(tl.int64) - row_base
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -117,7 +105,7 @@ def _fc1_swiglu_tile(
         w_rows = w_cols + (pairs % 2) * N
         gu_ptrs = w_base + w_rows[None, :] * stride_wn + ks[:, None] * stride_wk
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, k_end, BLOCK_K):
+        for k0 in range(0, K, BLOCK_K):
             k_mask = (k0 + ks) < K
             a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             wgu = tl.load(gu_ptrs, mask=k_mask[:, None] & (w_cols < N)[None, :], other=0.0)
@@ -130,7 +118,7 @@ def _fc1_swiglu_tile(
         u_ptrs = g_ptrs + N * stride_wn
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, k_end, BLOCK_K):
+        for k0 in range(0, K, BLOCK_K):
             k_mask = (k0 + ks) < K
             a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             wg = tl.load(g_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
@@ -320,7 +308,7 @@ def _gemm_tile(
     else:
         b_row0 = expert * K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, _k_extent(row_start, row_end, K), BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         if A_TMA:
             a = a_desc.load([row_start, k0])
         else:
