@@ -1,5 +1,5 @@
 """Usage: torchrun --nproc-per-node 2 scripts/call_timeline.py [--shape qwen3-30b-a3b] [--tokens 16384]
-        [--grad | --forward-grad] [--host-sections [--deep]] [--profiler] [--repeat K] [--precision fp8]
+        [--grad | --forward-grad] [--host-sections [--deep] | --profiler | --pace] [--repeat K] [--precision fp8]
     python scripts/call_timeline.py --precision fp8 [--grad]      # one GPU (EP = 1)
 
 When the host issued each kernel of one layer call, and when its stream reached it. After warm-up, every rank
@@ -13,6 +13,10 @@ GPU was busy (or waited on another stream or rank). No profiler overhead distort
 
 --host-sections: where the host's time goes inside one call, without CUDA events: entry and exit of the layer's
 host-side steps (checks, transport, plan, each launcher), nested, in us from the call's start.
+
+--pace: who sets the pace of calls issued back to back (as in training, and the benchmark's --repeat): --repeat K
+calls after one sync, with a CUDA event before the first and after the last only; the host us per call (to the last
+call's return) and the GPU us per call. Where the two are about equal, the host sets the pace.
 
 --profiler: torch.profiler instead: every GPU operation (also torch's), its start and duration on the GPU, and the
 host launch time where the trace links it (the profiler slows the host by tens of us per torch op).
@@ -121,6 +125,21 @@ def event_timeline(step, repeat: int = 1) -> list[str]:
         f"{(host_done - began) * 1e6:.1f} us"
     )
     return lines
+
+
+def pace(step, repeat: int) -> list[str]:
+    """Host and GPU time per call of ``repeat`` calls of ``step`` issued back to back (no events between them)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    began = time.perf_counter()
+    for _ in range(repeat):
+        step()
+    host_done = time.perf_counter()
+    end.record()
+    end.synchronize()
+    host, gpu = (host_done - began) * 1e6 / repeat, start.elapsed_time(end) * 1e3 / repeat
+    ratio = host / gpu
+    return [f"{repeat} calls back to back, per call: host {host:.1f} us, GPU {gpu:.1f} us (host / GPU {ratio:.2f})"]
 
 
 def host_sections(step, deep: bool = False) -> list[str]:
@@ -235,6 +254,7 @@ def main():
     p.add_argument("--precision", default="bf16", help="the layer's precision (bf16, fp8, fp8_bwd, mxfp8)")
     p.add_argument("--profiler", action="store_true", help="torch.profiler timeline instead of launch events")
     p.add_argument("--host-sections", action="store_true", help="host time per step of the call, no CUDA events")
+    p.add_argument("--pace", action="store_true", help="host and GPU us per call of --repeat calls back to back")
     p.add_argument(
         "--deep",
         action="store_true",
@@ -244,7 +264,7 @@ def main():
         "--repeat",
         type=int,
         default=1,
-        help="calls issued back to back per timeline (as the benchmark's --repeat); events only",
+        help="calls issued back to back per timeline (as the benchmark's --repeat); events and --pace only",
     )
     p.add_argument("--out", default=None, help="write each rank's timeline to OUT.rankN.txt as well")
     args = p.parse_args()
@@ -267,13 +287,16 @@ def main():
             lines = timeline(path)
     else:
         lines = []
-        for i in range(3):  # three single calls, each from an idle GPU after a barrier
+        for i in range(3):  # three samples (single calls, or --repeat calls), each from an idle GPU after a barrier
             torch.cuda.synchronize()
             if group is not None:
                 dist.barrier(group)
-            lines += [f"call {i}"] + (
-                host_sections(step, args.deep) if args.host_sections else event_timeline(step, args.repeat)
-            )
+            if args.pace:
+                lines += pace(step, args.repeat)
+            else:
+                lines += [f"call {i}"] + (
+                    host_sections(step, args.deep) if args.host_sections else event_timeline(step, args.repeat)
+                )
     text = "\n".join(f"rank {rank} {line}" for line in lines)
     print(text, flush=True)
     if args.out:

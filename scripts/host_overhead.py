@@ -1,6 +1,6 @@
 """Usage: torchrun --nproc-per-node 2 scripts/host_overhead.py [--shape qwen3-30b-a3b] [--tokens 16384]
-        [--grad | --forward-grad] [--no-profile | --blocking | --launches] [--sort tottime] [--calls N]
-        [--precision fp8] [--lines 30]
+        [--grad | --forward-grad] [--no-profile | --blocking] [--sort tottime] [--calls N] [--precision fp8]
+        [--lines 30]
 
 Where the host time of one MoE layer call goes (cProfile), for a benchmark workload. Rank 0 prints the functions with
 the most cumulative (or, with ``--sort tottime``, own) host time over ``--calls`` calls, after warm-up (compiled and
@@ -13,21 +13,14 @@ prime_megamoe.bench.
 (``torch.cuda.set_sync_debug_mode``), printed with the package's frames of its stack, then the CUDA runtime and
 driver calls and the torch operators of one call with their count and host us (``torch.profiler``, which slows each
 operator by some us: compare the two precisions, not the totals with the timed ones).
-
-``--launches``: rank 0's host timeline of single calls, each after a sync, with one CUDA event at the call's start and
-one at its end and none between: for every kernel launch (in call order) the median host us from the call's start to
-the launch and spent inside it, then the call's return and its GPU span. Then ``--calls`` calls back to back (the host
-running ahead, as in training): host us and GPU us per call. Where the two are equal the host sets the pace.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import pstats
 import statistics
-import sys
 import time
 import traceback
 import warnings
@@ -38,7 +31,6 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-import prime_megamoe.ops.compiled_launch as compiled_launch
 import prime_megamoe.ops.fp8_launch as fp8_launch
 import prime_megamoe.ops.launch as ops_launch
 from prime_megamoe.bench import make_workload, torchrun_group
@@ -80,85 +72,6 @@ def single_call_times(step, calls: int, group) -> tuple[list[float], list[float]
             setattr(module, name, original)
     torch.cuda.synchronize()
     return first, ends
-
-
-def kernel_name(kernel) -> str:
-    """A launched kernel's name, under any autotuning or heuristics wrappers."""
-    while not hasattr(kernel, "__name__") and hasattr(kernel, "fn"):
-        kernel = kernel.fn
-    return getattr(kernel, "__name__", type(kernel).__name__)
-
-
-@contextlib.contextmanager
-def stamped_launches(stamps: list):
-    """Within it every launch through ``compiled_launch.launch`` by the package's modules (which call it through
-    their own ``launch`` attribute) appends (host start, host end, kernel name) to ``stamps``."""
-    original = compiled_launch.launch
-
-    def stamped(kernel, grid, *args, **kwargs):
-        began = time.perf_counter()
-        original(kernel, grid, *args, **kwargs)
-        stamps.append((began, time.perf_counter(), kernel_name(kernel)))
-
-    modules = [
-        m
-        for name, m in list(sys.modules.items())
-        if name.startswith("prime_megamoe") and getattr(m, "launch", None) is original
-    ]
-    for m in modules:
-        m.launch = stamped
-    try:
-        yield
-    finally:
-        for m in modules:
-            m.launch = original
-
-
-def launch_timeline(step, calls: int, events: bool = True) -> list[tuple[str, float, float]]:
-    """(kernel name, median host us from the call's start to its launch, median host us inside the launch) for each
-    launch of single calls of ``step``, each after a sync, then ("return", host us to the call's return, GPU us
-    from the call's start to its end: two CUDA events, with ``events``; else NaN)."""
-    stamps: list = []
-    rows, names = [], None
-    with stamped_launches(stamps):
-        for _ in range(calls):
-            torch.cuda.synchronize()
-            if events:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            stamps.clear()
-            began = time.perf_counter()
-            if events:
-                start.record()
-            step()
-            if events:
-                end.record()
-            returned = time.perf_counter()
-            torch.cuda.synchronize()
-            call_names = [name for _, _, name in stamps]
-            if names is not None and call_names != names:
-                raise RuntimeError(f"the calls launched different kernels: {names} and {call_names}")
-            names = call_names
-            span = start.elapsed_time(end) * 1e3 if events else float("nan")
-            rows.append([((s - began) * 1e6, (e - s) * 1e6) for s, e, _ in stamps] + [((returned - began) * 1e6, span)])
-    columns = list(zip(*rows))
-    return [
-        (name, statistics.median(c[0] for c in col), statistics.median(c[1] for c in col))
-        for name, col in zip([*names, "return"], columns)
-    ]
-
-
-def back_to_back(step, calls: int) -> tuple[float, float]:
-    """(host us, GPU us) per call of ``calls`` calls of ``step`` issued back to back after a sync."""
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    began = time.perf_counter()
-    start.record()
-    for _ in range(calls):
-        step()
-    end.record()
-    host = (time.perf_counter() - began) * 1e6 / calls
-    torch.cuda.synchronize()
-    return host, start.elapsed_time(end) * 1e3 / calls
 
 
 PACKAGE_DIR = str(Path(__file__).resolve().parent.parent / "prime_megamoe")
@@ -248,11 +161,6 @@ def main():
         action="store_true",
         help="the calls that synchronise with the GPU, and the CUDA runtime calls and operators of one call",
     )
-    p.add_argument(
-        "--launches",
-        action="store_true",
-        help="every launch's host time in single calls, then host and GPU time per call back to back",
-    )
     p.add_argument("--sort", default="cumulative", choices=("cumulative", "tottime"), help="cProfile order")
     p.add_argument("--precision", default="bf16", help="the layer's precision (bf16, fp8, fp8_bwd, mxfp8)")
     p.add_argument("--lines", type=int, default=30, help="functions to print")
@@ -270,20 +178,6 @@ def main():
         else:
             step()
             step()
-        if group is not None:
-            dist.destroy_process_group()
-        return
-    if args.launches:
-        if rank == 0:
-            print(f"{args.calls} single calls, medians: host us at the launch, host us inside it, kernel")
-            for name, at, inside in launch_timeline(step, args.calls):
-                last = name == "return"
-                print(f"{at:9.1f}  return; GPU span {inside:.1f}" if last else f"{at:9.1f} {inside:7.1f}  {name}")
-            host, gpu = back_to_back(step, args.calls)
-            print(f"{args.calls} calls back to back, per call: host {host:.1f} us, GPU {gpu:.1f} us", flush=True)
-        else:
-            for _ in range(2 * args.calls):
-                step()
         if group is not None:
             dist.destroy_process_group()
         return
