@@ -1,5 +1,6 @@
 """Usage: torchrun --nproc-per-node 2 scripts/call_timeline.py [--shape qwen3-30b-a3b] [--tokens 16384]
-        [--grad | --forward-grad] [--host-sections [--deep] | --profiler | --pace] [--repeat K] [--precision fp8]
+        [--grad | --forward-grad] [--host-sections [--deep] [--busy-ms MS] | --profiler | --pace] [--repeat K]
+        [--precision fp8]
     python scripts/call_timeline.py --precision fp8 [--grad]      # one GPU (EP = 1)
 
 When the host issued each kernel of one layer call, and when its stream reached it. After warm-up, every rank
@@ -12,7 +13,10 @@ done), and the kernel. Where the two are close, the GPU waited for the host; whe
 GPU was busy (or waited on another stream or rank). No profiler overhead distorts the host times.
 
 --host-sections: where the host's time goes inside one call, without CUDA events: entry and exit of the layer's
-host-side steps (checks, transport, plan, each launcher), nested, in us from the call's start.
+host-side steps (checks, transport, plan, each launcher), nested, in us from the call's start. With --busy-ms MS
+the stream is first given MS of GPU work (a spin kernel), so that it is still busy while the host issues the call:
+a step that waits for the GPU (a sync, an allocation that frees memory, a copy from pageable memory) then takes about
+the rest of those MS, where with an idle GPU it does not. Compare the two per step.
 
 --pace: who sets the pace of calls issued back to back (as in training, and the benchmark's --repeat): --repeat K
 calls after one sync, with a CUDA event before the first and after the last only; the host us per call (to the last
@@ -142,7 +146,26 @@ def pace(step, repeat: int) -> list[str]:
     return [f"{repeat} calls back to back, per call: host {host:.1f} us, GPU {gpu:.1f} us (host / GPU {ratio:.2f})"]
 
 
-def host_sections(step, deep: bool = False) -> list[str]:
+def busy_gpu(ms: float) -> None:
+    """Queue about ``ms`` of GPU work on the current stream: a spin kernel of a number of clock cycles, calibrated
+    (once per process) against CUDA events."""
+    global _SPIN_CYCLES_PER_MS
+    if _SPIN_CYCLES_PER_MS is None:
+        cycles = 10_000_000
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)  # the first launch of the spin kernel loads it: outside the timing
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _SPIN_CYCLES_PER_MS = cycles / start.elapsed_time(end)
+    torch.cuda._sleep(int(ms * _SPIN_CYCLES_PER_MS))
+
+
+_SPIN_CYCLES_PER_MS = None
+
+
+def host_sections(step, deep: bool = False, busy_ms: float = 0.0) -> list[str]:
     import prime_megamoe.dispatch.mega_moe as mega_moe
     import prime_megamoe.functional as functional
     import prime_megamoe.ops.ep_pipeline as ep_pipeline
@@ -227,6 +250,8 @@ def host_sections(step, deep: bool = False) -> list[str]:
         label = f"{obj.__name__.rsplit('.', 1)[-1]}.launch" if attr == "launch" else attr
         setattr(obj, attr, wrap(fn, label))
     try:
+        if busy_ms:
+            busy_gpu(busy_ms)
         began = time.perf_counter()
         step()
         ended = time.perf_counter()
@@ -235,6 +260,8 @@ def host_sections(step, deep: bool = False) -> list[str]:
         for obj, attr, fn in saved:
             setattr(obj, attr, fn)
     lines = [f"{'enter':>9s} {'exit':>9s} {'us':>8s}  step   (host, us from the call's start)"]
+    if busy_ms:
+        lines.insert(0, f"the stream was given {busy_ms:g} ms of GPU work just before the call")
     for t0, t1, d, name in sorted(marks):
         lines.append(f"{(t0 - began) * 1e6:9.1f} {(t1 - began) * 1e6:9.1f} {(t1 - t0) * 1e6:8.1f}  {'  ' * d}{name}")
     lines.append(f"call: the host returned after {(ended - began) * 1e6:.1f} us")
@@ -259,6 +286,12 @@ def main():
         "--deep",
         action="store_true",
         help="with --host-sections: also the steps' pieces (each launch, allocation, descriptor, plan part)",
+    )
+    p.add_argument(
+        "--busy-ms",
+        type=float,
+        default=0.0,
+        help="with --host-sections: queue this many ms of GPU work before the call (which steps wait for the GPU)",
     )
     p.add_argument(
         "--repeat",
@@ -295,7 +328,9 @@ def main():
                 lines += pace(step, args.repeat)
             else:
                 lines += [f"call {i}"] + (
-                    host_sections(step, args.deep) if args.host_sections else event_timeline(step, args.repeat)
+                    host_sections(step, args.deep, args.busy_ms)
+                    if args.host_sections
+                    else event_timeline(step, args.repeat)
                 )
     text = "\n".join(f"rank {rank} {line}" for line in lines)
     print(text, flush=True)

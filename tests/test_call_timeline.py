@@ -45,3 +45,35 @@ def test_pace_divides_host_and_gpu_time_by_the_calls(monkeypatch):
     host, gpu, ratio = map(float, found.groups())
     assert gpu == 500.0
     assert host > 0 and abs(ratio - host / gpu) < 0.01
+
+
+def test_busy_gpu_queues_the_spin_cycles_calibrated_per_ms(monkeypatch):
+    sleeps = []
+
+    def fake_sleep(cycles):
+        sleeps.append(cycles)
+        FakeEvent.clock[0] += cycles / 5e6  # this fake GPU spins 5e6 cycles a ms
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "_sleep", fake_sleep)
+    monkeypatch.setattr(call_timeline, "_SPIN_CYCLES_PER_MS", None)
+    call_timeline.busy_gpu(3.0)
+    call_timeline.busy_gpu(0.5)
+    # Two calibration spins (load, then timed), then 3 ms and 0.5 ms of cycles; calibrated once.
+    assert sleeps[2:] == [15_000_000, 2_500_000]
+    assert len(sleeps) == 4
+
+
+def test_host_sections_busies_the_gpu_before_the_call(monkeypatch):
+    order = []
+    monkeypatch.setattr(call_timeline, "busy_gpu", lambda ms: order.append(("busy", ms)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: order.append(("sync",)))
+    lines = call_timeline.host_sections(lambda: order.append(("step",)), busy_ms=20.0)
+    assert order == [("busy", 20.0), ("step",), ("sync",)]
+    assert lines[0] == "the stream was given 20 ms of GPU work just before the call"
+    assert lines[-1].startswith("call: the host returned after ")
+
+    order.clear()
+    lines = call_timeline.host_sections(lambda: order.append(("step",)))
+    assert order == [("step",), ("sync",)]  # no --busy-ms: no GPU work first
+    assert lines[0].startswith("    enter")
