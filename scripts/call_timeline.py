@@ -301,6 +301,8 @@ def main():
     )
     p.add_argument("--out", default=None, help="write each rank's timeline to OUT.rankN.txt as well")
     args = p.parse_args()
+    if args.busy_ms and not args.host_sections:
+        p.error("--busy-ms applies to --host-sections only: add --host-sections, or drop --busy-ms")
     group = torchrun_group()
     rank = 0 if group is None else dist.get_rank(group)
     work = make_workload(args.shape, args.tokens, "mega_moe", args.precision, group)

@@ -77,3 +77,14 @@ def test_host_sections_busies_the_gpu_before_the_call(monkeypatch):
     lines = call_timeline.host_sections(lambda: order.append(("step",)))
     assert order == [("step",), ("sync",)]  # no --busy-ms: no GPU work first
     assert lines[0].startswith("    enter")
+
+
+def test_busy_ms_without_host_sections_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["call_timeline.py", "--busy-ms", "20"])
+    try:
+        call_timeline.main()
+    except SystemExit as err:
+        assert err.code == 2
+    else:
+        raise AssertionError("--busy-ms without --host-sections ran")
+    assert "--busy-ms applies to --host-sections only" in capsys.readouterr().err
