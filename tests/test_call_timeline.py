@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 
 from tests.scripts import load_script
@@ -81,10 +82,7 @@ def test_host_sections_busies_the_gpu_before_the_call(monkeypatch):
 
 def test_busy_ms_without_host_sections_is_a_usage_error(monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", ["call_timeline.py", "--busy-ms", "20"])
-    try:
+    with pytest.raises(SystemExit) as err:
         call_timeline.main()
-    except SystemExit as err:
-        assert err.code == 2
-    else:
-        raise AssertionError("--busy-ms without --host-sections ran")
+    assert err.value.code == 2
     assert "--busy-ms applies to --host-sections only" in capsys.readouterr().err
