@@ -244,6 +244,8 @@ def host_sections(step, deep: bool = False, busy_ms: float = 0.0) -> list[str]:
             (fp8_ws_launch, "_grid"),
             (TensorDescriptor, "from_tensor"),
             (torch, "empty"),
+            (torch, "empty_like"),
+            (torch.Tensor, "new_empty"),
         ] + [(module, "launch") for module in LAUNCHING_MODULES]
     saved = [(obj, attr, getattr(obj, attr)) for obj, attr in targets]
     for obj, attr, fn in saved:

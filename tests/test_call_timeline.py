@@ -86,3 +86,19 @@ def test_busy_ms_without_host_sections_is_a_usage_error(monkeypatch, capsys):
         call_timeline.main()
     assert err.value.code == 2
     assert "--busy-ms applies to --host-sections only" in capsys.readouterr().err
+
+
+def test_deep_host_sections_stamp_the_allocations_and_restore_them(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    originals = (torch.empty, torch.empty_like, torch.Tensor.new_empty)
+    base = torch.zeros(1)
+
+    def step():
+        torch.empty(2)
+        torch.empty_like(base)
+        assert base.new_empty(3).shape == (3,)  # the wrapped method still binds its tensor
+
+    lines = call_timeline.host_sections(step, deep=True)
+    steps = [line.split()[-1] for line in lines[1:-1]]
+    assert steps == ["empty", "empty_like", "new_empty"]
+    assert (torch.empty, torch.empty_like, torch.Tensor.new_empty) == originals
