@@ -29,6 +29,7 @@ host launch time where the trace links it (the profiler slows the host by tens o
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import tempfile
@@ -146,23 +147,22 @@ def pace(step, repeat: int) -> list[str]:
     return [f"{repeat} calls back to back, per call: host {host:.1f} us, GPU {gpu:.1f} us (host / GPU {ratio:.2f})"]
 
 
+@functools.cache
+def spin_cycles_per_ms() -> float:
+    """Clock cycles of ``torch.cuda._sleep`` per ms of GPU time, timed once per process against CUDA events."""
+    cycles = 10_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(cycles)  # the first launch of the spin kernel loads it: outside the timing
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / start.elapsed_time(end)
+
+
 def busy_gpu(ms: float) -> None:
-    """Queue about ``ms`` of GPU work on the current stream: a spin kernel of a number of clock cycles, calibrated
-    (once per process) against CUDA events."""
-    global _SPIN_CYCLES_PER_MS
-    if _SPIN_CYCLES_PER_MS is None:
-        cycles = 10_000_000
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(cycles)  # the first launch of the spin kernel loads it: outside the timing
-        start.record()
-        torch.cuda._sleep(cycles)
-        end.record()
-        end.synchronize()
-        _SPIN_CYCLES_PER_MS = cycles / start.elapsed_time(end)
-    torch.cuda._sleep(int(ms * _SPIN_CYCLES_PER_MS))
-
-
-_SPIN_CYCLES_PER_MS = None
+    """Queue about ``ms`` of GPU work on the current stream: a spin kernel of that many ms of clock cycles."""
+    torch.cuda._sleep(int(ms * spin_cycles_per_ms()))
 
 
 def host_sections(step, deep: bool = False, busy_ms: float = 0.0) -> list[str]:
@@ -247,13 +247,13 @@ def host_sections(step, deep: bool = False, busy_ms: float = 0.0) -> list[str]:
             (torch, "empty_like"),
             (torch.Tensor, "new_empty"),
         ] + [(module, "launch") for module in LAUNCHING_MODULES]
+    if busy_ms:  # before the wrappers: its own launches are not the call's
+        busy_gpu(busy_ms)
     saved = [(obj, attr, getattr(obj, attr)) for obj, attr in targets]
     for obj, attr, fn in saved:
         label = f"{obj.__name__.rsplit('.', 1)[-1]}.launch" if attr == "launch" else attr
         setattr(obj, attr, wrap(fn, label))
     try:
-        if busy_ms:
-            busy_gpu(busy_ms)
         began = time.perf_counter()
         step()
         ended = time.perf_counter()

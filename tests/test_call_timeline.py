@@ -1,4 +1,5 @@
-"""scripts/call_timeline.py's pace of back-to-back calls (its GPU parts run on GPUs)."""
+"""scripts/call_timeline.py's pace of back-to-back calls and its busy-stream host sections, on CPU with stand-ins
+for the CUDA events and the spin kernel (the script's GPU parts run on GPUs)."""
 
 from __future__ import annotations
 
@@ -57,9 +58,12 @@ def test_busy_gpu_queues_the_spin_cycles_calibrated_per_ms(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "_sleep", fake_sleep)
-    monkeypatch.setattr(call_timeline, "_SPIN_CYCLES_PER_MS", None)
-    call_timeline.busy_gpu(3.0)
-    call_timeline.busy_gpu(0.5)
+    call_timeline.spin_cycles_per_ms.cache_clear()
+    try:
+        call_timeline.busy_gpu(3.0)
+        call_timeline.busy_gpu(0.5)
+    finally:
+        call_timeline.spin_cycles_per_ms.cache_clear()  # no fake calibration outlives the test
     # Two calibration spins (load, then timed), then 3 ms and 0.5 ms of cycles; calibrated once.
     assert sleeps[2:] == [15_000_000, 2_500_000]
     assert len(sleeps) == 4
